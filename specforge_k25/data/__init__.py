@@ -1,0 +1,1 @@
+"""Conversations in, token ids + loss masks out."""

@@ -1,0 +1,80 @@
+"""Build the tokenized train / held-out splits from a configured source, counting skips."""
+from __future__ import annotations
+
+import random
+from collections import Counter
+from dataclasses import dataclass, field
+
+from tqdm import tqdm
+
+from .sources import BadRow, iter_source, normalize_row
+from .tokenize import Sample, tokenize_conversation
+
+
+@dataclass
+class TokenizedData:
+    train: list[Sample]
+    heldout: list[Sample]
+    skipped: Counter = field(default_factory=Counter)  # reason -> rows
+    truncated: int = 0  # rows cut to max_length (still used)
+    rows_seen: int = 0
+
+    def summary(self) -> dict:
+        return {
+            "rows_seen": self.rows_seen,
+            "train_samples": len(self.train),
+            "heldout_samples": len(self.heldout),
+            "train_tokens": sum(len(s.input_ids) for s in self.train),
+            "train_loss_tokens": int(sum(int(s.loss_mask.sum()) for s in self.train)),
+            "truncated_rows": self.truncated,
+            "skipped": dict(self.skipped),
+        }
+
+
+def build_dataset(
+    tokenizer,
+    *,
+    source: str,
+    path: str | None,
+    max_length: int,
+    num_samples: int,
+    heldout_samples: int,
+    end_of_turn_id: int,
+    seed: int = 0,
+    max_rows_scanned: int | None = None,
+    split: str = "train",
+    show_progress: bool = True,
+) -> TokenizedData:
+    """Read rows until `num_samples + heldout_samples` good samples exist (or the source ends).
+
+    The held-out split is taken from a seeded shuffle of the good samples, so it never
+    overlaps the training split.
+    """
+    want = num_samples + heldout_samples
+    samples: list[Sample] = []
+    skipped: Counter = Counter()
+    truncated = rows = 0
+    bar = tqdm(total=want, desc="tokenize", unit="sample", disable=not show_progress)
+    for row in iter_source(source, path, split):
+        if len(samples) >= want or (max_rows_scanned and rows >= max_rows_scanned):
+            break
+        rows += 1
+        try:
+            messages = normalize_row(row)
+            sample = tokenize_conversation(tokenizer, messages, max_length, end_of_turn_id)
+        except BadRow as bad:
+            skipped[bad.reason] += 1
+            continue
+        except Exception as err:  # a tokenizer/template failure on one row must not end the run
+            skipped[f"render_error:{type(err).__name__}"] += 1
+            continue
+        if len(sample.input_ids) == max_length:
+            truncated += 1
+        samples.append(sample)
+        bar.update(1)
+    bar.close()
+    if len(samples) < 2:
+        raise ValueError(f"only {len(samples)} usable samples from data.source={source} (skipped: {dict(skipped)})")
+    random.Random(seed).shuffle(samples)
+    n_held = min(heldout_samples, len(samples) // 5) if len(samples) < want else heldout_samples
+    return TokenizedData(samples[n_held:], samples[:n_held], skipped, truncated, rows)

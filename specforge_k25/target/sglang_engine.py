@@ -1,0 +1,134 @@
+"""The frozen target inside SGLang (pinned: sglang==0.5.23), returning hidden states as tensors.
+
+We drive SGLang's `ModelRunner` in-process, the way SGLang's own `sglang.benchmark.one_batch`
+does (`load_model` + `extend`), instead of going through `Engine.generate`, whose hidden
+states come back as nested Python lists (~21.5k floats per token for Kimi: far too slow).
+
+SGLang internals touched (all in this file, covered by tests/test_target.py):
+- `sglang.benchmark.one_batch.{load_model, extend, publish, SpawnRanks, spawn_world_rank,
+  _init_process_global_configs}` and `entrypoints.engine._set_envs_and_config`;
+- `ServerArgs(enable_return_aux_hidden_states, speculative_algorithm="EAGLE3",
+  return_aux_hidden_state_layer_ids)`: makes the model capture the aux layers;
+- a forward hook on the text model (`model.model`, or `model.language_model.model` for
+  Kimi-K2.5), whose output is `(final_hidden_after_norm, aux_hidden)`;
+- `Req` fields the extend path reads.
+"""
+from __future__ import annotations
+
+import os
+from array import array
+
+import torch
+
+from .base import TargetOutput
+from .layers import layer_id_rule, sglang_layer_ids
+
+SGLANG_VERSION = "0.5.23"
+
+
+def _text_model(model: torch.nn.Module) -> torch.nn.Module:
+    language_model = getattr(model, "language_model", None)  # KimiK25ForConditionalGeneration
+    return (language_model if language_model is not None else model).model
+
+
+class SGLangTarget:
+    def __init__(
+        self,
+        model_path: str,
+        architecture: str,
+        capture_points: list[int],
+        *,
+        device: str = "cpu",
+        dtype: str = "float32",
+        tp_size: int = 1,
+        tp_rank: int = 0,
+        gpu_id: int = 0,
+        max_total_tokens: int = 16384,
+        mem_fraction_static: float = 0.05,
+        num_threads: int | None = None,
+        attention_backend: str | None = None,
+        trust_remote_code: bool = False,
+    ):
+        if device == "cpu":
+            from . import sglang_cpu_compat
+
+            sglang_cpu_compat.apply()
+        import sglang
+
+        if sglang.__version__ != SGLANG_VERSION:
+            raise RuntimeError(f"specforge_k25 is pinned to sglang=={SGLANG_VERSION}, found {sglang.__version__}")
+        from sglang.benchmark import one_batch
+        from sglang.srt.entrypoints.engine import _set_envs_and_config
+        from sglang.srt.server_args import PortArgs, ServerArgs
+
+        self._one_batch = one_batch
+        self.layer_ids = sglang_layer_ids(capture_points, layer_id_rule(architecture))
+        server_args = ServerArgs(
+            model_path=model_path,
+            device=device,
+            dtype=dtype,
+            tp_size=tp_size,
+            attention_backend=attention_backend or ("torch_native" if device == "cpu" else None),
+            disable_cuda_graph=True,
+            mem_fraction_static=mem_fraction_static,
+            max_total_tokens=max_total_tokens,
+            disable_radix_cache=True,
+            disable_overlap_schedule=True,
+            log_level="warning",
+            trust_remote_code=trust_remote_code,
+            enable_return_aux_hidden_states=True,
+            speculative_algorithm="EAGLE3",
+            return_aux_hidden_state_layer_ids=self.layer_ids,
+        )
+        server_args.resolve_once()
+        _set_envs_and_config(server_args)
+        port_args = PortArgs.init_new(server_args)
+        world_rank = one_batch.spawn_world_rank(server_args, tp_rank=tp_rank, pp_rank=0)
+        one_batch.publish(server_args, role="scheduler", ranks=one_batch.SpawnRanks(world_rank=world_rank, gpu_id=gpu_id))
+        one_batch._init_process_global_configs()
+        self._runner, _ = one_batch.load_model(server_args, port_args, gpu_id, tp_rank)
+        if num_threads:  # SGLang sets its own thread count while loading
+            torch.set_num_threads(num_threads)
+        self.model = self._runner.torch_runner.model
+        self.max_total_tokens = self._runner.torch_runner.max_total_num_tokens
+        self._captured: tuple | None = None
+        _text_model(self.model).register_forward_hook(self._capture)
+        from sglang.srt.managers.schedule_batch import Req
+        from sglang.srt.sampling.sampling_params import SamplingParams
+
+        self._Req, self._sampling = Req, SamplingParams(temperature=0, max_new_tokens=1)
+        self._next_rid = 0
+
+    def _capture(self, module, args, output):
+        self._captured = output
+
+    @torch.no_grad()
+    def forward(self, sequences: list[torch.Tensor]) -> TargetOutput:
+        total = sum(len(s) for s in sequences)
+        if total > self.max_total_tokens:
+            raise ValueError(f"batch of {total} tokens exceeds the engine's KV pool ({self.max_total_tokens})")
+        reqs = []
+        for ids in sequences:
+            req = self._Req(rid=f"sf{self._next_rid}", origin_input_text="",
+                            origin_input_ids=array("q", ids.tolist()), sampling_params=self._sampling)
+            self._next_rid += 1
+            req.full_untruncated_fill_ids = req.origin_input_ids
+            req.logprob_start_len = -1
+            req.extend_end = len(ids)
+            reqs.append(req)
+        self._captured = None
+        try:
+            self._runner.extend(reqs)
+        finally:
+            self._runner.clear()  # free the KV cache: every batch is a fresh prefill
+        if not isinstance(self._captured, tuple) or len(self._captured) != 2:
+            raise RuntimeError("SGLang did not return aux hidden states (capture hook saw no (final, aux) pair)")
+        final_hidden, aux_hidden = self._captured
+        if isinstance(aux_hidden, (list, tuple)):  # Llama: list of [N, Ht]; DeepSeek: packed [N, 3Ht]
+            aux_hidden = torch.cat(list(aux_hidden), -1)
+        if aux_hidden.shape[-1] != 3 * final_hidden.shape[-1]:
+            raise RuntimeError(f"captured {aux_hidden.shape[-1] // final_hidden.shape[-1]} of 3 aux hidden states")
+        return TargetOutput(aux_hidden, final_hidden, [len(s) for s in sequences])
+
+    def close(self) -> None:
+        self._runner.clear()
