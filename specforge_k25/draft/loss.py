@@ -12,6 +12,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from .model import at_least_fp32
 from .vocab import draft_to_target, target_to_draft
 
 
@@ -81,12 +82,13 @@ def ttt_loss(
     pos = torch.arange(T, device=input_ids.device)
     hidden = draft.project(aux_hidden)  # [B, T, H]
     cache: list = []
-    loss = hidden.new_zeros((), dtype=torch.float32)
+    loss = hidden.new_zeros((), dtype=at_least_fp32(hidden.dtype))
     stats = {name: [] for name in ("ploss", "counted", "correct", "scored", "alpha_sum")}
     for k in range(ttt_length):
         step_ids = _shift(input_ids, k + 1, 0)  # x[t+k+1]
         hidden = draft.step(step_ids, hidden, (pos + k).expand(B, T), cache)
-        logq = F.log_softmax(draft.logits(hidden).float(), -1)  # [B, T, Vd]
+        logits = draft.logits(hidden)
+        logq = F.log_softmax(logits.to(at_least_fp32(logits.dtype)), -1)  # [B, T, Vd]
 
         in_range = (pos[None] + k + 2) <= (lengths[:, None] - 1)  # [B, T]
         scored = in_range & _shift(loss_mask, k + 2, False)

@@ -32,6 +32,11 @@ class DraftConfig:
     max_position_embeddings: int = 4096
 
 
+def at_least_fp32(dtype: torch.dtype) -> torch.dtype:
+    """fp32 for bf16/fp16 inputs, float64 stays float64 (the reference tests run in float64)."""
+    return torch.promote_types(dtype, torch.float32)
+
+
 class RMSNorm(nn.Module):
     def __init__(self, dim: int, eps: float):
         super().__init__()
@@ -39,9 +44,9 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x32 = x.float()
-        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * x32.to(x.dtype)
+        xf = x.to(at_least_fp32(x.dtype))
+        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * xf.to(x.dtype)
 
 
 def rope_cos_sin(positions: torch.Tensor, head_dim: int, theta: float, dtype: torch.dtype):
@@ -93,7 +98,7 @@ class Attention(nn.Module):
             kj, vj = kj.repeat_interleave(groups, dim=1), vj.repeat_interleave(groups, dim=1)
             scores.append(((q * kj).sum(-1) * scale)[..., None])  # [B, nh, T, 1] diagonal
             values.append(vj)
-        probs = torch.softmax(torch.cat(scores, -1).float(), -1).to(q.dtype)  # [B, nh, T, T+k]
+        probs = torch.softmax(torch.cat(scores, -1).to(at_least_fp32(q.dtype)), -1).to(q.dtype)  # [B, nh, T, T+k]
         out = probs[..., :T] @ v0  # [B, nh, T, hd]
         for j, vj in enumerate(values):
             out = out + probs[..., T + j, None] * vj

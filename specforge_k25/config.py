@@ -1,0 +1,113 @@
+"""Typed configuration of a training run. Hydra YAML in `conf/` fills these dataclasses.
+
+Every field carries a one-line `help`; `python -m specforge_k25.train --help` prints them.
+Library code receives these plain objects, never Hydra.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field, fields, is_dataclass
+from typing import Optional
+
+
+def doc(default, help: str, **kw):
+    if isinstance(default, (list, dict)):
+        return field(default_factory=lambda: type(default)(default), metadata={"help": help}, **kw)
+    return field(default=default, metadata={"help": help}, **kw)
+
+
+@dataclass
+class HwConfig:
+    name: str = doc("cpu", "hardware profile name")
+    device: str = doc("cpu", "device of the target engine and the trainer: cpu | cuda")
+    target_tp: int = doc(1, "tensor-parallel size of the SGLang target")
+    target_gpu: int = doc(0, "first GPU id of the target (TP ranks use target_gpu..target_gpu+tp-1)")
+    trainer_gpu: int = doc(0, "GPU id of the dedicated trainer rank")
+    target_dtype: str = doc("float32", "target compute dtype in SGLang: float32 | bfloat16")
+    target_threads: int = doc(1, "CPU threads of the target process (cpu only)")
+    trainer_threads: int = doc(1, "CPU threads of the trainer process (cpu only)")
+    mem_fraction_static: float = doc(0.05, "SGLang static memory fraction (weights + KV pool)")
+    max_total_tokens: int = doc(16384, "SGLang KV pool size in tokens; bounds tokens per target batch")
+    autocast: str = doc("none", "trainer autocast dtype: none | bf16")
+
+
+@dataclass
+class TargetConfig:
+    name: str = doc("smollm2", "target name (for logs and checks)")
+    builtin: str = doc("smollm2", "embedded target built locally when path is unset: smollm2 | tiny_deepseek")
+    path: Optional[str] = doc(None, "HF-format model folder; overrides `builtin`")
+    aux_layers: Optional[list] = doc(None, "3 capture points = inputs of these decoder layers; null = [2, L//2, L-3]")
+    end_of_turn_token: Optional[str] = doc(None, "token closing an assistant turn; null = tokenizer eos")
+    trust_remote_code: bool = doc(False, "pass trust_remote_code to tokenizer and engine (Kimi needs it)")
+    tiny_layers: int = doc(8, "tiny_deepseek: number of decoder layers")
+    tiny_hidden: int = doc(128, "tiny_deepseek: hidden size")
+
+
+@dataclass
+class DataConfig:
+    source: str = doc("sharegpt", "sharegpt (packaged ShareGPT V3) | jsonl | hf")
+    path: Optional[str] = doc(None, "file (jsonl), dataset name/folder (hf); null = the packaged ShareGPT")
+    split: str = doc("train", "split name for source=hf")
+    max_length: int = doc(256, "tokens per sample; longer conversations are truncated")
+    num_samples: int = doc(400, "training conversations to use")
+    heldout_samples: int = doc(32, "held-out conversations for evaluation (never trained on)")
+    seed: int = doc(0, "shuffle seed of the train/held-out split")
+
+
+@dataclass
+class DraftConfigSpec:
+    vocab_size: int = doc(8192, "draft vocabulary size Vd (most frequent supervised target tokens)")
+    intermediate_size: Optional[int] = doc(None, "MLP width; null = the target's")
+    num_attention_heads: Optional[int] = doc(None, "null = the target's (text) attention heads")
+    num_key_value_heads: Optional[int] = doc(None, "null = the target's KV heads")
+    head_dim: Optional[int] = doc(None, "null = hidden / heads")
+    rope_theta: float = doc(10000.0, "RoPE base of the draft (written to the export)")
+    max_position_embeddings: Optional[int] = doc(None, "null = the target's")
+
+
+@dataclass
+class TrainConfig:
+    ttt_length: int = doc(7, "TTT unroll steps K")
+    loss_decay: float = doc(0.8, "weight of step k is decay^k")
+    lr: float = doc(5e-5, "peak learning rate (AdamW)")
+    betas: list = doc([0.9, 0.95], "AdamW betas")
+    weight_decay: float = doc(0.0, "AdamW weight decay")
+    warmup_ratio: float = doc(0.015, "fraction of optimizer steps of linear warmup, then cosine to 0")
+    grad_clip: float = doc(0.5, "max gradient norm")
+    batch_size: int = doc(1, "sequences per micro-batch")
+    grad_accum: int = doc(1, "micro-batches per optimizer step")
+    epochs: int = doc(1, "passes over the training samples")
+    max_steps: Optional[int] = doc(None, "stop after this many optimizer steps (null = epochs)")
+    teacher_chunk: int = doc(1024, "positions per teacher logits chunk ([chunk, V] at most)")
+    stream_slots: int = doc(3, "shared-memory slots between target and trainer (backpressure bound)")
+    stream_timeout_s: float = doc(600.0, "fail if the target produces nothing for this long")
+    log_every: int = doc(10, "optimizer steps between metric logs")
+    eval_every: Optional[int] = doc(None, "optimizer steps between held-out evaluations (null: start and end only)")
+    checkpoint_every: Optional[int] = doc(None, "optimizer steps between checkpoints (null: end only)")
+    keep_checkpoints: int = doc(2, "checkpoints kept on disk")
+    seed: int = doc(0, "seed of draft init and sample order")
+    out_dir: Optional[str] = doc(None, "run folder (checkpoints, export); null = Hydra's output dir")
+    logger: str = doc("wandb", "wandb | none")
+    wandb_project: str = doc("specforge_k25", "wandb project")
+    wandb_mode: str = doc("offline", "wandb mode: offline | online | disabled")
+    progress: bool = doc(True, "show progress bars")
+
+
+@dataclass
+class JobConfig:
+    hw: HwConfig = field(default_factory=HwConfig)
+    target: TargetConfig = field(default_factory=TargetConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    draft: DraftConfigSpec = field(default_factory=DraftConfigSpec)
+    train: TrainConfig = field(default_factory=TrainConfig)
+
+
+def describe(cls=JobConfig, prefix: str = "") -> list[str]:
+    """One line per field: `group.name (default) - help`."""
+    lines = []
+    for f in fields(cls):
+        default = f.default_factory() if callable(f.default_factory) else f.default  # type: ignore[misc]
+        if is_dataclass(default):
+            lines += describe(type(default), prefix + f.name + ".")
+        else:
+            lines.append(f"  {prefix + f.name:<30} {str(default):<14} {f.metadata.get('help', '')}")
+    return lines

@@ -1,0 +1,1 @@
+"""Serving export of a trained draft."""

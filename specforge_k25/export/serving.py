@@ -1,0 +1,126 @@
+"""Write a trained draft as a `LlamaForCausalLMEagle3` folder that SGLang and vLLM load as is
+(eagle3.md §5), check such a folder, and load it back into our draft class.
+"""
+from __future__ import annotations
+
+import json
+import os
+import shutil
+from pathlib import Path
+
+import torch
+from safetensors.torch import load_file, save_file
+
+from ..draft.model import DraftConfig, Eagle3Draft
+from ..train.checkpoint import draft_state
+
+
+def serving_config(cfg: DraftConfig, eagle_layer_ids: list[int], bos_token_id, eos_token_id, dtype: str) -> dict:
+    config = {
+        "architectures": ["LlamaForCausalLMEagle3"],
+        "model_type": "llama",
+        "num_hidden_layers": 1,
+        "hidden_size": cfg.hidden_size,
+        "intermediate_size": cfg.intermediate_size,
+        "num_attention_heads": cfg.num_attention_heads,
+        "num_key_value_heads": cfg.num_key_value_heads,
+        "head_dim": cfg.head_dim,
+        "hidden_act": "silu",
+        "rms_norm_eps": cfg.rms_norm_eps,
+        "rope_theta": cfg.rope_theta,
+        "rope_scaling": None,
+        "max_position_embeddings": cfg.max_position_embeddings,
+        "vocab_size": cfg.vocab_size,
+        "draft_vocab_size": cfg.draft_vocab_size,
+        "tie_word_embeddings": False,
+        "attention_bias": False,
+        "mlp_bias": False,
+        "torch_dtype": dtype,
+        "bos_token_id": bos_token_id,
+        "eos_token_id": eos_token_id,
+        "eagle_config": {"eagle_aux_hidden_state_layer_ids": list(eagle_layer_ids), "use_aux_hidden_state": True},
+    }
+    if cfg.hidden_size != cfg.target_hidden_size:
+        config["target_hidden_size"] = cfg.target_hidden_size
+    return config
+
+
+def export_draft(draft: Eagle3Draft, out_dir: str | Path, eagle_layer_ids: list[int], bos_token_id, eos_token_id,
+                 dtype: torch.dtype = torch.float32) -> Path:
+    """Atomically write <out_dir>/{config.json, model.safetensors}; no embedding (SGLang injects the target's)."""
+    out = Path(out_dir)
+    tmp = out.with_name(out.name + ".tmp")
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    tensors = {k: (v.to(dtype) if v.is_floating_point() else v) for k, v in draft_state(draft).items()}
+    save_file(tensors, tmp / "model.safetensors", metadata={"format": "pt"})
+    config = serving_config(draft.cfg, eagle_layer_ids, bos_token_id, eos_token_id, str(dtype).replace("torch.", ""))
+    (tmp / "config.json").write_text(json.dumps(config, indent=2))
+    validate_export(tmp)
+    if out.exists():
+        shutil.rmtree(out)
+    os.replace(tmp, out)
+    return out
+
+
+def _config_to_draft(config: dict) -> DraftConfig:
+    return DraftConfig(
+        hidden_size=config["hidden_size"], intermediate_size=config["intermediate_size"],
+        num_attention_heads=config["num_attention_heads"], num_key_value_heads=config["num_key_value_heads"],
+        head_dim=config["head_dim"], vocab_size=config["vocab_size"], draft_vocab_size=config["draft_vocab_size"],
+        target_hidden_size=config.get("target_hidden_size", config["hidden_size"]),
+        rms_norm_eps=config["rms_norm_eps"], rope_theta=config["rope_theta"],
+        max_position_embeddings=config["max_position_embeddings"],
+    )
+
+
+def validate_export(export_dir: str | Path) -> None:
+    """Raise ValueError listing every way the folder differs from what SGLang's loader expects."""
+    d = Path(export_dir)
+    problems = []
+    config = json.loads((d / "config.json").read_text())
+    for key, want in (("architectures", ["LlamaForCausalLMEagle3"]), ("model_type", "llama"), ("num_hidden_layers", 1),
+                      ("tie_word_embeddings", False)):
+        if config.get(key) != want:
+            problems.append(f"config.{key}={config.get(key)!r}, expected {want!r}")
+    ids = config.get("eagle_config", {}).get("eagle_aux_hidden_state_layer_ids")
+    if not (isinstance(ids, list) and len(ids) == 3 and all(isinstance(i, int) for i in ids)):
+        problems.append(f"eagle_config.eagle_aux_hidden_state_layer_ids={ids!r}: need 3 ints")
+    cfg = _config_to_draft(config)
+    H, Ht, nh, nkv, hd, I = (cfg.hidden_size, cfg.target_hidden_size, cfg.num_attention_heads,
+                              cfg.num_key_value_heads, cfg.head_dim, cfg.intermediate_size)
+    expected = {
+        "fc.weight": (H, 3 * Ht), "midlayer.input_layernorm.weight": (H,), "midlayer.hidden_norm.weight": (H,),
+        "midlayer.self_attn.q_proj.weight": (nh * hd, 2 * H), "midlayer.self_attn.k_proj.weight": (nkv * hd, 2 * H),
+        "midlayer.self_attn.v_proj.weight": (nkv * hd, 2 * H), "midlayer.self_attn.o_proj.weight": (H, nh * hd),
+        "midlayer.post_attention_layernorm.weight": (H,), "midlayer.mlp.gate_proj.weight": (I, H),
+        "midlayer.mlp.up_proj.weight": (I, H), "midlayer.mlp.down_proj.weight": (H, I), "norm.weight": (H,),
+        "lm_head.weight": (cfg.draft_vocab_size, H), "d2t": (cfg.draft_vocab_size,), "t2d": (cfg.vocab_size,),
+    }
+    tensors = load_file(d / "model.safetensors")
+    for name, shape in expected.items():
+        if name not in tensors:
+            problems.append(f"missing tensor {name}")
+        elif tuple(tensors[name].shape) != shape:
+            problems.append(f"{name} has shape {tuple(tensors[name].shape)}, expected {shape}")
+    for name in sorted(set(tensors) - set(expected)):
+        problems.append(f"unexpected tensor {name} (the embedding must not be exported)")
+    if "d2t" in tensors and "t2d" in tensors:
+        used = torch.arange(cfg.draft_vocab_size) + tensors["d2t"]
+        if used.min() < 0 or used.max() >= cfg.vocab_size or not bool(torch.all(used[1:] > used[:-1])):
+            problems.append("d2t does not map draft ids to strictly increasing target ids")
+        elif not torch.equal(tensors["t2d"].nonzero().flatten(), used):
+            problems.append("t2d disagrees with d2t")
+    if problems:
+        raise ValueError(f"invalid export {d}:\n  " + "\n  ".join(problems))
+
+
+def load_exported_draft(export_dir: str | Path, embed_weight: torch.Tensor) -> Eagle3Draft:
+    """Rebuild our draft from an export folder plus the target's embedding [V, H]."""
+    d = Path(export_dir)
+    validate_export(d)
+    draft = Eagle3Draft(_config_to_draft(json.loads((d / "config.json").read_text())))
+    state = load_file(d / "model.safetensors")
+    state["embed_tokens.weight"] = embed_weight
+    draft.load_state_dict({k: v.float() if v.is_floating_point() else v for k, v in state.items()})
+    return draft

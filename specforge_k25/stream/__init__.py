@@ -1,0 +1,1 @@
+"""Hidden states from the target process(es) to the trainer rank, in memory."""

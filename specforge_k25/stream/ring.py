@@ -1,0 +1,88 @@
+"""A bounded ring of preallocated shared tensors between one producer and one consumer.
+
+Each slot holds one target batch: aux [max_tokens, 3Ht] and final [max_tokens, Ht]. The producer
+takes a free slot (blocking when all are in use: that is the backpressure), writes, and
+announces it on `ready`; the consumer reads and hands the slot back on `free`. Only slot
+numbers and small metadata cross the queues; the tensors themselves are created once and
+shared when the producer process starts: POSIX shared memory (tmpfs, never a disk) on CPU,
+CUDA IPC handles when `device` is a GPU (torch.multiprocessing does both).
+"""
+from __future__ import annotations
+
+import queue as queue_module
+from dataclasses import dataclass, field
+
+import torch
+
+
+@dataclass
+class SlotMessage:
+    """What travels on the ready queue (no tensors)."""
+
+    slot: int
+    item: int  # index into the producer's plan
+    lengths: list[int] = field(default_factory=list)
+
+
+@dataclass
+class EndOfStream:
+    produced: int
+    write_bytes: int  # bytes the target process wrote to storage over its life (/proc/self/io)
+
+
+@dataclass
+class ProducerFailed:
+    where: str
+    error: str
+
+
+class SlotRing:
+    def __init__(self, ctx, num_slots: int, max_tokens: int, hidden_size: int, dtype: torch.dtype, device: str = "cpu"):
+        self.aux = [torch.empty(max_tokens, 3 * hidden_size, dtype=dtype, device=device) for _ in range(num_slots)]
+        self.final = [torch.empty(max_tokens, hidden_size, dtype=dtype, device=device) for _ in range(num_slots)]
+        if device == "cpu":
+            for t in self.aux + self.final:
+                t.share_memory_()
+        self.max_tokens = max_tokens
+        self.free = ctx.Queue()
+        self.ready = ctx.Queue(maxsize=num_slots + 1)
+        for slot in range(num_slots):
+            self.free.put(slot)
+
+    @property
+    def num_slots(self) -> int:
+        return len(self.aux)
+
+    # producer side -----------------------------------------------------------------------
+    def put(self, item: int, aux: torch.Tensor, final: torch.Tensor, lengths: list[int]) -> None:
+        n = aux.shape[0]
+        if n > self.max_tokens:
+            raise ValueError(f"batch of {n} tokens exceeds stream slot size {self.max_tokens}")
+        slot = self.free.get()  # blocks while the trainer holds every slot
+        self.aux[slot][:n].copy_(aux)
+        self.final[slot][:n].copy_(final)
+        if aux.is_cuda:
+            torch.cuda.current_stream().synchronize()
+        self.ready.put(SlotMessage(slot, item, lengths))
+
+    # consumer side -----------------------------------------------------------------------
+    def get(self, timeout: float):
+        """Next message: SlotMessage | EndOfStream | ProducerFailed; raises queue.Empty on timeout."""
+        return self.ready.get(timeout=timeout)
+
+    def view(self, msg: SlotMessage) -> tuple[torch.Tensor, torch.Tensor]:
+        n = sum(msg.lengths)
+        return self.aux[msg.slot][:n], self.final[msg.slot][:n]
+
+    def release(self, msg: SlotMessage) -> None:
+        self.free.put(msg.slot)
+
+    def depth(self) -> int:
+        """Batches produced and not yet taken by the trainer."""
+        try:
+            return self.ready.qsize()
+        except NotImplementedError:  # macOS
+            return -1
+
+
+Empty = queue_module.Empty

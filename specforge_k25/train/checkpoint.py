@@ -1,0 +1,94 @@
+"""Atomic checkpoints: safetensors for tensors, JSON for the rest (no pickle).
+
+Layout: <run>/checkpoints/step_00000042/{draft.safetensors, optimizer.safetensors, state.json}.
+A checkpoint is written into a temporary sibling folder and renamed into place only when
+complete, so a crash mid-save leaves the previous checkpoint intact.
+"""
+from __future__ import annotations
+
+import json
+import os
+import shutil
+from pathlib import Path
+
+import torch
+from safetensors.torch import load_file, save_file
+
+PREFIX = "step_"
+
+
+def _fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def draft_state(draft) -> dict[str, torch.Tensor]:
+    """Trainable weights + vocab maps; the frozen target embedding is not saved."""
+    return {k: v.detach().contiguous() for k, v in draft.state_dict().items() if not k.startswith("embed_tokens.")}
+
+
+def optimizer_tensors(optimizer: torch.optim.Optimizer) -> tuple[dict[str, torch.Tensor], dict]:
+    sd = optimizer.state_dict()
+    tensors = {}
+    for pid, state in sd["state"].items():
+        for name, value in state.items():
+            tensors[f"state.{pid}.{name}"] = torch.as_tensor(value).detach().contiguous()
+    return tensors, {"param_groups": sd["param_groups"]}
+
+
+def save_checkpoint(run_dir: Path, step: int, draft, optimizer, scheduler, extra: dict, keep: int = 2) -> Path:
+    root = Path(run_dir) / "checkpoints"
+    root.mkdir(parents=True, exist_ok=True)
+    final = root / f"{PREFIX}{step:08d}"
+    tmp = root / f".tmp-{PREFIX}{step:08d}-{os.getpid()}"
+    if tmp.exists():
+        shutil.rmtree(tmp)
+    tmp.mkdir()
+    save_file(draft_state(draft), tmp / "draft.safetensors")
+    opt_tensors, opt_meta = optimizer_tensors(optimizer)
+    rng = {"rng.torch": torch.get_rng_state()}
+    save_file({**opt_tensors, **rng}, tmp / "optimizer.safetensors")
+    state = {"step": step, "optimizer": opt_meta, "scheduler": scheduler.state_dict(), **extra}
+    (tmp / "state.json").write_text(json.dumps(state, indent=1, default=str))
+    for f in tmp.iterdir():
+        with open(f, "rb") as fh:
+            os.fsync(fh.fileno())
+    if final.exists():
+        shutil.rmtree(final)
+    os.replace(tmp, final)
+    _fsync_dir(root)
+    for old in list_checkpoints(run_dir)[:-keep] if keep > 0 else []:
+        shutil.rmtree(old, ignore_errors=True)
+    return final
+
+
+def list_checkpoints(run_dir: Path) -> list[Path]:
+    root = Path(run_dir) / "checkpoints"
+    if not root.is_dir():
+        return []
+    return sorted(p for p in root.iterdir() if p.is_dir() and p.name.startswith(PREFIX) and (p / "state.json").is_file())
+
+
+def load_checkpoint(path: Path, draft, optimizer=None, scheduler=None) -> dict:
+    """Restore into existing objects; returns state.json's content."""
+    path = Path(path)
+    state = json.loads((path / "state.json").read_text())
+    missing, unexpected = draft.load_state_dict(load_file(path / "draft.safetensors"), strict=False)
+    missing = [k for k in missing if not k.startswith("embed_tokens.")]
+    if missing or unexpected:
+        raise ValueError(f"checkpoint {path} does not match the draft: missing {missing}, unexpected {unexpected}")
+    tensors = load_file(path / "optimizer.safetensors")
+    if optimizer is not None:
+        per_param: dict[int, dict] = {}
+        for key, value in tensors.items():
+            if key.startswith("state."):
+                _, pid, name = key.split(".", 2)
+                per_param.setdefault(int(pid), {})[name] = value
+        optimizer.load_state_dict({"state": per_param, "param_groups": state["optimizer"]["param_groups"]})
+    if scheduler is not None:
+        scheduler.load_state_dict(state["scheduler"])
+    torch.set_rng_state(tensors["rng.torch"])
+    return state

@@ -1,0 +1,344 @@
+"""One training run, top to bottom:
+
+data -> target (SGLang, own process) -> stream (shared memory) -> draft + TTT loss -> AdamW
+-> checkpoints -> serving export -> summary.
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+import random
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import psutil
+import torch
+from tqdm import tqdm
+
+from ..config import JobConfig
+from ..data.dataset import TokenizedData, build_dataset
+from ..draft.loss import compute_teacher, ttt_loss
+from ..draft.model import DraftConfig, Eagle3Draft
+from ..draft.vocab import build_vocab_maps, count_tokens
+from ..export.serving import export_draft
+from ..stream.producer import TargetSpec, TargetStream
+from ..target.base import TargetInfo
+from ..target.hf_config import load_embedding_and_head, read_target_info
+from ..target.layers import default_capture_points, layer_id_rule, sglang_layer_ids, validate_capture_points
+from .checkpoint import save_checkpoint
+from .metrics import MetricsLogger, TTTStats
+from .optim import build_optimizer, build_scheduler
+
+
+# ----------------------------------------------------------------------------------- setup
+@dataclass
+class RunSetup:
+    model_path: str
+    info: TargetInfo
+    capture_points: list[int]
+    eagle_layer_ids: list[int]
+    tokenizer: object
+    data: TokenizedData
+    draft_cfg: DraftConfig
+
+
+def resolve_target_path(job: JobConfig) -> str:
+    from ..target import models
+
+    if job.target.path:
+        if not Path(job.target.path, "config.json").is_file():
+            raise FileNotFoundError(f"target.path={job.target.path}: not an HF model folder (no config.json)")
+        return job.target.path
+    if job.target.builtin == "smollm2":
+        return str(models.smollm2_path())
+    if job.target.builtin == "tiny_deepseek":
+        return str(models.tiny_deepseek_path(models.smollm2_path(), job.target.tiny_layers, job.target.tiny_hidden))
+    raise ValueError(f"target.builtin={job.target.builtin!r}: expected smollm2 or tiny_deepseek (or set target.path)")
+
+
+def _text_config_value(model_path: str, key: str):
+    config = json.loads(Path(model_path, "config.json").read_text())
+    return config.get("text_config", config).get(key)
+
+
+def prepare(job: JobConfig) -> RunSetup:
+    """Everything decided before any process starts; bad config fails here."""
+    from transformers import AutoTokenizer
+
+    model_path = resolve_target_path(job)
+    info = read_target_info(model_path)
+    if info.architecture in ("DeepseekV3ForCausalLM", "DeepseekV2ForCausalLM") and job.hw.device == "cpu":
+        from transformers import AutoConfig
+
+        from ..target.sglang_cpu_compat import check_deepseek_config
+
+        check_deepseek_config(AutoConfig.from_pretrained(model_path))
+    points = validate_capture_points(job.target.aux_layers or default_capture_points(info.num_layers), info.num_layers)
+    eagle_ids = sglang_layer_ids(points, layer_id_rule(info.architecture))
+    if job.data.max_length > info.max_position_embeddings:
+        raise ValueError(f"data.max_length={job.data.max_length} exceeds the target's context "
+                         f"({info.max_position_embeddings}); lower data.max_length")
+    if job.data.max_length > job.hw.max_total_tokens:
+        raise ValueError(f"data.max_length={job.data.max_length} exceeds hw.max_total_tokens={job.hw.max_total_tokens}")
+    if job.draft.vocab_size > info.vocab_size:
+        raise ValueError(f"draft.vocab_size={job.draft.vocab_size} exceeds the target vocab {info.vocab_size}")
+    tokenizer = AutoTokenizer.from_pretrained(model_path, trust_remote_code=job.target.trust_remote_code)
+    eot = job.target.end_of_turn_token
+    end_of_turn_id = tokenizer.convert_tokens_to_ids(eot) if eot else tokenizer.eos_token_id
+    if end_of_turn_id is None or end_of_turn_id == tokenizer.unk_token_id:
+        raise ValueError(f"target.end_of_turn_token={eot!r} is not a token of this tokenizer")
+    data = build_dataset(
+        tokenizer, source=job.data.source, path=job.data.path, max_length=job.data.max_length,
+        num_samples=job.data.num_samples, heldout_samples=job.data.heldout_samples, end_of_turn_id=end_of_turn_id,
+        seed=job.data.seed, split=job.data.split, show_progress=job.train.progress,
+    )
+    d = job.draft
+    heads = d.num_attention_heads or _text_config_value(model_path, "num_attention_heads")
+    kv_heads = d.num_key_value_heads or _text_config_value(model_path, "num_key_value_heads") or heads
+    if heads % kv_heads:
+        kv_heads = heads
+    draft_cfg = DraftConfig(
+        hidden_size=info.hidden_size,
+        intermediate_size=d.intermediate_size or _text_config_value(model_path, "intermediate_size"),
+        num_attention_heads=heads, num_key_value_heads=kv_heads,
+        head_dim=d.head_dim or info.hidden_size // heads,
+        vocab_size=info.vocab_size, draft_vocab_size=d.vocab_size, target_hidden_size=info.hidden_size,
+        rms_norm_eps=float(_text_config_value(model_path, "rms_norm_eps") or 1e-6), rope_theta=d.rope_theta,
+        max_position_embeddings=d.max_position_embeddings or info.max_position_embeddings,
+    )
+    return RunSetup(model_path, info, points, eagle_ids, tokenizer, data, draft_cfg)
+
+
+# ------------------------------------------------------------------------------------ plan
+@dataclass
+class PlanItem:
+    kind: str  # "train" | "eval"
+    sample_ids: list[int]
+    tag: str = ""  # eval: which evaluation ("start", "step_40", "end")
+
+
+def build_plan(n_train: int, n_heldout: int, *, batch_size: int, grad_accum: int, epochs: int,
+               max_steps: int | None, eval_every: int | None, seed: int) -> tuple[list[PlanItem], int]:
+    """Order of target batches: eval(start), train micro-batches with evals interleaved, eval(end).
+
+    Held-out sample ids are n_train..n_train+n_heldout-1. Returns (plan, optimizer steps).
+    """
+    rng = random.Random(seed)
+    micro = []
+    for _ in range(epochs):
+        order = list(range(n_train))
+        rng.shuffle(order)
+        micro += [order[i:i + batch_size] for i in range(0, n_train, batch_size)]
+    steps = len(micro) // grad_accum
+    if max_steps is not None:
+        steps = min(steps, max_steps)
+    if steps < 1:
+        raise ValueError(f"{n_train} samples make no optimizer step with batch_size={batch_size} x grad_accum={grad_accum}")
+    micro = micro[: steps * grad_accum]
+    held = list(range(n_train, n_train + n_heldout))
+    eval_batches = [held[i:i + batch_size] for i in range(0, n_heldout, batch_size)]
+
+    def evals(tag):
+        return [PlanItem("eval", b, tag) for b in eval_batches]
+
+    plan = evals("start")
+    for step in range(steps):
+        plan += [PlanItem("train", b) for b in micro[step * grad_accum:(step + 1) * grad_accum]]
+        if eval_every and (step + 1) % eval_every == 0 and step + 1 < steps:
+            plan += evals(f"step_{step + 1}")
+    plan += evals("end")
+    return plan, steps
+
+
+# ---------------------------------------------------------------------------------- helpers
+def pad_packed(packed: torch.Tensor, lengths: list[int]) -> torch.Tensor:
+    """packed [sum(lengths), D] -> [B, max(lengths), D] zero-padded on the right."""
+    out = packed.new_zeros(len(lengths), max(lengths), packed.shape[-1])
+    start = 0
+    for b, n in enumerate(lengths):
+        out[b, :n] = packed[start:start + n]
+        start += n
+    return out
+
+
+def pad_ids(seqs: list[torch.Tensor], fill) -> torch.Tensor:
+    return torch.nn.utils.rnn.pad_sequence(seqs, batch_first=True, padding_value=fill)
+
+
+def _dir_bytes(path: Path) -> int:
+    return sum(f.stat().st_size for f in Path(path).rglob("*") if f.is_file()) if Path(path).exists() else 0
+
+
+def _fmt_params(n: int) -> str:
+    return f"{n / 1e6:.2f}M" if n < 1e9 else f"{n / 1e9:.2f}B"
+
+
+def print_plan(job: JobConfig, setup: RunSetup, plan: list[PlanItem], steps: int, draft: Eagle3Draft, run_dir: Path):
+    trainable = sum(p.numel() for p in draft.trainable_parameters())
+    n_train_items = sum(1 for p in plan if p.kind == "train")
+    train_tokens = sum(len(setup.data.train[i].input_ids) for p in plan if p.kind == "train" for i in p.sample_ids
+                       if i < len(setup.data.train))
+    H = setup.info.hidden_size
+    lines = [
+        "== specforge_k25 run plan ==",
+        f"target      {job.target.name}: {setup.info.architecture}, {setup.info.num_layers} layers, hidden {H}, "
+        f"vocab {setup.info.vocab_size} ({setup.model_path})",
+        f"engine      SGLang in its own process, device {job.hw.device}, TP {job.hw.target_tp}, {job.hw.target_dtype}",
+        f"aux layers  inputs of layers {setup.capture_points} (SGLang eagle3 ids {setup.eagle_layer_ids})",
+        f"draft       1 layer, H {H}, heads {setup.draft_cfg.num_attention_heads}/{setup.draft_cfg.num_key_value_heads}, "
+        f"I {setup.draft_cfg.intermediate_size}, Vd {setup.draft_cfg.draft_vocab_size}; {_fmt_params(trainable)} trainable "
+        f"(+{_fmt_params(draft.embed_tokens.weight.numel())} frozen embedding)",
+        f"data        {len(setup.data.train)} train / {len(setup.data.heldout)} held-out samples, max_length "
+        f"{job.data.max_length}; skipped {dict(setup.data.skipped) or 'none'}",
+        f"schedule    {steps} optimizer steps = {n_train_items} micro-batches of {job.train.batch_size} "
+        f"x accum {job.train.grad_accum}, {train_tokens} tokens; TTT K={job.train.ttt_length}; lr {job.train.lr}",
+        f"stream      {job.train.stream_slots} shared-memory slots of up to "
+        f"{job.train.batch_size * job.data.max_length} tokens x {4 * H} floats",
+        f"outputs     {run_dir}",
+    ]
+    print("\n".join(lines), flush=True)
+
+
+# ------------------------------------------------------------------------------------- run
+def run_training(job: JobConfig, run_dir: str | Path, engine: str = "sglang") -> dict:
+    """Train a draft online and export it. Returns the summary (also written to summary.json)."""
+    run_dir = Path(run_dir)
+    run_dir.mkdir(parents=True, exist_ok=True)
+    t_start = time.perf_counter()
+    tr = job.train
+    torch.manual_seed(tr.seed)
+    if job.hw.device == "cpu":
+        torch.set_num_threads(job.hw.trainer_threads)
+    setup = prepare(job)
+    device = torch.device("cuda", job.hw.trainer_gpu) if job.hw.device == "cuda" else torch.device("cpu")
+
+    # draft vocab from the training split only (never the held-out split)
+    d2t, t2d = build_vocab_maps(count_tokens(setup.data.train, setup.info.vocab_size), setup.draft_cfg.draft_vocab_size)
+    embed, lm_head = load_embedding_and_head(setup.model_path)
+    draft = Eagle3Draft(setup.draft_cfg)
+    with torch.no_grad():
+        draft.embed_tokens.weight.copy_(embed.float())
+        draft.d2t.copy_(d2t)
+        draft.t2d.copy_(t2d)
+    draft.to(device)
+    lm_head = lm_head.to(device, torch.float32)
+
+    plan, steps = build_plan(len(setup.data.train), len(setup.data.heldout), batch_size=tr.batch_size,
+                             grad_accum=tr.grad_accum, epochs=tr.epochs, max_steps=tr.max_steps,
+                             eval_every=tr.eval_every, seed=tr.seed)
+    print_plan(job, setup, plan, steps, draft, run_dir)
+    optimizer = build_optimizer(draft.trainable_parameters(), tr.lr, tr.betas, tr.weight_decay)
+    scheduler = build_scheduler(optimizer, steps, tr.warmup_ratio)
+    logger = MetricsLogger(tr.logger, project=tr.wandb_project, mode=tr.wandb_mode, run_dir=str(run_dir),
+                           config={"job": dataclasses.asdict(job), "capture_points": setup.capture_points})
+    autocast = torch.autocast(device.type, dtype=torch.bfloat16, enabled=job.hw.autocast == "bf16")
+
+    samples = setup.data.train + setup.data.heldout
+    spec = TargetSpec(engine=engine, model_path=setup.model_path, architecture=setup.info.architecture,
+                      capture_points=setup.capture_points, device=job.hw.device, dtype=job.hw.target_dtype,
+                      tp_size=job.hw.target_tp, gpu_id=job.hw.target_gpu, max_total_tokens=job.hw.max_total_tokens,
+                      mem_fraction_static=job.hw.mem_fraction_static, num_threads=job.hw.target_threads,
+                      trust_remote_code=job.target.trust_remote_code)
+    stream = TargetStream(spec, [s.input_ids for s in samples], [p.sample_ids for p in plan],
+                          hidden_size=setup.info.hidden_size, slots=tr.stream_slots, timeout_s=tr.stream_timeout_s,
+                          dtype=getattr(torch, job.hw.target_dtype),
+                          device="cpu" if job.hw.device == "cpu" else f"cuda:{job.hw.target_gpu}")
+    trainer_io_start = psutil.Process().io_counters().write_bytes
+    evals: dict[str, dict] = {}
+    eval_stats: TTTStats | None = None
+    train_stats = TTTStats()
+    step = micro = tokens_trained = samples_trained = 0
+    ckpt_path = None
+    bar = tqdm(total=steps, desc="train", unit="step", disable=not tr.progress, dynamic_ncols=True)
+    t_train = time.perf_counter()
+    try:
+        with stream:
+            for (msg, aux_packed, final_packed), item in zip(stream, plan):
+                ids = [samples[i].input_ids for i in item.sample_ids]
+                input_ids = pad_ids(ids, 0).to(device)
+                loss_mask = pad_ids([samples[i].loss_mask for i in item.sample_ids], False).to(device)
+                lengths = torch.tensor(msg.lengths, device=device)
+                aux = pad_packed(aux_packed, msg.lengths).to(device, torch.float32)
+                teacher = compute_teacher(pad_packed(final_packed, msg.lengths).to(device, torch.float32),
+                                          lm_head, draft.d2t, tr.teacher_chunk)
+                stream.release(msg)  # the slot is free for the target's next batch
+
+                if item.kind == "eval":
+                    eval_stats = eval_stats or TTTStats()
+                    with torch.no_grad(), autocast:
+                        eval_stats.add(ttt_loss(draft, aux, input_ids, loss_mask, lengths, teacher, tr.ttt_length, tr.loss_decay))
+                    continue
+                if eval_stats is not None:  # an evaluation just ended
+                    tag = _finish_eval(evals, eval_stats, plan, msg.item, logger, step)
+                    eval_stats = None
+                    bar.write(f"eval[{tag}] " + _eval_line(evals[tag], tr.ttt_length))
+
+                with autocast:
+                    res = ttt_loss(draft, aux, input_ids, loss_mask, lengths, teacher, tr.ttt_length, tr.loss_decay)
+                (res.loss / tr.grad_accum).backward()
+                train_stats.add(res)
+                micro += 1
+                tokens_trained += int(lengths.sum())
+                samples_trained += len(ids)
+                if micro % tr.grad_accum:
+                    continue
+                grad_norm = torch.nn.utils.clip_grad_norm_(draft.trainable_parameters(), tr.grad_clip)
+                optimizer.step()
+                optimizer.zero_grad(set_to_none=True)
+                scheduler.step()
+                step += 1
+                elapsed = time.perf_counter() - t_train
+                summary = train_stats.summary("train")
+                bar.set_postfix(tok_s=f"{tokens_trained / elapsed:.0f}", loss=f"{float(res.loss):.3f}",
+                                acc0=f"{summary.get('train/acc_0', 0):.2f}", q=stream.depth())
+                bar.update(1)
+                if step % tr.log_every == 0 or step == steps:
+                    logger.log({**summary, "train/loss": float(res.loss), "train/grad_norm": float(grad_norm),
+                                "train/lr": scheduler.get_last_lr()[0], "perf/tokens_per_s": tokens_trained / elapsed,
+                                "stream/depth": stream.depth(), "stream/wait_frac": stream.wait_s / elapsed}, step)
+                    train_stats = TTTStats()
+                if tr.checkpoint_every and step % tr.checkpoint_every == 0 and step < steps:
+                    ckpt_path = save_checkpoint(run_dir, step, draft, optimizer, scheduler,
+                                                {"micro_batches": micro, "plan_item": msg.item}, tr.keep_checkpoints)
+            if eval_stats is not None:
+                tag = _finish_eval(evals, eval_stats, plan, len(plan) - 1, logger, step)
+                bar.write(f"eval[{tag}] " + _eval_line(evals[tag], tr.ttt_length))
+        bar.close()
+        train_wall = time.perf_counter() - t_train
+        ckpt_path = save_checkpoint(run_dir, step, draft, optimizer, scheduler,
+                                    {"micro_batches": micro, "plan_item": len(plan)}, tr.keep_checkpoints)
+        export_dir = export_draft(draft.cpu(), run_dir / "export", setup.eagle_layer_ids,
+                                  setup.info.bos_token_id, setup.info.eos_token_id)
+    finally:
+        bar.close()
+        stream.close()
+    trainer_written = psutil.Process().io_counters().write_bytes - trainer_io_start
+    artifacts = _dir_bytes(run_dir / "checkpoints") + _dir_bytes(export_dir) + _dir_bytes(run_dir / "wandb")
+    summary = {
+        "target": job.target.name, "steps": step, "samples_trained": samples_trained, "tokens_trained": tokens_trained,
+        "train_wall_s": round(train_wall, 1), "tokens_per_s": round(tokens_trained / train_wall, 1),
+        "stream_wait_frac": round(stream.wait_s / train_wall, 3), "total_wall_s": round(time.perf_counter() - t_start, 1),
+        "eval": evals, "data": setup.data.summary(),
+        "disk": {"target_process_write_bytes": stream.target_write_bytes,
+                 "trainer_process_write_bytes": trainer_written,
+                 "checkpoint_export_log_bytes": artifacts,
+                 "hidden_state_bytes_on_disk": (stream.target_write_bytes or 0) + max(0, trainer_written - artifacts)},
+        "checkpoint": str(ckpt_path), "export": str(export_dir),
+    }
+    (run_dir / "summary.json").write_text(json.dumps(summary, indent=1))
+    logger.summary({"tokens_per_s": summary["tokens_per_s"], **{f"final/{k}": v for k, v in evals.get("end", {}).items()}})
+    logger.close()
+    return summary
+
+
+def _finish_eval(evals, stats: TTTStats, plan, last_item: int, logger, step: int) -> str:
+    tag = next(p.tag for p in reversed(plan[: last_item + 1]) if p.kind == "eval")
+    evals[tag] = {k.split("/", 1)[1]: v for k, v in stats.summary("eval").items()}
+    logger.log({f"eval/{k}": v for k, v in evals[tag].items()}, step)
+    return tag
+
+
+def _eval_line(ev: dict, K: int) -> str:
+    accs = " ".join(f"{ev[f'acc_{k}']:.3f}" for k in range(K))
+    return f"tau_sim {ev['tau_sim']:.3f}  acc_0..{K - 1} [{accs}]  positions {int(ev['positions'])}"

@@ -1,0 +1,74 @@
+"""Metric names, aggregation of TTT statistics, and the wandb / no-op logger behind one interface.
+
+Metric glossary (also the wandb panel names):
+  train/loss        Σ_k 0.8^k ploss_k of the last optimizer step
+  train/ploss_k     soft cross-entropy of TTT step k vs the target (draft vocab, renormalised)
+  train/acc_k       fraction of supervised positions where the draft's top-1 at step k equals the target's
+  eval/acc_k        the same on the held-out split;  eval/alpha_k  Σ_v min(p_target, q_draft)
+  eval/tau_sim      1 + Σ_k Π_{j<=k} acc_j: simulated acceptance length of a chain of K drafts
+  perf/tokens_per_s trained tokens (prompt + answer) per second, wall clock
+  stream/depth      target batches waiting for the trainer (0 = trainer-bound is good: target waits)
+  stream/wait_frac  fraction of trainer wall time spent waiting for the target
+"""
+from __future__ import annotations
+
+import torch
+
+from ..draft.loss import TTTResult, simulated_acceptance_length
+
+
+class TTTStats:
+    """Sums of TTT counters over batches -> acc_k, alpha_k, ploss_k, tau_sim."""
+
+    def __init__(self):
+        self.correct = self.scored = self.alpha = self.ploss_weighted = self.counted = None
+
+    def add(self, res: TTTResult) -> None:
+        vals = [res.correct.double(), res.scored.double(), res.alpha_sum.double(),
+                (res.ploss * res.counted).double(), res.counted.double()]
+        if self.correct is None:
+            self.correct, self.scored, self.alpha, self.ploss_weighted, self.counted = vals
+        else:
+            for name, v in zip(("correct", "scored", "alpha", "ploss_weighted", "counted"), vals):
+                setattr(self, name, getattr(self, name) + v)
+
+    def summary(self, prefix: str) -> dict[str, float]:
+        if self.correct is None:
+            return {}
+        acc = (self.correct / self.scored.clamp(min=1)).tolist()
+        alpha = (self.alpha / self.scored.clamp(min=1)).tolist()
+        ploss = (self.ploss_weighted / self.counted.clamp(min=1)).tolist()
+        out = {f"{prefix}/acc_{k}": a for k, a in enumerate(acc)}
+        out.update({f"{prefix}/alpha_{k}": a for k, a in enumerate(alpha)})
+        out.update({f"{prefix}/ploss_{k}": p for k, p in enumerate(ploss)})
+        out[f"{prefix}/tau_sim"] = simulated_acceptance_length(acc)
+        out[f"{prefix}/positions"] = float(self.scored[0])
+        return out
+
+
+class MetricsLogger:
+    def __init__(self, kind: str, *, project: str, mode: str, run_dir: str, config: dict):
+        self.run = None
+        if kind == "wandb":
+            import wandb
+
+            self.run = wandb.init(project=project, mode=mode, dir=run_dir, config=config,
+                                  settings=wandb.Settings(console="off", silent=True))
+            self.run.define_metric("optimizer_step")
+            self.run.define_metric("*", step_metric="optimizer_step")
+        elif kind != "none":
+            raise ValueError(f"train.logger={kind!r}: expected wandb or none")
+
+    def log(self, metrics: dict, step: int) -> None:
+        if self.run is not None:
+            self.run.log({**metrics, "optimizer_step": step})
+
+    def summary(self, values: dict) -> None:
+        if self.run is not None:
+            for k, v in values.items():
+                if isinstance(v, (int, float, str)):
+                    self.run.summary[k] = v
+
+    def close(self) -> None:
+        if self.run is not None:
+            self.run.finish()

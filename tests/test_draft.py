@@ -1,0 +1,409 @@
+"""Tests of the EAGLE-3 draft head: TTT loss/gradients, TTT attention mask, vocab maps, teacher.
+
+The TTT reference below is written directly from docs eagle3.md §1 and §3 as slow, explicit
+per-sequence / per-step / per-position loops. It reuses the draft's parameter tensors (so
+autograd gives reference gradients) but none of the draft's forward code.
+"""
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from specforge_k25.data.tokenize import Sample
+from specforge_k25.draft.loss import Teacher, compute_teacher, simulated_acceptance_length, ttt_loss
+from specforge_k25.draft.model import Attention, DraftConfig, Eagle3Draft
+from specforge_k25.draft.vocab import build_vocab_maps, count_tokens, draft_to_target, target_to_draft
+
+DECAY = 0.8
+
+
+# ----------------------------------------------------------------------------------------------
+# Independent float64 reference of the TTT objective (eagle3.md §1, §3)
+# ----------------------------------------------------------------------------------------------
+
+
+def _ref_rms(v: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
+    """RMSNorm of one vector v [H]."""
+    return w * (v / torch.sqrt((v * v).mean() + eps))
+
+
+def _ref_rope(v: torch.Tensor, pos: int, theta: float) -> torch.Tensor:
+    """Rotate-half (Llama / neox) RoPE of one head vector v [hd] at integer position `pos`."""
+    hd = v.shape[0]
+    half = hd // 2
+    out = []
+    for i in range(hd):
+        j = i % half
+        ang = pos * theta ** (-2.0 * j / hd)
+        c, s = math.cos(ang), math.sin(ang)
+        if i < half:  # x1 * cos - x2 * sin
+            out.append(v[i] * c - v[i + half] * s)
+        else:  # x2 * cos + x1 * sin
+            out.append(v[i] * c + v[i - half] * s)
+    return torch.stack(out)
+
+
+def _ref_silu(v: torch.Tensor) -> torch.Tensor:
+    return v / (1.0 + torch.exp(-v))
+
+
+def reference_ttt(draft, aux, input_ids, loss_mask, lengths, final, lm_head_full, d2t, K, decay=DECAY):
+    """Loop-based TTT loss + counts. Returns (loss, ploss[K], counted[K], correct[K], scored[K], alpha[K])."""
+    cfg = draft.cfg
+    nh, nkv, hd, eps, theta = (
+        cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim, cfg.rms_norm_eps, cfg.rope_theta,
+    )
+    group = nh // nkv
+    Vd = d2t.numel()
+    used = torch.arange(Vd) + d2t  # draft id i -> target id used[i]
+    used_list = used.tolist()
+
+    # The draft's parameter tensors (only the tensors are reused, never the modules' forward).
+    W_emb = draft.embed_tokens.weight
+    W_fc = draft.fc.weight
+    L_ = draft.midlayer
+    w_in, w_hn = L_.input_layernorm.weight, L_.hidden_norm.weight
+    Wq, Wk, Wv, Wo = (L_.self_attn.q_proj.weight, L_.self_attn.k_proj.weight,
+                      L_.self_attn.v_proj.weight, L_.self_attn.o_proj.weight)
+    w_post = L_.post_attention_layernorm.weight
+    Wg, Wu, Wd = L_.mlp.gate_proj.weight, L_.mlp.up_proj.weight, L_.mlp.down_proj.weight
+    w_norm = draft.norm.weight
+    W_lm = draft.lm_head.weight
+
+    ce_terms = [[] for _ in range(K)]
+    counted = [0] * K
+    correct = [0] * K
+    scored = [0] * K
+    alpha = [0.0] * K
+
+    for b in range(input_ids.shape[0]):
+        L = int(lengths[b])
+        x = input_ids[b].tolist()
+        keys = {}  # (step, position) -> [nkv, hd]
+        vals = {}
+        hid_prev = {}  # position -> pre-norm output of the previous step
+        for k in range(K):
+            # positions whose input token x[t+k+1] exists in the sequence
+            positions = list(range(0, L - k - 1))
+            qs, ins = {}, {}
+            for t in positions:
+                e = W_emb[x[t + k + 1]]
+                h_in = W_fc @ aux[b, t] if k == 0 else hid_prev[t]
+                xc = torch.cat([_ref_rms(e, w_in, eps), _ref_rms(h_in, w_hn, eps)])
+                q = (Wq @ xc).view(nh, hd)
+                kk = (Wk @ xc).view(nkv, hd)
+                vv = (Wv @ xc).view(nkv, hd)
+                # key/query made at step k for position t has RoPE position t + k
+                qs[t] = torch.stack([_ref_rope(q[h], t + k, theta) for h in range(nh)])
+                keys[(k, t)] = torch.stack([_ref_rope(kk[g], t + k, theta) for g in range(nkv)])
+                vals[(k, t)] = vv
+                ins[t] = h_in
+            new_hid = {}
+            for t in positions:
+                visible = [(0, tp) for tp in range(t + 1)] + [(j, t) for j in range(1, k + 1)]
+                heads = []
+                for h in range(nh):
+                    g = h // group
+                    sc = torch.stack([qs[t][h] @ keys[s][g] for s in visible]) / math.sqrt(hd)
+                    p = torch.exp(sc - sc.max())
+                    p = p / p.sum()
+                    heads.append(sum(p[i] * vals[s][g] for i, s in enumerate(visible)))
+                h1 = ins[t] + Wo @ torch.cat(heads)
+                n1 = _ref_rms(h1, w_post, eps)
+                h2 = h1 + Wd @ (_ref_silu(Wg @ n1) * (Wu @ n1))
+                new_hid[t] = h2
+                logits = W_lm @ _ref_rms(h2, w_norm, eps)
+                logq = logits - torch.logsumexp(logits, 0)
+
+                # counting rules: t+k+2 <= L-1, loss_mask[t+k+2], target argmax in the draft vocab
+                if t + k + 2 <= L - 1 and bool(loss_mask[b, t + k + 2]):
+                    scored[k] += 1
+                    z = final[b, t + k + 1] @ lm_head_full.T  # [V], the target's full logits
+                    tgt = int(z.argmax())
+                    p_full = torch.softmax(z, 0)
+                    alpha[k] += float(torch.minimum(p_full[used], logq.detach().exp()).sum())
+                    if tgt in used_list:
+                        counted[k] += 1
+                        p_hat = torch.softmax(z[used], 0)
+                        ce_terms[k].append(-(p_hat * logq).sum())
+                        if used_list[int(logq.argmax())] == tgt:
+                            correct[k] += 1
+            hid_prev = new_hid
+
+    ploss = [torch.stack(c).sum() / len(c) if c else torch.zeros((), dtype=torch.float64) for c in ce_terms]
+    loss = sum(decay**k * ploss[k] for k in range(K))
+    return loss, ploss, counted, correct, scored, alpha
+
+
+def _tiny_setup(seed: int = 0):
+    torch.manual_seed(seed)
+    cfg = DraftConfig(hidden_size=16, intermediate_size=24, num_attention_heads=4, num_key_value_heads=2,
+                      head_dim=8, vocab_size=50, draft_vocab_size=20, target_hidden_size=16)
+    draft = Eagle3Draft(cfg).double()
+    with torch.no_grad():
+        for name, p in draft.named_parameters():
+            if name.endswith("norm.weight"):
+                p.copy_(1.0 + 0.3 * torch.randn_like(p))
+            else:
+                p.copy_(0.3 * torch.randn_like(p))
+    counts = torch.randint(0, 100, (cfg.vocab_size,))
+    d2t, t2d = build_vocab_maps(counts, cfg.draft_vocab_size)
+    draft.d2t.copy_(d2t)
+    draft.t2d.copy_(t2d)
+
+    B, T = 2, 9
+    lengths = torch.tensor([9, 6])
+    input_ids = torch.randint(0, cfg.vocab_size, (B, T))  # pads are random ids: they must not matter
+    loss_mask = torch.rand(B, T) < 0.75
+    aux = torch.randn(B, T, 3 * cfg.target_hidden_size, dtype=torch.float64)
+    final = torch.randn(B, T, cfg.target_hidden_size, dtype=torch.float64)
+    lm_head_full = torch.randn(cfg.vocab_size, cfg.target_hidden_size, dtype=torch.float64)
+    # Make draft tokens the target argmax more often (but not always) so many positions count.
+    lm_head_full[draft_to_target(d2t)] *= 1.6
+    return cfg, draft, d2t, input_ids, loss_mask, lengths, aux, final, lm_head_full
+
+
+def test_ttt_loss_and_grads_match_float64_reference():
+    K = 3
+    cfg, draft, d2t, input_ids, loss_mask, lengths, aux, final, lm_head_full = _tiny_setup()
+    teacher = compute_teacher(final, lm_head_full, d2t, chunk=5)  # chunk < B*T on purpose
+    res = ttt_loss(draft, aux, input_ids, loss_mask, lengths, teacher, ttt_length=K)
+    res.loss.backward()
+    params = dict(draft.named_parameters())
+    trainable = {n: p for n, p in params.items() if p.requires_grad}
+    assert "embed_tokens.weight" not in trainable  # frozen target embedding
+    assert params["embed_tokens.weight"].grad is None
+    got_grads = {n: p.grad.detach().clone() for n, p in trainable.items()}
+    assert all(g is not None for g in got_grads.values())
+
+    ref_loss, ref_ploss, ref_counted, ref_correct, ref_scored, ref_alpha = reference_ttt(
+        draft, aux, input_ids, loss_mask, lengths, final, lm_head_full, d2t, K)
+    ref_grads = torch.autograd.grad(ref_loss, list(trainable.values()))
+
+    # The test data must exercise every rule: each step counts something, and some scored
+    # positions are excluded because the target argmax is not a draft token.
+    assert all(c > 0 for c in ref_counted), ref_counted
+    assert sum(ref_scored) > sum(ref_counted)
+
+    # Counts are exact integers.
+    assert res.counted.tolist() == ref_counted
+    assert res.scored.tolist() == ref_scored
+    assert res.correct.tolist() == ref_correct
+
+    # ttt_loss computes the log-softmax, the teacher and the loss in float32 by design
+    # (Teacher is fp32; RMSNorm/attention softmax run in fp32), so float32-level tolerances.
+    # Any semantic error (mask, RoPE position, shift, counting, norm) is O(1e-2..1) here.
+    torch.testing.assert_close(res.loss.double(), ref_loss.detach(), rtol=1e-6, atol=0)
+    torch.testing.assert_close(res.ploss.double(), torch.stack(ref_ploss).detach(), rtol=2e-6, atol=1e-7)
+    torch.testing.assert_close(res.alpha_sum.double(), torch.tensor(ref_alpha, dtype=torch.float64),
+                               rtol=1e-5, atol=1e-6)
+    for (name, g), rg in zip(got_grads.items(), ref_grads):
+        scale = rg.abs().max().item()
+        assert scale > 0, name
+        torch.testing.assert_close(g, rg, rtol=0, atol=1e-5 * scale, msg=lambda m, n=name: f"{n}: {m}")
+
+
+def test_ttt_loss_float64_precision():
+    """Same as the reference test but with a float64 teacher built by hand and 1e-10 tolerances."""
+    K = 3
+    cfg, draft, d2t, input_ids, loss_mask, lengths, aux, final, lm_head_full = _tiny_setup()
+    full = final @ lm_head_full.T
+    used = torch.arange(cfg.draft_vocab_size) + d2t
+    inv = torch.full((cfg.vocab_size,), -1, dtype=torch.int64)
+    inv[used] = torch.arange(cfg.draft_vocab_size)
+    teacher = Teacher(full[..., used], torch.logsumexp(full, -1), inv[full.argmax(-1)])
+    res = ttt_loss(draft, aux, input_ids, loss_mask, lengths, teacher, ttt_length=K)
+    res.loss.backward()
+    trainable = [p for p in draft.parameters() if p.requires_grad]
+    ref_loss = reference_ttt(draft, aux, input_ids, loss_mask, lengths, final, lm_head_full, d2t, K)[0]
+    ref_grads = torch.autograd.grad(ref_loss, trainable)
+    assert res.loss.dtype == torch.float64
+    torch.testing.assert_close(res.loss, ref_loss.detach(), rtol=1e-10, atol=0)
+    for p, rg in zip(trainable, ref_grads):
+        torch.testing.assert_close(p.grad, rg, rtol=0, atol=1e-10)
+
+
+# ----------------------------------------------------------------------------------------------
+# TTT attention mask, hand-made case
+# ----------------------------------------------------------------------------------------------
+
+# Column order of the visible keys: (step 0, pos 0..2), (step 1, pos 0..2), (step 2, pos 0..2).
+EXPECTED_VISIBILITY = {
+    0: [
+        [1, 0, 0, 0, 0, 0, 0, 0, 0],
+        [1, 1, 0, 0, 0, 0, 0, 0, 0],
+        [1, 1, 1, 0, 0, 0, 0, 0, 0],
+    ],
+    1: [
+        [1, 0, 0, 1, 0, 0, 0, 0, 0],
+        [1, 1, 0, 0, 1, 0, 0, 0, 0],
+        [1, 1, 1, 0, 0, 1, 0, 0, 0],
+    ],
+    2: [
+        [1, 0, 0, 1, 0, 0, 1, 0, 0],
+        [1, 1, 0, 0, 1, 0, 0, 1, 0],
+        [1, 1, 1, 0, 0, 1, 0, 0, 1],
+    ],
+}
+
+
+def test_ttt_attention_visibility_hand_case():
+    T, hd = 3, 10  # 9 (step, position) slots + 1 unused value dim
+    cfg = DraftConfig(hidden_size=20, intermediate_size=8, num_attention_heads=2, num_key_value_heads=1,
+                      head_dim=hd, vocab_size=8, draft_vocab_size=4, target_hidden_size=20)
+    attn = Attention(cfg).double()
+    B = 2
+    x = torch.zeros(B, T, 2 * cfg.hidden_size, dtype=torch.float64)
+    for t in range(T):
+        x[:, t, t] = 1.0  # input dim t marks position t
+    torch.manual_seed(0)
+    with torch.no_grad():
+        attn.q_proj.weight.zero_()  # q = 0 -> every visible key gets the same score
+        attn.k_proj.weight.copy_(torch.randn_like(attn.k_proj.weight))  # keys irrelevant when q = 0
+        attn.o_proj.weight.copy_(torch.eye(cfg.hidden_size, dtype=torch.float64))  # nh*hd == H
+    cache: list = []
+    for k in range(3):
+        with torch.no_grad():
+            attn.v_proj.weight.zero_()
+            for t in range(T):
+                attn.v_proj.weight[k * T + t, t] = 1.0  # value of (step k, pos t) = one-hot k*T+t
+        positions = (torch.arange(T) + k).expand(B, T)
+        out = attn(x, positions, cache)  # [B, T, H] = both heads' outputs side by side
+        assert len(cache) == k + 1
+        vis = torch.tensor(EXPECTED_VISIBILITY[k], dtype=torch.float64)
+        expected = torch.zeros(T, hd, dtype=torch.float64)
+        expected[:, :9] = vis / vis.sum(-1, keepdim=True)
+        for b in range(B):
+            for h in range(cfg.num_attention_heads):
+                torch.testing.assert_close(out[b, :, h * hd:(h + 1) * hd], expected, rtol=0, atol=1e-6)  # softmax runs in fp32
+
+
+# ----------------------------------------------------------------------------------------------
+# Vocab maps
+# ----------------------------------------------------------------------------------------------
+
+
+def _check_maps_consistent(d2t, t2d, V, Vd):
+    used = draft_to_target(d2t)
+    assert t2d.dtype == torch.bool and t2d.shape == (V,)
+    assert d2t.dtype == torch.int64 and d2t.shape == (Vd,)
+    assert int(t2d.sum()) == Vd
+    for i in range(Vd):
+        assert int(used[i]) == i + int(d2t[i])  # target = i + d2t[i]
+    inv = target_to_draft(d2t, V)
+    for v in range(V):
+        if bool(t2d[v]):
+            assert int(used[int(inv[v])]) == v
+        else:
+            assert int(inv[v]) == -1
+    assert torch.equal(inv >= 0, t2d)
+
+
+@pytest.mark.parametrize(
+    "counts, Vd, used, d2t",
+    [
+        # ties at count 5 (ids 1, 3: both in) and at count 3 (ids 2, 6: the lower id 2 wins)
+        ([0, 5, 3, 5, 0, 7, 3, 0, 1, 0], 4, [1, 2, 3, 5], [1, 1, 1, 2]),
+        # only 2 ids seen (3, 7): padded with the lowest unseen ids 0, 1
+        ([0, 0, 0, 4, 0, 0, 0, 9, 0, 0], 4, [0, 1, 3, 7], [0, 0, 1, 4]),
+        # seen ids 0 and 9: padding skips the already-used id 0
+        ([2, 0, 0, 0, 0, 0, 0, 0, 0, 1], 4, [0, 1, 2, 9], [0, 0, 0, 6]),
+        # Vd == V: everything
+        ([3, 1, 4, 1, 5, 9, 2, 6, 5, 3], 10, list(range(10)), [0] * 10),
+    ],
+)
+def test_build_vocab_maps_hand_cases(counts, Vd, used, d2t):
+    V = len(counts)
+    got_d2t, got_t2d = build_vocab_maps(torch.tensor(counts, dtype=torch.int64), Vd)
+    assert got_d2t.tolist() == d2t
+    expected_t2d = [v in used for v in range(V)]
+    assert got_t2d.tolist() == expected_t2d
+    assert draft_to_target(got_d2t).tolist() == used
+    _check_maps_consistent(got_d2t, got_t2d, V, Vd)
+
+
+def test_build_vocab_maps_random_roundtrip():
+    torch.manual_seed(1)
+    V, Vd = 200, 37
+    counts = torch.randint(0, 5, (V,))  # many ties
+    d2t, t2d = build_vocab_maps(counts, Vd)
+    _check_maps_consistent(d2t, t2d, V, Vd)
+    used = draft_to_target(d2t)
+    assert torch.all(used[1:] > used[:-1])  # ascending, distinct
+    # Every kept id is at least as frequent as every dropped id.
+    assert int(counts[t2d].min()) >= int(counts[~t2d].max())
+
+
+def test_build_vocab_maps_rejects_too_large_draft_vocab():
+    with pytest.raises(ValueError):
+        build_vocab_maps(torch.zeros(5, dtype=torch.int64), 6)
+
+
+def test_count_tokens_counts_only_loss_mask_tokens():
+    s1 = Sample(input_ids=torch.tensor([1, 2, 2, 3, 9]), loss_mask=torch.tensor([False, True, True, False, True]))
+    s2 = Sample(input_ids=torch.tensor([3, 3, 4]), loss_mask=torch.tensor([True, False, True]))
+    s3 = Sample(input_ids=torch.tensor([5, 6]), loss_mask=torch.tensor([False, False]))  # nothing supervised
+    counts = count_tokens([s1, s2, s3], vocab_size=10)
+    assert counts.dtype == torch.int64
+    assert counts.tolist() == [0, 0, 2, 1, 1, 0, 0, 0, 0, 1]
+
+
+def test_count_tokens_rejects_out_of_vocab_id():
+    s = Sample(input_ids=torch.tensor([1, 10]), loss_mask=torch.tensor([True, True]))
+    with pytest.raises(ValueError):
+        count_tokens([s], vocab_size=10)
+
+
+# ----------------------------------------------------------------------------------------------
+# Teacher chunking
+# ----------------------------------------------------------------------------------------------
+
+
+def test_compute_teacher_chunking_matches_full_logits():
+    torch.manual_seed(2)
+    B, T, Ht, V, Vd = 2, 5, 12, 40, 15
+    counts = torch.randint(0, 50, (V,))
+    d2t, _ = build_vocab_maps(counts, Vd)
+    final = torch.randn(B, T, Ht, dtype=torch.float64)
+    lm_head = torch.randn(V, Ht, dtype=torch.float64)
+
+    teachers = [compute_teacher(final, lm_head, d2t, chunk=c) for c in (1, 7, 10_000)]
+    for t in teachers[1:]:
+        assert torch.equal(t.argmax_draft_id, teachers[0].argmax_draft_id)
+        torch.testing.assert_close(t.draft_logits, teachers[0].draft_logits, rtol=0, atol=0)
+        torch.testing.assert_close(t.logsumexp, teachers[0].logsumexp, rtol=0, atol=0)
+
+    # Direct computation from the full [B, T, V] logits.
+    full = final @ lm_head.T
+    used = (torch.arange(Vd) + d2t).tolist()
+    exp_draft_logits = full[..., used]
+    exp_lse = torch.logsumexp(full, -1)
+    exp_arg = torch.full((B, T), -1, dtype=torch.int64)
+    n_in = 0
+    for b in range(B):
+        for t in range(T):
+            a = int(full[b, t].argmax())
+            if a in used:
+                exp_arg[b, t] = used.index(a)
+                n_in += 1
+    assert 0 < n_in < B * T  # both in- and out-of-draft-vocab argmaxes are exercised
+    for t in teachers:
+        assert t.draft_logits.shape == (B, T, Vd)
+        assert torch.equal(t.argmax_draft_id, exp_arg)
+        torch.testing.assert_close(t.draft_logits.double(), exp_draft_logits, rtol=1e-6, atol=1e-6)
+        torch.testing.assert_close(t.logsumexp.double(), exp_lse, rtol=1e-6, atol=1e-6)
+
+
+# ----------------------------------------------------------------------------------------------
+# Simulated acceptance length
+# ----------------------------------------------------------------------------------------------
+
+
+def test_simulated_acceptance_length_hand_cases():
+    assert simulated_acceptance_length([0.5, 0.5]) == pytest.approx(1.75)  # 1 + 0.5 + 0.25
+    assert simulated_acceptance_length(torch.tensor([0.5, 0.5])) == pytest.approx(1.75)
+    assert simulated_acceptance_length([]) == pytest.approx(1.0)
+    assert simulated_acceptance_length([1.0, 1.0, 1.0]) == pytest.approx(4.0)
+    assert simulated_acceptance_length([1.0, 0.0, 1.0]) == pytest.approx(2.0)  # chain stops at the miss
