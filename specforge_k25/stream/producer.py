@@ -4,6 +4,7 @@ batches, and notices within `poll_s` + `timeout_s` if the process dies or stalls
 """
 from __future__ import annotations
 
+import os
 import time
 import traceback
 from dataclasses import dataclass
@@ -56,13 +57,15 @@ def _producer_main(spec: TargetSpec, tokens: torch.Tensor, offsets: torch.Tensor
     try:
         target = build_target(spec)
         torch.set_num_threads(spec.num_threads)
+        io = psutil.Process().io_counters
+        ready_bytes = io().write_bytes
         for item, batch in enumerate(plan):
             stage = f"target forward of plan item {item}"
             seqs = [tokens[offsets[i]:offsets[i + 1]] for i in batch]
             out = target.forward(seqs)
             ring.put(item, out.aux_hidden, out.final_hidden, out.lengths)
         target.close()
-        ring.ready.put(EndOfStream(len(plan), psutil.Process().io_counters().write_bytes))
+        ring.ready.put(EndOfStream(len(plan), ready_bytes, io().write_bytes - ready_bytes))
     except BaseException as err:  # report, never hang the trainer
         ring.ready.put(ProducerFailed(stage, f"{type(err).__name__}: {err}\n{traceback.format_exc()}"))
         raise
@@ -93,14 +96,24 @@ class TargetStream:
         self.ring = SlotRing(self.ctx, slots, max_tokens, hidden_size, dtype, device)
         self.process = None
         self.wait_s = 0.0  # trainer time spent waiting for the target
-        self.target_write_bytes: int | None = None  # reported by the target process at its end
+        self.target_io: EndOfStream | None = None  # the target's own write counters, sent at its end
 
     def start(self) -> "TargetStream":
         self.process = self.ctx.Process(
             target=_producer_main, args=(self.spec, self.tokens, self.offsets, self.plan, self.ring),
             name="specforge-target", daemon=True,
         )
-        self.process.start()
+        # The target process writes nothing to disk, not even bytecode caches, so its I/O
+        # counter is a direct measure of hidden-state bytes on disk (expected: 0).
+        previous = os.environ.get("PYTHONDONTWRITEBYTECODE")
+        os.environ["PYTHONDONTWRITEBYTECODE"] = "1"
+        try:
+            self.process.start()
+        finally:
+            if previous is None:
+                del os.environ["PYTHONDONTWRITEBYTECODE"]
+            else:
+                os.environ["PYTHONDONTWRITEBYTECODE"] = previous
         return self
 
     def __enter__(self):
@@ -121,7 +134,7 @@ class TargetStream:
         end = self._next()
         if not isinstance(end, EndOfStream):
             raise StreamError(f"target process sent {type(end).__name__} after the last batch")
-        self.target_write_bytes = end.write_bytes
+        self.target_io = end
 
     def _next(self):
         waited = 0.0

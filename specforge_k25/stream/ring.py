@@ -27,7 +27,8 @@ class SlotMessage:
 @dataclass
 class EndOfStream:
     produced: int
-    write_bytes: int  # bytes the target process wrote to storage over its life (/proc/self/io)
+    startup_write_bytes: int  # bytes the target process wrote to storage before its first batch (/proc/self/io)
+    streaming_write_bytes: int  # ... from its first batch to its last (hidden states would show up here)
 
 
 @dataclass

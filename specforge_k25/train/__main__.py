@@ -40,10 +40,11 @@ def print_summary(summary: dict, ttt_length: int) -> None:
             table.add_row(f"held-out acc_0..{ttt_length - 1} ({label})",
                           " ".join(f"{ev[f'acc_{k}']:.3f}" for k in range(ttt_length)))
     disk = summary["disk"]
-    table.add_row("hidden-state bytes written to disk", str(disk["hidden_state_bytes_on_disk"]))
-    table.add_row("  target process wrote (bytes)", str(disk["target_process_write_bytes"]))
-    table.add_row("  trainer wrote / of which ckpt+export+logs", f"{disk['trainer_process_write_bytes']} / "
-                  f"{disk['checkpoint_export_log_bytes']}")
+    table.add_row("hidden-state bytes written to disk (target process, measured)", str(disk["hidden_state_bytes_on_disk"]))
+    table.add_row("  hidden-state bytes streamed in memory", str(disk["hidden_state_bytes_streamed_in_memory"]))
+    table.add_row("  trainer writes: checkpoints / other (smallest batch)",
+                  f"{disk['trainer_checkpoint_bytes']} / {disk['trainer_other_write_bytes']} "
+                  f"({disk['smallest_batch_hidden_state_bytes']})")
     table.add_row("checkpoint", summary["checkpoint"])
     table.add_row("export (SGLang/vLLM)", summary["export"])
     table.add_row("wall time (s)", f"{summary['total_wall_s']:.0f}")

@@ -18,7 +18,6 @@ from tqdm import tqdm
 
 from ..config import JobConfig
 from ..data.dataset import TokenizedData, build_dataset
-from ..draft.loss import compute_teacher, ttt_loss
 from ..draft.model import DraftConfig, Eagle3Draft
 from ..draft.vocab import build_vocab_maps, count_tokens
 from ..export.serving import export_draft
@@ -29,6 +28,7 @@ from ..target.layers import default_capture_points, layer_id_rule, sglang_layer_
 from .checkpoint import save_checkpoint
 from .metrics import MetricsLogger, TTTStats
 from .optim import build_optimizer, build_scheduler
+from .step import DraftTrainer
 
 
 # ----------------------------------------------------------------------------------- setup
@@ -152,22 +152,11 @@ def build_plan(n_train: int, n_heldout: int, *, batch_size: int, grad_accum: int
 
 
 # ---------------------------------------------------------------------------------- helpers
-def pad_packed(packed: torch.Tensor, lengths: list[int]) -> torch.Tensor:
-    """packed [sum(lengths), D] -> [B, max(lengths), D] zero-padded on the right."""
-    out = packed.new_zeros(len(lengths), max(lengths), packed.shape[-1])
-    start = 0
-    for b, n in enumerate(lengths):
-        out[b, :n] = packed[start:start + n]
-        start += n
-    return out
-
-
-def pad_ids(seqs: list[torch.Tensor], fill) -> torch.Tensor:
-    return torch.nn.utils.rnn.pad_sequence(seqs, batch_first=True, padding_value=fill)
-
-
-def _dir_bytes(path: Path) -> int:
-    return sum(f.stat().st_size for f in Path(path).rglob("*") if f.is_file()) if Path(path).exists() else 0
+def _allocated_bytes(path: Path) -> int:
+    """Bytes a folder occupies on disk (allocated blocks of its files and directories): what a
+    process's write_bytes counter charges for writing it, page rounding included."""
+    path = Path(path)
+    return sum(p.stat().st_blocks * 512 for p in [path, *path.rglob("*")]) if path.exists() else 0
 
 
 def _fmt_params(n: int) -> str:
@@ -232,7 +221,9 @@ def run_training(job: JobConfig, run_dir: str | Path, engine: str = "sglang") ->
     scheduler = build_scheduler(optimizer, steps, tr.warmup_ratio)
     logger = MetricsLogger(tr.logger, project=tr.wandb_project, mode=tr.wandb_mode, run_dir=str(run_dir),
                            config={"job": dataclasses.asdict(job), "capture_points": setup.capture_points})
-    autocast = torch.autocast(device.type, dtype=torch.bfloat16, enabled=job.hw.autocast == "bf16")
+    trainer = DraftTrainer(draft, lm_head, optimizer, scheduler, ttt_length=tr.ttt_length, loss_decay=tr.loss_decay,
+                           grad_accum=tr.grad_accum, grad_clip=tr.grad_clip, teacher_chunk=tr.teacher_chunk,
+                           autocast_bf16=job.hw.autocast == "bf16")
 
     samples = setup.data.train + setup.data.heldout
     spec = TargetSpec(engine=engine, model_path=setup.model_path, architecture=setup.info.architecture,
@@ -244,68 +235,64 @@ def run_training(job: JobConfig, run_dir: str | Path, engine: str = "sglang") ->
                           hidden_size=setup.info.hidden_size, slots=tr.stream_slots, timeout_s=tr.stream_timeout_s,
                           dtype=getattr(torch, job.hw.target_dtype),
                           device="cpu" if job.hw.device == "cpu" else f"cuda:{job.hw.target_gpu}")
-    trainer_io_start = psutil.Process().io_counters().write_bytes
     evals: dict[str, dict] = {}
     eval_stats: TTTStats | None = None
     train_stats = TTTStats()
-    step = micro = tokens_trained = samples_trained = 0
+    step = micro = tokens_trained = samples_trained = tokens_streamed = 0
     ckpt_path = None
+    artifact_bytes = 0  # bytes of checkpoints and export the trainer wrote (to separate them from anything else)
     bar = tqdm(total=steps, desc="train", unit="step", disable=not tr.progress, dynamic_ncols=True)
-    t_train = time.perf_counter()
+    t_train = None  # set at the first training batch: throughput excludes engine start and the first eval
+    wait_at_train_start = 0.0
+    io = psutil.Process().io_counters
     try:
         with stream:
+            trainer_io_start = io().write_bytes
             for (msg, aux_packed, final_packed), item in zip(stream, plan):
-                ids = [samples[i].input_ids for i in item.sample_ids]
-                input_ids = pad_ids(ids, 0).to(device)
-                loss_mask = pad_ids([samples[i].loss_mask for i in item.sample_ids], False).to(device)
-                lengths = torch.tensor(msg.lengths, device=device)
-                aux = pad_packed(aux_packed, msg.lengths).to(device, torch.float32)
-                teacher = compute_teacher(pad_packed(final_packed, msg.lengths).to(device, torch.float32),
-                                          lm_head, draft.d2t, tr.teacher_chunk)
+                batch = trainer.make_batch([samples[i] for i in item.sample_ids], msg.lengths, aux_packed, final_packed)
                 stream.release(msg)  # the slot is free for the target's next batch
-
+                tokens_streamed += batch.num_tokens
                 if item.kind == "eval":
                     eval_stats = eval_stats or TTTStats()
-                    with torch.no_grad(), autocast:
-                        eval_stats.add(ttt_loss(draft, aux, input_ids, loss_mask, lengths, teacher, tr.ttt_length, tr.loss_decay))
+                    eval_stats.add(trainer.evaluate(batch))
                     continue
                 if eval_stats is not None:  # an evaluation just ended
                     tag = _finish_eval(evals, eval_stats, plan, msg.item, logger, step)
                     eval_stats = None
                     bar.write(f"eval[{tag}] " + _eval_line(evals[tag], tr.ttt_length))
 
-                with autocast:
-                    res = ttt_loss(draft, aux, input_ids, loss_mask, lengths, teacher, tr.ttt_length, tr.loss_decay)
-                (res.loss / tr.grad_accum).backward()
+                if t_train is None:
+                    t_train, wait_at_train_start = time.perf_counter(), stream.wait_s
+                res = trainer.train_micro(batch)
                 train_stats.add(res)
                 micro += 1
-                tokens_trained += int(lengths.sum())
-                samples_trained += len(ids)
+                tokens_trained += batch.num_tokens
+                samples_trained += len(item.sample_ids)
                 if micro % tr.grad_accum:
                     continue
-                grad_norm = torch.nn.utils.clip_grad_norm_(draft.trainable_parameters(), tr.grad_clip)
-                optimizer.step()
-                optimizer.zero_grad(set_to_none=True)
-                scheduler.step()
+                grad_norm = trainer.optimizer_step()
                 step += 1
                 elapsed = time.perf_counter() - t_train
                 summary = train_stats.summary("train")
-                bar.set_postfix(tok_s=f"{tokens_trained / elapsed:.0f}", loss=f"{float(res.loss):.3f}",
+                bar.set_postfix(tok_s=f"{tokens_trained / elapsed:.0f}", loss=f"{res.loss.item():.3f}",
                                 acc0=f"{summary.get('train/acc_0', 0):.2f}", q=stream.depth())
                 bar.update(1)
                 if step % tr.log_every == 0 or step == steps:
-                    logger.log({**summary, "train/loss": float(res.loss), "train/grad_norm": float(grad_norm),
+                    logger.log({**summary, "train/loss": res.loss.item(), "train/grad_norm": grad_norm,
                                 "train/lr": scheduler.get_last_lr()[0], "perf/tokens_per_s": tokens_trained / elapsed,
                                 "stream/depth": stream.depth(), "stream/wait_frac": stream.wait_s / elapsed}, step)
                     train_stats = TTTStats()
                 if tr.checkpoint_every and step % tr.checkpoint_every == 0 and step < steps:
                     ckpt_path = save_checkpoint(run_dir, step, draft, optimizer, scheduler,
                                                 {"micro_batches": micro, "plan_item": msg.item}, tr.keep_checkpoints)
+                    artifact_bytes += _allocated_bytes(ckpt_path)
             if eval_stats is not None:
                 tag = _finish_eval(evals, eval_stats, plan, len(plan) - 1, logger, step)
                 bar.write(f"eval[{tag}] " + _eval_line(evals[tag], tr.ttt_length))
+            trainer_written = io().write_bytes - trainer_io_start
         bar.close()
         train_wall = time.perf_counter() - t_train
+        wait_frac = (stream.wait_s - wait_at_train_start) / train_wall
         ckpt_path = save_checkpoint(run_dir, step, draft, optimizer, scheduler,
                                     {"micro_batches": micro, "plan_item": len(plan)}, tr.keep_checkpoints)
         export_dir = export_draft(draft.cpu(), run_dir / "export", setup.eagle_layer_ids,
@@ -313,17 +300,24 @@ def run_training(job: JobConfig, run_dir: str | Path, engine: str = "sglang") ->
     finally:
         bar.close()
         stream.close()
-    trainer_written = psutil.Process().io_counters().write_bytes - trainer_io_start
-    artifacts = _dir_bytes(run_dir / "checkpoints") + _dir_bytes(export_dir) + _dir_bytes(run_dir / "wandb")
+    elem_bytes = torch.finfo(getattr(torch, job.hw.target_dtype)).bits // 8
+    smallest_batch = min(sum(len(samples[i].input_ids) for i in p.sample_ids) for p in plan)
     summary = {
         "target": job.target.name, "steps": step, "samples_trained": samples_trained, "tokens_trained": tokens_trained,
         "train_wall_s": round(train_wall, 1), "tokens_per_s": round(tokens_trained / train_wall, 1),
-        "stream_wait_frac": round(stream.wait_s / train_wall, 3), "total_wall_s": round(time.perf_counter() - t_start, 1),
+        "stream_wait_frac": round(wait_frac, 3), "total_wall_s": round(time.perf_counter() - t_start, 1),
         "eval": evals, "data": setup.data.summary(),
-        "disk": {"target_process_write_bytes": stream.target_write_bytes,
-                 "trainer_process_write_bytes": trainer_written,
-                 "checkpoint_export_log_bytes": artifacts,
-                 "hidden_state_bytes_on_disk": (stream.target_write_bytes or 0) + max(0, trainer_written - artifacts)},
+        # Measured from the processes' I/O counters (/proc/<pid>/io write_bytes) over the streaming
+        # phase (first to last batch); shared memory is tmpfs and does not count. The target
+        # process produces every hidden state, so its count is the hidden-state bytes on disk.
+        # The trainer's writes other than checkpoint files (filesystem metadata, temp probes) are
+        # shown beside the smallest batch of hidden states: a spilled batch could not hide below it.
+        "disk": {"hidden_state_bytes_on_disk": stream.target_io.streaming_write_bytes,
+                 "target_startup_write_bytes": stream.target_io.startup_write_bytes,
+                 "trainer_checkpoint_bytes": artifact_bytes,
+                 "trainer_other_write_bytes": max(0, trainer_written - artifact_bytes),
+                 "smallest_batch_hidden_state_bytes": smallest_batch * 4 * setup.info.hidden_size * elem_bytes,
+                 "hidden_state_bytes_streamed_in_memory": tokens_streamed * 4 * setup.info.hidden_size * elem_bytes},
         "checkpoint": str(ckpt_path), "export": str(export_dir),
     }
     (run_dir / "summary.json").write_text(json.dumps(summary, indent=1))
