@@ -46,34 +46,61 @@ def iter_json_array(path: Path, chunk_chars: int = 1 << 20) -> Iterator[object]:
     """Stream the items of a top-level JSON array; stops quietly at a truncated tail.
 
     The packaged ShareGPT file is cut off mid-item, so `json.load` fails on it; this parser
-    yields every complete item and ignores the incomplete last one.
+    yields every complete item and ignores the incomplete last one. A number or literal counts
+    as complete only once the text after it (`,` or `]`) has been read, so one split across two
+    reads or cut by the truncation is never yielded in pieces.
     """
     decoder = json.JSONDecoder()
     with open(path, encoding="utf-8", errors="replace") as fh:
-        buf = fh.read(chunk_chars)
-        pos = buf.find("[")
-        if pos < 0:
+        buf, pos, eof = "", 0, False
+
+        def fill() -> bool:
+            nonlocal buf, pos, eof
+            more = fh.read(chunk_chars)
+            eof = not more
+            buf, pos = buf[pos:] + more, 0
+            return bool(more)
+
+        def skip(chars: str) -> None:
+            nonlocal pos
+            while True:
+                while pos < len(buf) and buf[pos] in chars:
+                    pos += 1
+                if pos < len(buf) or not fill():
+                    return
+
+        skip(" \t\r\n\ufeff")
+        if pos >= len(buf) or buf[pos] != "[":
             raise ValueError(f"{path}: not a JSON array")
         pos += 1
-        eof = False
         while True:
-            while pos < len(buf) and buf[pos] in " \t\r\n,":
-                pos += 1
-            if pos < len(buf) and buf[pos] == "]":
-                return
+            skip(" \t\r\n")
+            if pos >= len(buf) or buf[pos] == "]":
+                return  # end of array, or truncated right after a separator
             try:
                 item, end = decoder.raw_decode(buf, pos)
+                decoded = True
             except json.JSONDecodeError:
-                if eof:
-                    return  # truncated tail
-                more = fh.read(chunk_chars)
-                if not more:
-                    eof = True
-                buf = buf[pos:] + more
-                pos = 0
-                continue
-            yield item
+                decoded = False
+            if not decoded or end >= len(buf):  # need more text to finish the item or see what follows
+                if not eof and fill():
+                    continue
+                # the file ends here: an item closed by its own bracket/quote is complete, while a
+                # number or literal may have been cut short; an undecodable tail is the truncation
+                if decoded and isinstance(item, (dict, list, str)):
+                    yield item
+                return
             pos = end
+            skip(" \t\r\n")
+            if pos < len(buf) and buf[pos] not in ",]":
+                raise ValueError(f"{path}: malformed JSON array near character {fh.tell()}")
+            if pos >= len(buf):  # file ends right after the item
+                if isinstance(item, (dict, list, str)):
+                    yield item
+                return
+            yield item
+            if buf[pos] == ",":
+                pos += 1
             if pos > chunk_chars:  # drop consumed text
                 buf, pos = buf[pos:], 0
 

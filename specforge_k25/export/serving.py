@@ -56,14 +56,25 @@ def export_draft(draft: Eagle3Draft, out_dir: str | Path, eagle_layer_ids: list[
     save_file(tensors, tmp / "model.safetensors", metadata={"format": "pt"})
     config = serving_config(draft.cfg, eagle_layer_ids, bos_token_id, eos_token_id, str(dtype).replace("torch.", ""))
     (tmp / "config.json").write_text(json.dumps(config, indent=2))
-    validate_export(tmp)
+    try:
+        validate_export(tmp)
+    except ValueError:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
     if out.exists():
         shutil.rmtree(out)
     os.replace(tmp, out)
     return out
 
 
+_REQUIRED_FIELDS = ("hidden_size", "intermediate_size", "num_attention_heads", "num_key_value_heads", "head_dim",
+                    "vocab_size", "draft_vocab_size", "rms_norm_eps", "rope_theta", "max_position_embeddings")
+
+
 def _config_to_draft(config: dict) -> DraftConfig:
+    missing = [k for k in _REQUIRED_FIELDS if k not in config]
+    if missing:
+        raise ValueError(f"config.json lacks {missing}")
     return DraftConfig(
         hidden_size=config["hidden_size"], intermediate_size=config["intermediate_size"],
         num_attention_heads=config["num_attention_heads"], num_key_value_heads=config["num_key_value_heads"],
@@ -84,7 +95,7 @@ def validate_export(export_dir: str | Path) -> None:
         if config.get(key) != want:
             problems.append(f"config.{key}={config.get(key)!r}, expected {want!r}")
     ids = config.get("eagle_config", {}).get("eagle_aux_hidden_state_layer_ids")
-    if not (isinstance(ids, list) and len(ids) == 3 and all(isinstance(i, int) for i in ids)):
+    if not (isinstance(ids, list) and len(ids) == 3 and all(type(i) is int for i in ids)):
         problems.append(f"eagle_config.eagle_aux_hidden_state_layer_ids={ids!r}: need 3 ints")
     cfg = _config_to_draft(config)
     H, Ht, nh, nkv, hd, I = (cfg.hidden_size, cfg.target_hidden_size, cfg.num_attention_heads,
@@ -105,7 +116,11 @@ def validate_export(export_dir: str | Path) -> None:
             problems.append(f"{name} has shape {tuple(tensors[name].shape)}, expected {shape}")
     for name in sorted(set(tensors) - set(expected)):
         problems.append(f"unexpected tensor {name} (the embedding must not be exported)")
-    if "d2t" in tensors and "t2d" in tensors:
+    if tensors.get("d2t") is not None and tensors["d2t"].dtype != torch.int64:
+        problems.append(f"d2t has dtype {tensors['d2t'].dtype}, expected int64")
+    if tensors.get("t2d") is not None and tensors["t2d"].dtype != torch.bool:
+        problems.append(f"t2d has dtype {tensors['t2d'].dtype}, expected bool")
+    if not problems:  # vocab map semantics only once shapes and dtypes are right
         used = torch.arange(cfg.draft_vocab_size) + tensors["d2t"]
         if used.min() < 0 or used.max() >= cfg.vocab_size or not bool(torch.all(used[1:] > used[:-1])):
             problems.append("d2t does not map draft ids to strictly increasing target ids")

@@ -43,9 +43,9 @@ def save_checkpoint(run_dir: Path, step: int, draft, optimizer, scheduler, extra
     root = Path(run_dir) / "checkpoints"
     root.mkdir(parents=True, exist_ok=True)
     final = root / f"{PREFIX}{step:08d}"
+    for stale in root.glob(f".tmp-{PREFIX}*"):  # left by a save that was interrupted
+        shutil.rmtree(stale, ignore_errors=True)
     tmp = root / f".tmp-{PREFIX}{step:08d}-{os.getpid()}"
-    if tmp.exists():
-        shutil.rmtree(tmp)
     tmp.mkdir()
     save_file(draft_state(draft), tmp / "draft.safetensors")
     opt_tensors, opt_meta = optimizer_tensors(optimizer)
@@ -56,9 +56,13 @@ def save_checkpoint(run_dir: Path, step: int, draft, optimizer, scheduler, extra
     for f in tmp.iterdir():
         with open(f, "rb") as fh:
             os.fsync(fh.fileno())
-    if final.exists():
-        shutil.rmtree(final)
-    os.replace(tmp, final)
+    if final.exists():  # re-saving a step: move the old one aside so a crash never leaves neither
+        old = root / f".tmp-old-{final.name}-{os.getpid()}"
+        os.replace(final, old)
+        os.replace(tmp, final)
+        shutil.rmtree(old, ignore_errors=True)
+    else:
+        os.replace(tmp, final)
     _fsync_dir(root)
     for old in list_checkpoints(run_dir)[:-keep] if keep > 0 else []:
         shutil.rmtree(old, ignore_errors=True)

@@ -12,7 +12,7 @@ def build_optimizer(params, lr: float, betas, weight_decay: float) -> torch.opti
 
 def warmup_cosine(total_steps: int, warmup_ratio: float):
     """LR multiplier for step s (0-based): linear warmup over ceil(ratio*total), then cosine to 0."""
-    warmup = max(1, math.ceil(warmup_ratio * total_steps)) if warmup_ratio > 0 else 0
+    warmup = max(1, math.ceil(round(warmup_ratio * total_steps, 6))) if warmup_ratio > 0 else 0  # 0.07*100 != 7.0
 
     def factor(step: int) -> float:
         if step < warmup:

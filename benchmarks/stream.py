@@ -1,0 +1,283 @@
+"""Streaming throughput: is online training as fast as its slower half?
+
+One run, one data set, one plan of train batches, three phases:
+
+  A  target only   SGLang target in its own process -> shared-memory stream -> the consumer only
+                   copies each batch into memory (kept for B) and releases the slot.
+  B  trainer only  the DraftTrainer steps (make_batch + train_micro + optimizer_step) over the
+                   tensors kept in A; no target process is running.
+  C  online        a fresh draft and optimizer, the target streaming and the trainer consuming,
+                   pipelined exactly as `run_training` does it.
+
+Prints tokens / seconds / tokens/s per phase and `online / min(target_only, trainer_only)`
+(goal >= 0.95), and writes everything as JSON. No assertion on any number.
+
+    .venv/bin/python benchmarks/stream.py [--target smollm2|tiny_deepseek] [--samples 48] ...
+
+Token accounting (identical in all three phases): a phase is a loop over the plan; for each
+item the consumer receives the batch (A, C: from the stream; B: from memory) and processes it.
+The clock starts when item 0 has been processed and stops when the last item has been
+processed; the tokens are those of items 1..N-1. Item 0 is thereby excluded from both the
+numerator and the denominator: in A and C it carries the engine start-up, in B and C the
+trainer's first-step warm-up (optimizer state allocation, allocator growth). The time to the
+first batch is reported on its own. One bias remains and is reported: in C the target keeps
+producing while the trainer handles item 0, so up to `stream_slots` batches may already be
+waiting when the clock starts (`ready_at_start`); this flatters C only when the target is the
+bottleneck, by at most that many batches.
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import os
+import platform
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+from specforge_k25.config import JobConfig
+from specforge_k25.draft.model import Eagle3Draft
+from specforge_k25.draft.vocab import build_vocab_maps, count_tokens
+from specforge_k25.stream.producer import TargetSpec, TargetStream
+from specforge_k25.target.hf_config import load_embedding_and_head
+from specforge_k25.train.loop import RunSetup, build_plan, prepare
+from specforge_k25.train.optim import build_optimizer, build_scheduler
+from specforge_k25.train.step import DraftTrainer
+
+GOAL = 0.95
+DEFAULT_OUT = Path(__file__).resolve().parent / "results" / "stream.json"
+
+
+# ------------------------------------------------------------------------------------ setup
+def parse_args(argv=None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p.add_argument("--target", choices=["smollm2", "tiny_deepseek"], default="smollm2", help="embedded target")
+    p.add_argument("--samples", type=int, default=48, help="training conversations (one epoch, no evals)")
+    p.add_argument("--max-length", type=int, default=256, help="tokens per sample")
+    p.add_argument("--batch-size", type=int, default=2, help="sequences per target batch = per micro-batch")
+    p.add_argument("--threads", type=int, default=1,
+                   help="CPU threads per process: the target process and the trainer get this many each")
+    p.add_argument("--vocab", type=int, default=4096, help="draft vocabulary size")
+    p.add_argument("--out", type=Path, default=DEFAULT_OUT, help="JSON result file")
+    return p.parse_args(argv)
+
+
+def build_job(args) -> JobConfig:
+    job = JobConfig()
+    job.target.name = job.target.builtin = args.target
+    job.target.end_of_turn_token = "<|im_end|>"  # as conf/target/*.yaml (both targets use SmolLM2's ChatML)
+    job.data.num_samples = args.samples
+    job.data.heldout_samples = 0
+    job.data.max_length = args.max_length
+    job.draft.vocab_size = args.vocab
+    job.hw.target_threads = job.hw.trainer_threads = args.threads
+    job.train.batch_size = args.batch_size
+    job.train.grad_accum = 1
+    job.train.epochs = 1
+    job.train.max_steps = None
+    job.train.eval_every = None
+    job.train.logger = "none"
+    job.train.progress = False
+    return job
+
+
+class TrainerFactory:
+    """Builds a fresh draft + optimizer + scheduler + DraftTrainer exactly as `run_training`
+    does (same seed, target embedding, vocab maps from the training split)."""
+
+    def __init__(self, job: JobConfig, setup: RunSetup, steps: int):
+        self.job, self.setup, self.steps = job, setup, steps
+        self.d2t, self.t2d = build_vocab_maps(count_tokens(setup.data.train, setup.info.vocab_size),
+                                              setup.draft_cfg.draft_vocab_size)
+        self.embed, lm_head = load_embedding_and_head(setup.model_path)
+        self.lm_head = lm_head.to(torch.float32)
+
+    def __call__(self) -> DraftTrainer:
+        tr = self.job.train
+        torch.manual_seed(tr.seed)
+        draft = Eagle3Draft(self.setup.draft_cfg)
+        with torch.no_grad():
+            draft.embed_tokens.weight.copy_(self.embed.float())
+            draft.d2t.copy_(self.d2t)
+            draft.t2d.copy_(self.t2d)
+        optimizer = build_optimizer(draft.trainable_parameters(), tr.lr, tr.betas, tr.weight_decay)
+        scheduler = build_scheduler(optimizer, self.steps, tr.warmup_ratio)
+        return DraftTrainer(draft, self.lm_head, optimizer, scheduler, ttt_length=tr.ttt_length,
+                            loss_decay=tr.loss_decay, grad_accum=tr.grad_accum, grad_clip=tr.grad_clip,
+                            teacher_chunk=tr.teacher_chunk, autocast_bf16=self.job.hw.autocast == "bf16")
+
+
+def make_stream(job: JobConfig, setup: RunSetup, plan: list[list[int]]) -> TargetStream:
+    spec = TargetSpec(engine="sglang", model_path=setup.model_path, architecture=setup.info.architecture,
+                      capture_points=setup.capture_points, device=job.hw.device, dtype=job.hw.target_dtype,
+                      tp_size=job.hw.target_tp, gpu_id=job.hw.target_gpu, max_total_tokens=job.hw.max_total_tokens,
+                      mem_fraction_static=job.hw.mem_fraction_static, num_threads=job.hw.target_threads,
+                      trust_remote_code=job.target.trust_remote_code)
+    return TargetStream(spec, [s.input_ids for s in setup.data.train], plan, hidden_size=setup.info.hidden_size,
+                        slots=job.train.stream_slots, timeout_s=job.train.stream_timeout_s,
+                        dtype=getattr(torch, job.hw.target_dtype), device="cpu")
+
+
+# ------------------------------------------------------------------------------------ timing
+class PhaseClock:
+    """Per-item completion times; the steady-state window is item 0 done -> last item done."""
+
+    def __init__(self, name: str):
+        self.name = name
+        self.t_begin = time.perf_counter()  # phase start (process spawn for A and C)
+        self.done: list[float] = []  # perf_counter when each item was fully processed
+        self.tokens: list[int] = []
+
+    def item_done(self, tokens: int) -> None:
+        self.done.append(time.perf_counter())
+        self.tokens.append(tokens)
+
+    def result(self, **extra) -> dict:
+        n = len(self.done)
+        window = self.done[-1] - self.done[0] if n > 1 else float("nan")
+        tokens = sum(self.tokens[1:])
+        per_item = [b - a for a, b in zip(self.done, self.done[1:])]
+        return {
+            "items": n, "tokens": tokens, "seconds": window,
+            "tokens_per_s": tokens / window if n > 1 and window > 0 else float("nan"),
+            "first_item_s": self.done[0] - self.t_begin if n else float("nan"),
+            "first_item_tokens": self.tokens[0] if n else 0,
+            "item_s_median": sorted(per_item)[len(per_item) // 2] if per_item else float("nan"),
+            "item_s_max": max(per_item) if per_item else float("nan"),
+            **extra,
+        }
+
+
+def phase_target_only(job, setup, plan) -> tuple[dict, list]:
+    """A: the consumer only copies the two views and releases the slot."""
+    kept = []
+    stream = make_stream(job, setup, plan)
+    clock = PhaseClock("target_only")
+    with stream:
+        for msg, aux, final in stream:
+            kept.append((list(msg.lengths), aux.clone(), final.clone()))
+            stream.release(msg)
+            clock.item_done(sum(msg.lengths))
+    return clock.result(stream_wait_s=stream.wait_s), kept
+
+
+def phase_trainer_only(factory, setup, plan, kept) -> dict:
+    """B: the same trainer steps as online, over the tensors kept in A."""
+    trainer = factory()
+    clock = PhaseClock("trainer_only")
+    for ids, (lengths, aux, final) in zip(plan, kept):
+        batch = trainer.make_batch([setup.data.train[i] for i in ids], lengths, aux, final)
+        trainer.train_micro(batch)
+        trainer.optimizer_step()
+        clock.item_done(batch.num_tokens)
+    return clock.result()
+
+
+def phase_online(job, factory, setup, plan) -> dict:
+    """C: as `run_training` (grad_accum 1, no evals, no checkpoints, no logging)."""
+    trainer = factory()
+    stream = make_stream(job, setup, plan)
+    clock = PhaseClock("online")
+    wait_at_start = ready_at_start = None
+    with stream:
+        for (msg, aux, final), ids in zip(stream, plan):
+            batch = trainer.make_batch([setup.data.train[i] for i in ids], msg.lengths, aux, final)
+            stream.release(msg)
+            trainer.train_micro(batch)
+            trainer.optimizer_step()
+            clock.item_done(batch.num_tokens)
+            if wait_at_start is None:  # the steady-state window opens now
+                wait_at_start, ready_at_start = stream.wait_s, stream.depth()
+    res = clock.result(ready_at_start=ready_at_start)
+    # wait_s also counts the final EndOfStream read, which falls after the window; nearly zero
+    res["stream_wait_s"] = stream.wait_s - wait_at_start
+    res["stream_wait_frac"] = res["stream_wait_s"] / res["seconds"]
+    return res
+
+
+# ------------------------------------------------------------------------------------ report
+def machine_info(args) -> dict:
+    model = next((ln.split(":", 1)[1].strip() for ln in Path("/proc/cpuinfo").read_text().splitlines()
+                  if ln.startswith("model name")), platform.processor()) if Path("/proc/cpuinfo").exists() else ""
+    return {
+        "cpu_count": os.cpu_count(),
+        "cpu_affinity": len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else None,
+        "cpu_model": model, "platform": platform.platform(), "python": sys.version.split()[0],
+        "torch": torch.__version__, "trainer_torch_threads": torch.get_num_threads(),
+        "target_threads": args.threads,
+    }
+
+
+def print_table(phases: dict, ratio: float, bottleneck: str) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    table = Table(title="stream throughput (steady state: items 1..N-1)")
+    for col, just in [("phase", "left"), ("items", "right"), ("tokens", "right"), ("seconds", "right"),
+                      ("tokens/s", "right"), ("s/item (median)", "right"), ("first item s", "right")]:
+        table.add_column(col, justify=just)
+    for name, r in phases.items():
+        table.add_row(name, str(r["items"]), str(r["tokens"]), f"{r['seconds']:.2f}", f"{r['tokens_per_s']:.1f}",
+                      f"{r['item_s_median']:.3f}", f"{r['first_item_s']:.2f}")
+    console = Console(width=max(110, Console().width))
+    console.print(table)
+    c = phases["online"]
+    mark = "meets" if ratio >= GOAL else "BELOW"
+    console.print(f"online / min(target_only, trainer_only) = {ratio:.3f}  ({mark} goal {GOAL}; "
+                  f"slower half: {bottleneck})")
+    console.print(f"online stream wait fraction = {c['stream_wait_frac']:.3f}  "
+                  f"(batches ready when the window opened: {c['ready_at_start']})")
+
+
+def main(argv=None) -> dict:
+    args = parse_args(argv)
+    job = build_job(args)
+    torch.set_num_threads(job.hw.trainer_threads)  # the trainer (this process); the target gets hw.target_threads
+    t0 = time.perf_counter()
+    setup = prepare(job)
+    plan_items, steps = build_plan(len(setup.data.train), 0, batch_size=job.train.batch_size, grad_accum=1,
+                                   epochs=1, max_steps=None, eval_every=None, seed=job.train.seed)
+    plan = [p.sample_ids for p in plan_items]
+    factory = TrainerFactory(job, setup, steps)
+    print(f"target {job.target.name} ({setup.info.architecture}, hidden {setup.info.hidden_size}); "
+          f"{len(setup.data.train)} samples, {len(plan)} batches of {job.train.batch_size}, "
+          f"{sum(len(s.input_ids) for s in setup.data.train)} tokens; threads {args.threads}+{args.threads}; "
+          f"prepared in {time.perf_counter() - t0:.1f} s", flush=True)
+
+    print("A: target only ...", flush=True)
+    target_only, kept = phase_target_only(job, setup, plan)
+    print("B: trainer only ...", flush=True)
+    trainer_only = phase_trainer_only(factory, setup, plan, kept)
+    del kept
+    print("C: online ...", flush=True)
+    online = phase_online(job, factory, setup, plan)
+
+    phases = {"target_only": target_only, "trainer_only": trainer_only, "online": online}
+    slower = min(("target_only", "trainer_only"), key=lambda k: phases[k]["tokens_per_s"])
+    ratio = online["tokens_per_s"] / phases[slower]["tokens_per_s"]
+    print_table(phases, ratio, slower)
+
+    result = {
+        "benchmark": "stream", "goal": GOAL, "ratio_online_over_min": ratio, "bottleneck": slower,
+        "phases": phases,
+        "accounting": "steady state: clock from item 0 processed to last item processed; tokens of items 1..N-1",
+        "args": {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()},
+        "job": dataclasses.asdict(job),
+        "setup": {"model_path": setup.model_path, "architecture": setup.info.architecture,
+                  "hidden_size": setup.info.hidden_size, "capture_points": setup.capture_points,
+                  "batches": len(plan), "data": setup.data.summary()},
+        "machine": machine_info(args),
+        "total_wall_s": time.perf_counter() - t0,
+    }
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(result, indent=1))
+    print(f"wrote {args.out}")
+    return result
+
+
+if __name__ == "__main__":
+    main()
