@@ -62,6 +62,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--threads", type=int, default=1,
                    help="CPU threads per process: the target process and the trainer get this many each")
     p.add_argument("--vocab", type=int, default=4096, help="draft vocabulary size")
+    p.add_argument("--no-calibrate", action="store_true",
+                   help="skip the ~10 s check of how fast two concurrent compute-bound processes run")
     p.add_argument("--out", type=Path, default=DEFAULT_OUT, help="JSON result file")
     return p.parse_args(argv)
 
@@ -199,6 +201,43 @@ def phase_online(job, factory, setup, plan) -> dict:
     return res
 
 
+# ------------------------------------------------------------------------------ calibration
+def _spin(seconds: float, threads: int, out) -> None:
+    """A compute-bound matmul loop in its own process; reports iterations/s."""
+    torch.set_num_threads(threads)
+    a, b = torch.randn(576, 576), torch.randn(512, 576)
+    b @ a
+    n, t0 = 0, time.perf_counter()
+    while time.perf_counter() - t0 < seconds:
+        b @ a
+        n += 1
+    out.put(n / (time.perf_counter() - t0))
+
+
+def cpu_pair_speed(threads: int, seconds: float = 3.0) -> dict:
+    """How fast two concurrent compute-bound processes run, each relative to one alone.
+
+    1.0: the target and the trainer get independent cores, so online can reach min(both).
+    ~0.5: they share one core's worth of compute (e.g. vCPUs on SMT siblings of a busy host);
+    online then cannot reach min(both) whenever both halves are compute bound.
+    """
+    ctx = torch.multiprocessing.get_context("spawn")
+
+    def run(k: int) -> list[float]:
+        out = ctx.Queue()
+        procs = [ctx.Process(target=_spin, args=(seconds, threads, out)) for _ in range(k)]
+        for p in procs:
+            p.start()
+        rates = [out.get(timeout=120) for _ in procs]
+        for p in procs:
+            p.join()
+        return rates
+
+    alone = run(1)[0]
+    pair = run(2)
+    return {"alone_iters_s": alone, "pair_iters_s": pair, "pair_speed": sum(pair) / len(pair) / alone}
+
+
 # ------------------------------------------------------------------------------------ report
 def machine_info(args) -> dict:
     model = next((ln.split(":", 1)[1].strip() for ln in Path("/proc/cpuinfo").read_text().splitlines()
@@ -212,7 +251,7 @@ def machine_info(args) -> dict:
     }
 
 
-def print_table(phases: dict, ratio: float, bottleneck: str) -> None:
+def print_table(phases: dict, ratio: float, bottleneck: str, calib: dict | None) -> None:
     from rich.console import Console
     from rich.table import Table
 
@@ -231,6 +270,9 @@ def print_table(phases: dict, ratio: float, bottleneck: str) -> None:
                   f"slower half: {bottleneck})")
     console.print(f"online stream wait fraction = {c['stream_wait_frac']:.3f}  "
                   f"(batches ready when the window opened: {c['ready_at_start']})")
+    if calib:
+        console.print(f"two concurrent compute-bound processes each run at {calib['pair_speed']:.2f}x "
+                      f"their solo speed on this machine (1.0 = independent cores)")
 
 
 def main(argv=None) -> dict:
@@ -259,7 +301,8 @@ def main(argv=None) -> dict:
     phases = {"target_only": target_only, "trainer_only": trainer_only, "online": online}
     slower = min(("target_only", "trainer_only"), key=lambda k: phases[k]["tokens_per_s"])
     ratio = online["tokens_per_s"] / phases[slower]["tokens_per_s"]
-    print_table(phases, ratio, slower)
+    calib = None if args.no_calibrate else cpu_pair_speed(args.threads)
+    print_table(phases, ratio, slower, calib)
 
     result = {
         "benchmark": "stream", "goal": GOAL, "ratio_online_over_min": ratio, "bottleneck": slower,
@@ -270,7 +313,7 @@ def main(argv=None) -> dict:
         "setup": {"model_path": setup.model_path, "architecture": setup.info.architecture,
                   "hidden_size": setup.info.hidden_size, "capture_points": setup.capture_points,
                   "batches": len(plan), "data": setup.data.summary()},
-        "machine": machine_info(args),
+        "machine": {**machine_info(args), "cpu_pair_speed": calib},
         "total_wall_s": time.perf_counter() - t0,
     }
     args.out.parent.mkdir(parents=True, exist_ok=True)

@@ -48,14 +48,14 @@ class DataConfig:
     path: Optional[str] = doc(None, "file (jsonl), dataset name/folder (hf); null = the packaged ShareGPT")
     split: str = doc("train", "split name for source=hf")
     max_length: int = doc(256, "tokens per sample; longer conversations are truncated")
-    num_samples: int = doc(400, "training conversations to use")
-    heldout_samples: int = doc(32, "held-out conversations for evaluation (never trained on)")
+    num_samples: int = doc(200, "training conversations to use")
+    heldout_samples: int = doc(20, "held-out conversations for evaluation (never trained on)")
     seed: int = doc(0, "shuffle seed of the train/held-out split")
 
 
 @dataclass
 class DraftConfigSpec:
-    vocab_size: int = doc(8192, "draft vocabulary size Vd (most frequent supervised target tokens)")
+    vocab_size: int = doc(32000, "draft vocabulary size Vd (most frequent supervised target tokens)")
     intermediate_size: Optional[int] = doc(None, "MLP width; null = the target's")
     num_attention_heads: Optional[int] = doc(None, "null = the target's (text) attention heads")
     num_key_value_heads: Optional[int] = doc(None, "null = the target's KV heads")

@@ -57,6 +57,8 @@ def _producer_main(spec: TargetSpec, tokens: torch.Tensor, offsets: torch.Tensor
     try:
         target = build_target(spec)
         torch.set_num_threads(spec.num_threads)
+        stage = "engine warmup"
+        target.warmup()
         io = psutil.Process().io_counters
         ready_bytes = io().write_bytes
         for item, batch in enumerate(plan):

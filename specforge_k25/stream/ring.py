@@ -27,7 +27,7 @@ class SlotMessage:
 @dataclass
 class EndOfStream:
     produced: int
-    startup_write_bytes: int  # bytes the target process wrote to storage before its first batch (/proc/self/io)
+    startup_write_bytes: int  # bytes the target process wrote before its first batch (/proc/self/io): compile caches, temp probes
     streaming_write_bytes: int  # ... from its first batch to its last (hidden states would show up here)
 
 

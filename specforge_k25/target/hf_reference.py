@@ -22,5 +22,8 @@ class HFTarget:
             final.append(out.last_hidden_state[0])  # [T, Ht], post-norm
         return TargetOutput(torch.cat(aux), torch.cat(final), [len(s) for s in sequences])
 
+    def warmup(self) -> None:
+        pass
+
     def close(self) -> None:
         pass

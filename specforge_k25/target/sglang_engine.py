@@ -130,5 +130,12 @@ class SGLangTarget:
             raise RuntimeError(f"captured {aux_hidden.shape[-1] // final_hidden.shape[-1]} of 3 aux hidden states")
         return TargetOutput(aux_hidden, final_hidden, [len(s) for s in sequences])
 
+    def warmup(self) -> None:
+        """Two small forwards (a static then a dynamic shape), so that SGLang's torch.compile'd
+        pieces (DeepSeek's MoE gating) compile now, writing their cache (~/.cache/sglang/inductor),
+        rather than during the first real batches."""
+        for n in (8, 24):
+            self.forward([torch.arange(1, n + 1, dtype=torch.int64)])
+
     def close(self) -> None:
         self._runner.clear()

@@ -45,6 +45,7 @@ def print_summary(summary: dict, ttt_length: int) -> None:
     table.add_row("  trainer writes: checkpoints / other (smallest batch)",
                   f"{disk['trainer_checkpoint_bytes']} / {disk['trainer_other_write_bytes']} "
                   f"({disk['smallest_batch_hidden_state_bytes']})")
+    table.add_row("  target startup writes (compile cache, temp probes)", str(disk["target_startup_write_bytes"]))
     table.add_row("checkpoint", summary["checkpoint"])
     table.add_row("export (SGLang/vLLM)", summary["export"])
     table.add_row("wall time (s)", f"{summary['total_wall_s']:.0f}")
@@ -66,7 +67,11 @@ def main(cfg) -> None:
 if __name__ == "__main__":
     if "--help" in sys.argv or "-h" in sys.argv:
         print(__doc__)
-        print("Config groups: hw=cpu|rtxpro6000x8|b300x8  target=smollm2|tiny_deepseek  data=sharegpt  train=cpu_default\n")
+        groups = sorted(p for p in Path(CONF_DIR).iterdir() if p.is_dir())
+        print("Config groups (hw is added with +hw=NAME; the others replace the default with group=NAME):")
+        for group in groups:
+            print(f"  {group.name:<8} " + " | ".join(sorted(f.stem for f in group.glob("*.yaml"))))
+        print()
         print("Fields (override as group.field=value):")
         print("\n".join(describe()))
         sys.exit(0)
