@@ -271,8 +271,8 @@ def print_table(phases: dict, ratio: float, bottleneck: str, calib: dict | None)
     console.print(f"online stream wait fraction = {c['stream_wait_frac']:.3f}  "
                   f"(batches ready when the window opened: {c['ready_at_start']})")
     if calib:
-        console.print(f"two concurrent compute-bound processes each run at {calib['pair_speed']:.2f}x "
-                      f"their solo speed on this machine (1.0 = independent cores)")
+        console.print(f"cpu pair speed = {calib['pair_speed']:.2f}  (two concurrent compute-bound processes, "
+                      f"each vs. alone; 1.0 = independent cores)")
 
 
 def main(argv=None) -> dict:

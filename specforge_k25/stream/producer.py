@@ -57,6 +57,11 @@ def _producer_main(spec: TargetSpec, tokens: torch.Tensor, offsets: torch.Tensor
     try:
         target = build_target(spec)
         torch.set_num_threads(spec.num_threads)
+        pool = getattr(target, "max_total_tokens", None)  # SGLang sizes its KV pool from free memory at start
+        largest = max((int(sum(offsets[i + 1] - offsets[i] for i in b)) for b in plan), default=0)
+        if pool is not None and largest > pool:
+            raise ValueError(f"the largest batch has {largest} tokens but the engine's KV pool holds {pool}: "
+                             f"lower train.batch_size or data.max_length, or raise hw.mem_fraction_static")
         stage = "engine warmup"
         target.warmup()
         io = psutil.Process().io_counters
