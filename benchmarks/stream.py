@@ -39,12 +39,8 @@ from pathlib import Path
 import torch
 
 from specforge_k25.config import JobConfig
-from specforge_k25.draft.model import Eagle3Draft
-from specforge_k25.draft.vocab import build_vocab_maps, count_tokens
-from specforge_k25.stream.producer import TargetSpec, TargetStream
-from specforge_k25.target.hf_config import load_embedding_and_head
-from specforge_k25.train.loop import RunSetup, build_plan, prepare
-from specforge_k25.train.optim import build_optimizer, build_scheduler
+from specforge_k25.stream.producer import TargetStream
+from specforge_k25.train.loop import RunSetup, build_plan, build_trainer, make_target_stream, prepare
 from specforge_k25.train.step import DraftTrainer
 
 GOAL = 0.95
@@ -88,40 +84,17 @@ def build_job(args) -> JobConfig:
 
 
 class TrainerFactory:
-    """Builds a fresh draft + optimizer + scheduler + DraftTrainer exactly as `run_training`
-    does (same seed, target embedding, vocab maps from the training split)."""
+    """A fresh trainer per phase, built by `build_trainer` exactly as `run_training` does."""
 
     def __init__(self, job: JobConfig, setup: RunSetup, steps: int):
         self.job, self.setup, self.steps = job, setup, steps
-        self.d2t, self.t2d = build_vocab_maps(count_tokens(setup.data.train, setup.info.vocab_size),
-                                              setup.draft_cfg.draft_vocab_size)
-        self.embed, lm_head = load_embedding_and_head(setup.model_path)
-        self.lm_head = lm_head.to(torch.float32)
 
     def __call__(self) -> DraftTrainer:
-        tr = self.job.train
-        torch.manual_seed(tr.seed)
-        draft = Eagle3Draft(self.setup.draft_cfg)
-        with torch.no_grad():
-            draft.embed_tokens.weight.copy_(self.embed.float())
-            draft.d2t.copy_(self.d2t)
-            draft.t2d.copy_(self.t2d)
-        optimizer = build_optimizer(draft.trainable_parameters(), tr.lr, tr.betas, tr.weight_decay)
-        scheduler = build_scheduler(optimizer, self.steps, tr.warmup_ratio)
-        return DraftTrainer(draft, self.lm_head, optimizer, scheduler, ttt_length=tr.ttt_length,
-                            loss_decay=tr.loss_decay, grad_accum=tr.grad_accum, grad_clip=tr.grad_clip,
-                            teacher_chunk=tr.teacher_chunk, autocast_bf16=self.job.hw.autocast == "bf16")
+        return build_trainer(self.job, self.setup, self.steps, torch.device("cpu"))
 
 
 def make_stream(job: JobConfig, setup: RunSetup, plan: list[list[int]]) -> TargetStream:
-    spec = TargetSpec(engine="sglang", model_path=setup.model_path, architecture=setup.info.architecture,
-                      capture_points=setup.capture_points, device=job.hw.device, dtype=job.hw.target_dtype,
-                      tp_size=job.hw.target_tp, gpu_id=job.hw.target_gpu, max_total_tokens=job.hw.max_total_tokens,
-                      mem_fraction_static=job.hw.mem_fraction_static, num_threads=job.hw.target_threads,
-                      trust_remote_code=job.target.trust_remote_code)
-    return TargetStream(spec, [s.input_ids for s in setup.data.train], plan, hidden_size=setup.info.hidden_size,
-                        slots=job.train.stream_slots, timeout_s=job.train.stream_timeout_s,
-                        dtype=getattr(torch, job.hw.target_dtype), device="cpu")
+    return make_target_stream(job, setup, setup.data.train, plan)
 
 
 # ------------------------------------------------------------------------------------ timing

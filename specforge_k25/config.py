@@ -84,6 +84,7 @@ class TrainConfig:
     eval_every: Optional[int] = doc(None, "optimizer steps between held-out evaluations (null: start and end only)")
     checkpoint_every: Optional[int] = doc(None, "optimizer steps between checkpoints (null: end only)")
     keep_checkpoints: int = doc(2, "checkpoints kept on disk")
+    resume: str = doc("none", "none | auto (newest complete checkpoint in out_dir) | a checkpoint folder")
     seed: int = doc(0, "seed of draft init and sample order")
     out_dir: Optional[str] = doc(None, "run folder (checkpoints, export); null = Hydra's output dir")
     logger: str = doc("wandb", "wandb | none")

@@ -5,6 +5,8 @@ batches, and notices within `poll_s` + `timeout_s` if the process dies or stalls
 from __future__ import annotations
 
 import os
+import signal
+import sys
 import time
 import traceback
 from dataclasses import dataclass
@@ -50,8 +52,22 @@ def build_target(spec: TargetSpec):
     raise ValueError(f"target engine {spec.engine!r}: expected sglang or hf")
 
 
-def _producer_main(spec: TargetSpec, tokens: torch.Tensor, offsets: torch.Tensor, plan: list, ring: SlotRing):
+def _die_with_parent() -> None:
+    """Linux: have the kernel SIGKILL this process when the trainer dies, even by SIGKILL (no orphans)."""
+    if sys.platform.startswith("linux"):
+        import ctypes
+
+        PR_SET_PDEATHSIG = 1
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
+
+
+def _producer_main(spec: TargetSpec, tokens: torch.Tensor, offsets: torch.Tensor, plan: list, ring: SlotRing,
+                   parent_pid: int):
     """Entry point of the target process. tokens: all sequences concatenated; offsets [N+1]."""
+    _die_with_parent()
+    if os.getppid() != parent_pid:  # the trainer died before prctl took effect
+        return
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the whole group: the trainer decides
     torch.set_num_threads(spec.num_threads)
     stage = "engine start"
     try:
@@ -79,7 +95,11 @@ def _producer_main(spec: TargetSpec, tokens: torch.Tensor, offsets: torch.Tensor
 
 
 class StreamError(RuntimeError):
-    pass
+    """The target process failed, died or stalled."""
+
+
+class StreamInterrupted(RuntimeError):
+    """`should_stop()` turned true while waiting for the target (e.g. a SIGTERM flag)."""
 
 
 class TargetStream:
@@ -104,10 +124,11 @@ class TargetStream:
         self.process = None
         self.wait_s = 0.0  # trainer time spent waiting for the target
         self.target_io: EndOfStream | None = None  # the target's own write counters, sent at its end
+        self.should_stop = lambda: False  # polled while waiting; True -> StreamInterrupted
 
     def start(self) -> "TargetStream":
         self.process = self.ctx.Process(
-            target=_producer_main, args=(self.spec, self.tokens, self.offsets, self.plan, self.ring),
+            target=_producer_main, args=(self.spec, self.tokens, self.offsets, self.plan, self.ring, os.getpid()),
             name="specforge-target", daemon=True,
         )
         # The target process writes nothing to disk, not even bytecode caches, so its I/O
@@ -152,6 +173,8 @@ class TargetStream:
                     msg = self.ring.get(timeout=self.poll_s)
                 except Exception:  # queue.Empty
                     waited += self.poll_s
+                    if self.should_stop():
+                        raise StreamInterrupted("stop requested while waiting for the target") from None
                     if not self.process.is_alive():
                         raise StreamError(
                             f"target process {self.process.name} (pid {self.process.pid}) died with exit code "
@@ -176,9 +199,21 @@ class TargetStream:
         return self.ring.depth()
 
     def close(self) -> None:
-        if self.process is not None and self.process.is_alive():
-            self.process.terminate()
-            self.process.join(timeout=10)
-            if self.process.is_alive():
-                self.process.kill()
-                self.process.join(timeout=5)
+        """Stop the target process and anything it started (no orphans)."""
+        if self.process is None or not self.process.is_alive():
+            return
+        try:
+            children = psutil.Process(self.process.pid).children(recursive=True)
+        except psutil.Error:
+            children = []
+        self.process.terminate()
+        self.process.join(timeout=10)
+        if self.process.is_alive():
+            self.process.kill()
+            self.process.join(timeout=5)
+        for child in children:
+            try:
+                child.kill()
+            except psutil.Error:
+                pass
+        psutil.wait_procs(children, timeout=5)

@@ -24,6 +24,7 @@ from __future__ import annotations
 import importlib.abc
 import importlib.util
 import importlib.machinery
+import logging
 import os
 import sys
 import types
@@ -105,6 +106,10 @@ def apply(mla_fix: bool = True) -> None:
 
     if importlib.util.find_spec("sgl_kernel") is None or os.environ.get("SPECFORGE_FORCE_SGL_KERNEL_STAND_IN"):
         sys.meta_path.insert(0, _StandInFinder())
+        # With the stand-in, model files that need kernels absent on CPU fail to import, which
+        # SGLang already skips -- but with one WARNING line per model (~20 lines of noise).
+        for name in ("sglang.srt.models.registry", "sglang.srt.managers.multimodal_processor"):
+            logging.getLogger(name).setLevel(logging.ERROR)
     if mla_fix:
         handler = sys.modules.get(_MlaRoutingFinder.TARGET)
         if handler is not None:

@@ -15,7 +15,6 @@ SGLang internals touched (all in this file, covered by tests/test_target.py):
 """
 from __future__ import annotations
 
-import os
 from array import array
 
 import torch

@@ -56,11 +56,20 @@ def print_summary(summary: dict, ttt_length: int) -> None:
 def main(cfg) -> None:
     from hydra.core.hydra_config import HydraConfig
 
-    from .loop import run_training
+    from ..stream.producer import StreamError
+    from .loop import TrainingInterrupted, run_training
 
     job: JobConfig = OmegaConf.to_object(cfg)
     run_dir = job.train.out_dir or HydraConfig.get().runtime.output_dir
-    summary = run_training(job, run_dir)
+    try:
+        summary = run_training(job, run_dir)
+    except TrainingInterrupted as stop:
+        print(f"\n{stop}\nresume with: python -m specforge_k25.train train.resume=auto train.out_dir={run_dir} "
+              f"(plus the same overrides)", file=sys.stderr)
+        sys.exit(128 + stop.signum)
+    except StreamError as err:
+        print(f"\ntarget engine failure: {err}", file=sys.stderr)
+        sys.exit(1)
     print_summary(summary, job.train.ttt_length)
 
 

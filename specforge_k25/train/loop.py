@@ -7,7 +7,9 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import hashlib
 import random
+import signal
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -21,11 +23,11 @@ from ..data.dataset import TokenizedData, build_dataset
 from ..draft.model import DraftConfig, Eagle3Draft
 from ..draft.vocab import build_vocab_maps, count_tokens
 from ..export.serving import export_draft
-from ..stream.producer import TargetSpec, TargetStream
+from ..stream.producer import StreamError, StreamInterrupted, TargetSpec, TargetStream
 from ..target.base import TargetInfo
 from ..target.hf_config import load_embedding_and_head, read_target_info
 from ..target.layers import default_capture_points, layer_id_rule, sglang_layer_ids, validate_capture_points
-from .checkpoint import save_checkpoint
+from .checkpoint import list_checkpoints, load_checkpoint, save_checkpoint
 from .metrics import MetricsLogger, TTTStats
 from .optim import build_optimizer, build_scheduler
 from .step import DraftTrainer
@@ -189,9 +191,112 @@ def print_plan(job: JobConfig, setup: RunSetup, plan: list[PlanItem], steps: int
     print("\n".join(lines), flush=True)
 
 
+# --------------------------------------------------------------------------------- builders
+def build_trainer(job: JobConfig, setup: RunSetup, steps: int, device: torch.device) -> DraftTrainer:
+    """A fresh draft (target embedding, vocab maps from the training split only), AdamW and schedule."""
+    tr = job.train
+    torch.manual_seed(tr.seed)
+    d2t, t2d = build_vocab_maps(count_tokens(setup.data.train, setup.info.vocab_size), setup.draft_cfg.draft_vocab_size)
+    embed, lm_head = load_embedding_and_head(setup.model_path)
+    draft = Eagle3Draft(setup.draft_cfg)
+    with torch.no_grad():
+        draft.embed_tokens.weight.copy_(embed.float())
+        draft.d2t.copy_(d2t)
+        draft.t2d.copy_(t2d)
+    draft.to(device)
+    optimizer = build_optimizer(draft.trainable_parameters(), tr.lr, tr.betas, tr.weight_decay)
+    scheduler = build_scheduler(optimizer, steps, tr.warmup_ratio)
+    return DraftTrainer(draft, lm_head.to(device, torch.float32), optimizer, scheduler, ttt_length=tr.ttt_length,
+                        loss_decay=tr.loss_decay, grad_accum=tr.grad_accum, grad_clip=tr.grad_clip,
+                        teacher_chunk=tr.teacher_chunk, autocast_bf16=job.hw.autocast == "bf16")
+
+
+def make_target_stream(job: JobConfig, setup: RunSetup, samples, plan: list[list[int]],
+                       engine: str = "sglang") -> TargetStream:
+    """The target process over `plan` (lists of indices into `samples`), not yet started."""
+    spec = TargetSpec(engine=engine, model_path=setup.model_path, architecture=setup.info.architecture,
+                      capture_points=setup.capture_points, device=job.hw.device, dtype=job.hw.target_dtype,
+                      tp_size=job.hw.target_tp, gpu_id=job.hw.target_gpu, max_total_tokens=job.hw.max_total_tokens,
+                      mem_fraction_static=job.hw.mem_fraction_static, num_threads=job.hw.target_threads,
+                      trust_remote_code=job.target.trust_remote_code)
+    return TargetStream(spec, [s.input_ids for s in samples], plan, hidden_size=setup.info.hidden_size,
+                        slots=job.train.stream_slots, timeout_s=job.train.stream_timeout_s,
+                        dtype=getattr(torch, job.hw.target_dtype),
+                        device="cpu" if job.hw.device == "cpu" else f"cuda:{job.hw.target_gpu}")
+
+
 # ------------------------------------------------------------------------------------- run
+class TrainingInterrupted(RuntimeError):
+    """SIGTERM/SIGINT: a checkpoint was saved and the target stopped."""
+
+    def __init__(self, signum: int, checkpoint: Path | None):
+        super().__init__(f"stopped by {signal.Signals(signum).name}; checkpoint: {checkpoint}")
+        self.signum, self.checkpoint = signum, checkpoint
+
+
+class _StopOnSignal:
+    """Turns the first SIGTERM/SIGINT into a flag checked at safe points; a second one acts as usual."""
+
+    def __init__(self):
+        self.signum: int | None = None
+        self._previous = {}
+
+    def __enter__(self):
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            self._previous[sig] = signal.signal(sig, self._handle)
+        return self
+
+    def _handle(self, signum, frame):
+        self.signum = signum
+        signal.signal(signum, self._previous.get(signum, signal.SIG_DFL))
+
+    def __exit__(self, *exc):
+        for sig, handler in self._previous.items():
+            signal.signal(sig, handler)
+
+    def requested(self) -> bool:
+        return self.signum is not None
+
+
+def run_fingerprint(job: JobConfig, setup: RunSetup, n_plan: int) -> dict:
+    """What a checkpoint must agree with to be resumed: target, draft shape, data, schedule."""
+    digest = hashlib.sha1()
+    for s in setup.data.train:
+        digest.update(s.input_ids.numpy().tobytes())
+        digest.update(s.loss_mask.numpy().tobytes())
+    return {
+        "target_architecture": setup.info.architecture, "target_layers": setup.info.num_layers,
+        "target_hidden": setup.info.hidden_size, "target_vocab": setup.info.vocab_size,
+        "capture_points": list(setup.capture_points), "draft": dataclasses.asdict(setup.draft_cfg),
+        "train_data_sha1": digest.hexdigest(), "plan_items": n_plan, "seed": job.train.seed,
+        "batch_size": job.train.batch_size, "grad_accum": job.train.grad_accum, "ttt_length": job.train.ttt_length,
+    }
+
+
+def find_resume_checkpoint(resume: str, run_dir: Path) -> Path | None:
+    if resume in ("none", "", None):
+        return None
+    if resume == "auto":
+        found = list_checkpoints(run_dir)
+        return found[-1] if found else None
+    path = Path(resume)
+    if not (path / "state.json").is_file():
+        raise FileNotFoundError(f"train.resume={resume}: not a checkpoint folder (no state.json)")
+    return path
+
+
+def check_fingerprint(saved: dict, current: dict, checkpoint: Path) -> None:
+    diffs = [f"{k}: checkpoint {saved.get(k)!r} vs now {v!r}" for k, v in current.items() if saved.get(k) != v]
+    if diffs:
+        raise ValueError(f"cannot resume from {checkpoint}: it belongs to a different run\n  " + "\n  ".join(diffs))
+
+
 def run_training(job: JobConfig, run_dir: str | Path, engine: str = "sglang") -> dict:
-    """Train a draft online and export it. Returns the summary (also written to summary.json)."""
+    """Train a draft online and export it. Returns the summary (also written to summary.json).
+
+    Raises TrainingInterrupted (after saving) on SIGTERM/SIGINT, and StreamError (after saving)
+    when the target process fails, dies or stalls.
+    """
     run_dir = Path(run_dir)
     run_dir.mkdir(parents=True, exist_ok=True)
     t_start = time.perf_counter()
@@ -202,62 +307,67 @@ def run_training(job: JobConfig, run_dir: str | Path, engine: str = "sglang") ->
     setup = prepare(job)
     device = torch.device("cuda", job.hw.trainer_gpu) if job.hw.device == "cuda" else torch.device("cpu")
 
-    # draft vocab from the training split only (never the held-out split)
-    d2t, t2d = build_vocab_maps(count_tokens(setup.data.train, setup.info.vocab_size), setup.draft_cfg.draft_vocab_size)
-    embed, lm_head = load_embedding_and_head(setup.model_path)
-    draft = Eagle3Draft(setup.draft_cfg)
-    with torch.no_grad():
-        draft.embed_tokens.weight.copy_(embed.float())
-        draft.d2t.copy_(d2t)
-        draft.t2d.copy_(t2d)
-    draft.to(device)
-    lm_head = lm_head.to(device, torch.float32)
-
     plan, steps = build_plan(len(setup.data.train), len(setup.data.heldout), batch_size=tr.batch_size,
                              grad_accum=tr.grad_accum, epochs=tr.epochs, max_steps=tr.max_steps,
                              eval_every=tr.eval_every, seed=tr.seed)
+    trainer = build_trainer(job, setup, steps, device)
+    draft, optimizer, scheduler = trainer.draft, trainer.optimizer, trainer.scheduler
+    fingerprint = run_fingerprint(job, setup, len(plan))
+    # progress at the last optimizer-step boundary: what a checkpoint records and a resume restores
+    boundary = {"step": 0, "micro_batches": 0, "plan_item": 0, "tokens_trained": 0, "samples_trained": 0}
+    evals: dict[str, dict] = {}
+    resume_from = find_resume_checkpoint(tr.resume, run_dir)
+    if resume_from is not None:
+        state = load_checkpoint(resume_from, draft, optimizer, scheduler)  # weights, Adam, LR, RNG, vocab maps
+        check_fingerprint(state.get("fingerprint", {}), fingerprint, resume_from)
+        boundary = {k: state[k] for k in boundary}
+        evals = state.get("evals", {})
+        print(f"resuming from {resume_from} at optimizer step {boundary['step']} (plan item {boundary['plan_item']})")
+    start_item = boundary["plan_item"]
     print_plan(job, setup, plan, steps, draft, run_dir)
-    optimizer = build_optimizer(draft.trainable_parameters(), tr.lr, tr.betas, tr.weight_decay)
-    scheduler = build_scheduler(optimizer, steps, tr.warmup_ratio)
     logger = MetricsLogger(tr.logger, project=tr.wandb_project, mode=tr.wandb_mode, run_dir=str(run_dir),
                            config={"job": dataclasses.asdict(job), "capture_points": setup.capture_points})
-    trainer = DraftTrainer(draft, lm_head, optimizer, scheduler, ttt_length=tr.ttt_length, loss_decay=tr.loss_decay,
-                           grad_accum=tr.grad_accum, grad_clip=tr.grad_clip, teacher_chunk=tr.teacher_chunk,
-                           autocast_bf16=job.hw.autocast == "bf16")
-
     samples = setup.data.train + setup.data.heldout
-    spec = TargetSpec(engine=engine, model_path=setup.model_path, architecture=setup.info.architecture,
-                      capture_points=setup.capture_points, device=job.hw.device, dtype=job.hw.target_dtype,
-                      tp_size=job.hw.target_tp, gpu_id=job.hw.target_gpu, max_total_tokens=job.hw.max_total_tokens,
-                      mem_fraction_static=job.hw.mem_fraction_static, num_threads=job.hw.target_threads,
-                      trust_remote_code=job.target.trust_remote_code)
-    stream = TargetStream(spec, [s.input_ids for s in samples], [p.sample_ids for p in plan],
-                          hidden_size=setup.info.hidden_size, slots=tr.stream_slots, timeout_s=tr.stream_timeout_s,
-                          dtype=getattr(torch, job.hw.target_dtype),
-                          device="cpu" if job.hw.device == "cpu" else f"cuda:{job.hw.target_gpu}")
-    evals: dict[str, dict] = {}
+    stop = _StopOnSignal()
+    stream = make_target_stream(job, setup, samples, [p.sample_ids for p in plan[start_item:]], engine)
+    stream.should_stop = stop.requested
     eval_stats: TTTStats | None = None
     train_stats = TTTStats()
-    step = micro = tokens_trained = samples_trained = tokens_streamed = 0
+    step, micro = boundary["step"], boundary["micro_batches"]
+    tokens_trained, samples_trained = boundary["tokens_trained"], boundary["samples_trained"]
+    session_tokens = tokens_streamed = 0
     ckpt_path = None
     artifact_bytes = 0  # bytes of checkpoints and export the trainer wrote (to separate them from anything else)
-    bar = tqdm(total=steps, desc="train", unit="step", disable=not tr.progress, dynamic_ncols=True)
+    bar = tqdm(total=steps, initial=step, desc="train", unit="step", disable=not tr.progress, dynamic_ncols=True)
     t_train = None  # set at the first training batch: throughput excludes engine start and the first eval
     wait_at_train_start = 0.0
     io = psutil.Process().io_counters
+
+    def save(plan_item_done: bool = False) -> Path:
+        nonlocal ckpt_path, artifact_bytes
+        extra = {**boundary, "evals": evals, "fingerprint": fingerprint}
+        if plan_item_done:
+            extra["plan_item"] = len(plan)
+        ckpt_path = save_checkpoint(run_dir, boundary["step"], draft, optimizer, scheduler, extra, tr.keep_checkpoints)
+        artifact_bytes += _allocated_bytes(ckpt_path)
+        return ckpt_path
+
     try:
-        with stream:
+        with stop, stream:
             trainer_io_start = io().write_bytes
-            for (msg, aux_packed, final_packed), item in zip(stream, plan):
+            for (msg, aux_packed, final_packed), index in zip(stream, range(start_item, len(plan))):
+                item = plan[index]
                 batch = trainer.make_batch([samples[i] for i in item.sample_ids], msg.lengths, aux_packed, final_packed)
                 stream.release(msg)  # the slot is free for the target's next batch
                 tokens_streamed += batch.num_tokens
+                if stop.requested():
+                    raise TrainingInterrupted(stop.signum, None)
                 if item.kind == "eval":
                     eval_stats = eval_stats or TTTStats()
                     eval_stats.add(trainer.evaluate(batch))
                     continue
                 if eval_stats is not None:  # an evaluation just ended
-                    tag = _finish_eval(evals, eval_stats, plan, msg.item, logger, step)
+                    tag = _finish_eval(evals, eval_stats, plan, index, logger, step)
                     eval_stats = None
                     bar.write(f"eval[{tag}] " + _eval_line(evals[tag], tr.ttt_length))
 
@@ -267,44 +377,57 @@ def run_training(job: JobConfig, run_dir: str | Path, engine: str = "sglang") ->
                 train_stats.add(res)
                 micro += 1
                 tokens_trained += batch.num_tokens
+                session_tokens += batch.num_tokens
                 samples_trained += len(item.sample_ids)
                 if micro % tr.grad_accum:
                     continue
                 grad_norm = trainer.optimizer_step()
                 step += 1
+                boundary = {"step": step, "micro_batches": micro, "plan_item": index + 1,
+                            "tokens_trained": tokens_trained, "samples_trained": samples_trained}
                 elapsed = time.perf_counter() - t_train
                 summary = train_stats.summary("train")
-                bar.set_postfix(tok_s=f"{tokens_trained / elapsed:.0f}", loss=f"{res.loss.item():.3f}",
+                bar.set_postfix(tok_s=f"{session_tokens / elapsed:.0f}", loss=f"{res.loss.item():.3f}",
                                 acc0=f"{summary.get('train/acc_0', 0):.2f}", q=stream.depth())
                 bar.update(1)
                 if step % tr.log_every == 0 or step == steps:
                     logger.log({**summary, "train/loss": res.loss.item(), "train/grad_norm": grad_norm,
-                                "train/lr": scheduler.get_last_lr()[0], "perf/tokens_per_s": tokens_trained / elapsed,
+                                "train/lr": scheduler.get_last_lr()[0], "perf/tokens_per_s": session_tokens / elapsed,
                                 "stream/depth": stream.depth(), "stream/wait_frac": stream.wait_s / elapsed}, step)
                     train_stats = TTTStats()
                 if tr.checkpoint_every and step % tr.checkpoint_every == 0 and step < steps:
-                    ckpt_path = save_checkpoint(run_dir, step, draft, optimizer, scheduler,
-                                                {"micro_batches": micro, "plan_item": msg.item}, tr.keep_checkpoints)
-                    artifact_bytes += _allocated_bytes(ckpt_path)
+                    save()
             if eval_stats is not None:
                 tag = _finish_eval(evals, eval_stats, plan, len(plan) - 1, logger, step)
                 bar.write(f"eval[{tag}] " + _eval_line(evals[tag], tr.ttt_length))
             trainer_written = io().write_bytes - trainer_io_start
         bar.close()
-        train_wall = time.perf_counter() - t_train
-        wait_frac = (stream.wait_s - wait_at_train_start) / train_wall
-        ckpt_path = save_checkpoint(run_dir, step, draft, optimizer, scheduler,
-                                    {"micro_batches": micro, "plan_item": len(plan)}, tr.keep_checkpoints)
+        save(plan_item_done=True)
         export_dir = export_draft(draft.cpu(), run_dir / "export", setup.eagle_layer_ids,
                                   setup.info.bos_token_id, setup.info.eos_token_id)
+    except (TrainingInterrupted, StreamInterrupted):
+        bar.close()
+        stream.close()
+        path = save()
+        logger.close()
+        raise TrainingInterrupted(stop.signum or signal.SIGTERM, path) from None
+    except StreamError as err:
+        bar.close()
+        stream.close()
+        path = save()
+        logger.close()
+        raise StreamError(f"{err}\nprogress saved: {path} (resume with train.resume=auto train.out_dir={run_dir})") from None
     finally:
         bar.close()
         stream.close()
+    train_wall = time.perf_counter() - t_train if t_train else float("nan")
+    wait_frac = (stream.wait_s - wait_at_train_start) / train_wall
     elem_bytes = torch.finfo(getattr(torch, job.hw.target_dtype)).bits // 8
     smallest_batch = min(sum(len(samples[i].input_ids) for i in p.sample_ids) for p in plan)
     summary = {
         "target": job.target.name, "steps": step, "samples_trained": samples_trained, "tokens_trained": tokens_trained,
-        "train_wall_s": round(train_wall, 1), "tokens_per_s": round(tokens_trained / train_wall, 1),
+        "resumed_from": str(resume_from) if resume_from else None,
+        "train_wall_s": round(train_wall, 1), "tokens_per_s": round(session_tokens / train_wall, 1),
         "stream_wait_frac": round(wait_frac, 3), "total_wall_s": round(time.perf_counter() - t_start, 1),
         "eval": evals, "data": setup.data.summary(),
         # Measured from the processes' I/O counters (/proc/<pid>/io write_bytes) over the streaming

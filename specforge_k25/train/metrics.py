@@ -12,7 +12,9 @@ Metric glossary (also the wandb panel names):
 """
 from __future__ import annotations
 
-import torch
+import json
+from pathlib import Path
+
 
 from ..draft.loss import TTTResult, simulated_acceptance_length
 
@@ -47,8 +49,12 @@ class TTTStats:
 
 
 class MetricsLogger:
+    """wandb (or nothing) plus, always, `<run_dir>/metrics.jsonl`: one JSON line per log call,
+    appended and flushed, so a killed run keeps its history and a resumed run continues it."""
+
     def __init__(self, kind: str, *, project: str, mode: str, run_dir: str, config: dict):
         self.run = None
+        self._jsonl = open(Path(run_dir) / "metrics.jsonl", "a", encoding="utf-8")
         if kind == "wandb":
             import wandb
 
@@ -60,6 +66,8 @@ class MetricsLogger:
             raise ValueError(f"train.logger={kind!r}: expected wandb or none")
 
     def log(self, metrics: dict, step: int) -> None:
+        self._jsonl.write(json.dumps({"optimizer_step": step, **metrics}) + "\n")
+        self._jsonl.flush()
         if self.run is not None:
             self.run.log({**metrics, "optimizer_step": step})
 
@@ -70,5 +78,7 @@ class MetricsLogger:
                     self.run.summary[k] = v
 
     def close(self) -> None:
+        self._jsonl.close()
         if self.run is not None:
             self.run.finish()
+            self.run = None
