@@ -109,7 +109,8 @@ def test_killed_engine_is_reported_and_progress_saved(tmp_path):
     proc = subprocess.Popen(_cmd(run_dir, "train.stream_timeout_s=30"), stdout=subprocess.DEVNULL,
                             stderr=subprocess.PIPE, text=True, env=_env())
     _wait_for(lambda: _steps_logged(run_dir) >= 1, proc)
-    target = next(c for c in psutil.Process(proc.pid).children(recursive=True) if "python" in c.name().lower())
+    # the target is the spawned worker (not multiprocessing's resource tracker)
+    target = next(c for c in psutil.Process(proc.pid).children() if "spawn_main" in " ".join(c.cmdline()))
     target.kill()
     killed = time.monotonic()
     proc.wait(timeout=120)

@@ -93,7 +93,7 @@ def test_engine_start_failure_names_the_stage(tmp_path, tiny_deepseek_path):
 def test_stalled_target_times_out(tiny_deepseek_path):
     spec, info = _spec(tiny_deepseek_path)
     stream = TargetStream(spec, _seqs(3, info.vocab_size), [[0], [1], [2]], hidden_size=info.hidden_size,
-                          timeout_s=1.0, poll_s=0.2)
+                          timeout_s=1.0, start_timeout_s=1.0, poll_s=0.2)
     with pytest.raises(StreamError, match="produced nothing"):
         with stream:
             os.kill(stream.process.pid, signal.SIGSTOP)  # alive but frozen

@@ -112,9 +112,12 @@ class TargetStream:
     """
 
     def __init__(self, spec: TargetSpec, sequences: list[torch.Tensor], plan: list[list[int]], *,
-                 hidden_size: int, slots: int = 3, timeout_s: float = 600.0, poll_s: float = 1.0,
+                 hidden_size: int, slots: int = 3, timeout_s: float = 600.0, start_timeout_s: float = 3600.0,
+                 poll_s: float = 1.0,
                  dtype: torch.dtype = torch.float32, device: str = "cpu"):
-        self.spec, self.plan, self.timeout_s, self.poll_s = spec, plan, timeout_s, poll_s
+        self.spec, self.plan, self.poll_s = spec, plan, poll_s
+        self.timeout_s, self.start_timeout_s = timeout_s, start_timeout_s  # between batches / until the first
+        self._received_any = False
         lengths = torch.tensor([len(s) for s in sequences], dtype=torch.int64)
         self.offsets = torch.cat([torch.zeros(1, dtype=torch.int64), lengths.cumsum(0)])
         self.tokens = torch.cat(sequences) if sequences else torch.zeros(0, dtype=torch.int64)
@@ -180,12 +183,15 @@ class TargetStream:
                             f"target process {self.process.name} (pid {self.process.pid}) died with exit code "
                             f"{self.process.exitcode} and sent no error"
                         ) from None
-                    if waited >= self.timeout_s:
+                    limit, knob = ((self.timeout_s, "train.stream_timeout_s") if self._received_any
+                                   else (self.start_timeout_s, "train.engine_start_timeout_s"))
+                    if waited >= limit:
                         raise StreamError(
                             f"target process {self.process.name} (pid {self.process.pid}) produced nothing "
-                            f"for {waited:.0f} s (train.stream_timeout_s)"
+                            f"for {waited:.0f} s ({knob})"
                         ) from None
                     continue
+                self._received_any = True
                 if isinstance(msg, ProducerFailed):
                     raise StreamError(f"target process {self.process.name} failed during {msg.where}:\n{msg.error}")
                 return msg

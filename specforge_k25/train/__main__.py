@@ -70,6 +70,9 @@ def main(cfg) -> None:
     except StreamError as err:
         print(f"\ntarget engine failure: {err}", file=sys.stderr)
         sys.exit(1)
+    except (ValueError, FileNotFoundError) as err:  # configuration / data problems found before training
+        print(f"\nerror: {err}", file=sys.stderr)
+        sys.exit(2)
     print_summary(summary, job.train.ttt_length)
 
 

@@ -76,10 +76,15 @@ def list_checkpoints(run_dir: Path) -> list[Path]:
     return sorted(p for p in root.iterdir() if p.is_dir() and p.name.startswith(PREFIX) and (p / "state.json").is_file())
 
 
+def read_state(path: Path) -> dict:
+    """A checkpoint's state.json (step, plan cursor, fingerprint, ...) without loading tensors."""
+    return json.loads((Path(path) / "state.json").read_text())
+
+
 def load_checkpoint(path: Path, draft, optimizer=None, scheduler=None) -> dict:
     """Restore into existing objects; returns state.json's content."""
     path = Path(path)
-    state = json.loads((path / "state.json").read_text())
+    state = read_state(path)
     missing, unexpected = draft.load_state_dict(load_file(path / "draft.safetensors"), strict=False)
     missing = [k for k in missing if not k.startswith("embed_tokens.")]
     if missing or unexpected:

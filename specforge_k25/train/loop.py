@@ -27,7 +27,7 @@ from ..stream.producer import StreamError, StreamInterrupted, TargetSpec, Target
 from ..target.base import TargetInfo
 from ..target.hf_config import load_embedding_and_head, read_target_info
 from ..target.layers import default_capture_points, layer_id_rule, sglang_layer_ids, validate_capture_points
-from .checkpoint import list_checkpoints, load_checkpoint, save_checkpoint
+from .checkpoint import list_checkpoints, load_checkpoint, read_state, save_checkpoint
 from .metrics import MetricsLogger, TTTStats
 from .optim import build_optimizer, build_scheduler
 from .step import DraftTrainer
@@ -221,6 +221,7 @@ def make_target_stream(job: JobConfig, setup: RunSetup, samples, plan: list[list
                       trust_remote_code=job.target.trust_remote_code)
     return TargetStream(spec, [s.input_ids for s in samples], plan, hidden_size=setup.info.hidden_size,
                         slots=job.train.stream_slots, timeout_s=job.train.stream_timeout_s,
+                        start_timeout_s=job.train.engine_start_timeout_s,
                         dtype=getattr(torch, job.hw.target_dtype),
                         device="cpu" if job.hw.device == "cpu" else f"cuda:{job.hw.target_gpu}")
 
@@ -318,8 +319,8 @@ def run_training(job: JobConfig, run_dir: str | Path, engine: str = "sglang") ->
     evals: dict[str, dict] = {}
     resume_from = find_resume_checkpoint(tr.resume, run_dir)
     if resume_from is not None:
+        check_fingerprint(read_state(resume_from).get("fingerprint", {}), fingerprint, resume_from)
         state = load_checkpoint(resume_from, draft, optimizer, scheduler)  # weights, Adam, LR, RNG, vocab maps
-        check_fingerprint(state.get("fingerprint", {}), fingerprint, resume_from)
         boundary = {k: state[k] for k in boundary}
         evals = state.get("evals", {})
         print(f"resuming from {resume_from} at optimizer step {boundary['step']} (plan item {boundary['plan_item']})")
