@@ -44,11 +44,15 @@ def build_dataset(
     max_rows_scanned: int | None = None,
     split: str = "train",
     show_progress: bool = True,
+    render=None,
 ) -> TokenizedData:
     """Read rows until `num_samples + heldout_samples` good samples exist (or the source ends).
 
     The held-out split is taken from a seeded shuffle of the good samples, so it never
     overlaps the training split.
+
+    `render`: optional `(messages, max_length) -> Sample` raising `BadRow`, used instead of
+    the chat-template path (`tokenize_conversation`), e.g. `kimi_format.kimi_renderer(...)`.
     """
     want = num_samples + heldout_samples
     samples: list[Sample] = []
@@ -60,8 +64,11 @@ def build_dataset(
             break
         rows += 1
         try:
-            messages = normalize_row(row)
-            sample = tokenize_conversation(tokenizer, messages, max_length, end_of_turn_id)
+            messages = normalize_row(row, agentic=render is not None)
+            if render is not None:
+                sample = render(messages, max_length)
+            else:
+                sample = tokenize_conversation(tokenizer, messages, max_length, end_of_turn_id)
         except BadRow as bad:
             skipped[bad.reason] += 1
             continue

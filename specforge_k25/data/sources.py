@@ -135,12 +135,19 @@ def iter_source(kind: str, path: str | None, split: str = "train") -> Iterator[o
         raise ValueError(f"data.source={kind!r}: expected one of sharegpt, jsonl, hf")
 
 
-def normalize_row(row: object) -> list[dict[str, str]]:
+def _check_text(text: str) -> None:
+    if "\ufffd" in text or any(0xD800 <= ord(c) <= 0xDFFF for c in text):
+        raise BadRow("invalid_unicode")
+
+
+def normalize_row(row: object, agentic: bool = False) -> list[dict]:
     """One raw row -> messages. Accepts `messages` (OpenAI) or `conversations` (ShareGPT).
 
     Leading assistant turns and a trailing user turn are dropped (nothing to learn from
     them); unknown roles, non-string or empty content and rows without an assistant turn
-    raise `BadRow`.
+    raise `BadRow`. With `agentic=True` (renderers that understand them, e.g. Kimi's), `tool`
+    turns are kept and assistant turns keep `reasoning_content` and `tool_calls` (their
+    content may then be empty).
     """
     if isinstance(row, BadRow):
         raise row
@@ -155,15 +162,31 @@ def normalize_row(row: object) -> list[dict[str, str]]:
             raise BadRow("turn_not_an_object")
         role = turn.get("role", turn.get("from"))
         content = turn.get("content", turn.get("value"))
-        if not isinstance(role, str) or role.lower() not in ROLE_ALIASES:
+        if not isinstance(role, str):
             raise BadRow("unknown_role")
+        role = "tool" if agentic and role.lower() == "tool" else ROLE_ALIASES.get(role.lower())
+        if role is None:
+            raise BadRow("unknown_role")
+        if content is None and agentic and turn.get("tool_calls"):
+            content = ""
         if not isinstance(content, str):
             raise BadRow("non_string_content")
-        if not content.strip():
+        _check_text(content)
+        message = {"role": role, "content": content}
+        if agentic and role == "assistant":
+            reasoning = turn.get("reasoning_content")
+            if reasoning is not None:
+                if not isinstance(reasoning, str):
+                    raise BadRow("non_string_content")
+                _check_text(reasoning)
+                message["reasoning_content"] = reasoning
+            if turn.get("tool_calls") is not None:
+                if not isinstance(turn["tool_calls"], list):
+                    raise BadRow("malformed_tool_calls")
+                message["tool_calls"] = turn["tool_calls"]
+        if not content.strip() and not message.get("tool_calls"):
             raise BadRow("empty_turn")
-        if "\ufffd" in content or any(0xD800 <= ord(c) <= 0xDFFF for c in content):
-            raise BadRow("invalid_unicode")
-        messages.append({"role": ROLE_ALIASES[role.lower()], "content": content})
+        messages.append(message)
     while messages and messages[0]["role"] == "assistant":
         messages.pop(0)
     while messages and messages[-1]["role"] != "assistant":
