@@ -1,16 +1,64 @@
 """HF transformers implementation of `TargetEngine`: the independent reference for tests."""
 from __future__ import annotations
 
+import json
+import logging
+import re
+from pathlib import Path
+
 import torch
 
 from .base import TargetOutput
 
+# Multimodal wrappers whose text backbone is a plain causal LM stored under a weight prefix.
+_TEXT_BACKBONE_PREFIX = {"KimiK25ForConditionalGeneration": "language_model."}
+_NON_TEXT_PREFIXES = ("vision_tower.", "mm_projector.")
+
+
+def load_text_model(model_path: str, dtype: torch.dtype = torch.float32):
+    """The target's text causal LM in HF transformers (`.model` = decoder, `.lm_head`).
+
+    For Kimi-K2.5 (`KimiK25ForConditionalGeneration`) this is a `DeepseekV3ForCausalLM` built
+    from `text_config`, loaded from the `language_model.`-prefixed weights (the vision tower and
+    projector weights are skipped). Nothing of SGLang's is used, so it stays an independent reference.
+    """
+    from transformers import AutoModelForCausalLM
+
+    config = json.loads(Path(model_path, "config.json").read_text())
+    architecture = (config.get("architectures") or [None])[0]
+    prefix = _TEXT_BACKBONE_PREFIX.get(architecture)
+    if prefix is None:
+        return AutoModelForCausalLM.from_pretrained(model_path, dtype=dtype).eval()
+
+    from transformers import DeepseekV3Config, DeepseekV3ForCausalLM
+
+    text = dict(config["text_config"])
+    # Published Kimi copies name the text model_type `kimi_k2`; its schema is DeepSeek-V3's.
+    text.pop("model_type", None)
+    text_config = DeepseekV3Config(**text)
+    # The vision weights are expected leftovers; transformers would print them as a load-report
+    # table, so it is silenced here and the load is checked strictly instead.
+    hf_logger = logging.getLogger("transformers.modeling_utils")
+    level = hf_logger.level
+    hf_logger.setLevel(logging.ERROR)
+    try:
+        model, info = DeepseekV3ForCausalLM.from_pretrained(
+            model_path, config=text_config, dtype=dtype, output_loading_info=True,
+            key_mapping={"^" + re.escape(prefix): ""},
+        )
+    finally:
+        hf_logger.setLevel(level)
+    missing = sorted(info["missing_keys"]) + [k[0] for k in info["mismatched_keys"]]
+    foreign = sorted(k for k in info["unexpected_keys"] if not k.startswith(_NON_TEXT_PREFIXES))
+    if missing or foreign:
+        raise RuntimeError(f"{model_path}: text model did not load cleanly from {prefix!r} weights "
+                           f"(missing/mismatched: {missing[:8]}, unexpected: {foreign[:8]})")
+    return model.eval()
+
 
 class HFTarget:
     def __init__(self, model_path: str, capture_points: list[int], dtype: torch.dtype = torch.float32):
-        from transformers import AutoModelForCausalLM
-
-        self.model = AutoModelForCausalLM.from_pretrained(model_path, dtype=dtype).eval()
+        self.model = load_text_model(model_path, dtype)
         self.capture_points = list(capture_points)
 
     @torch.no_grad()

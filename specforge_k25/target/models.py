@@ -1,6 +1,7 @@
-"""Targets that exist without a hub: the packaged SmolLM2 and a tiny DeepSeek-V3 built on the fly.
+"""Targets that exist without a hub: the packaged SmolLM2, and a tiny DeepSeek-V3 and a tiny
+Kimi-K2.5-shaped model (a tiny DeepSeek-V3 text model in Kimi's multimodal layout), built on the fly.
 
-Both are materialised once as HF-format folders in a cache outside git
+All are materialised once as HF-format folders in a cache outside git
 (`$SPECFORGE_CACHE`, default `~/.cache/specforge_k25`), written atomically (tmp dir + rename).
 """
 from __future__ import annotations
@@ -108,6 +109,128 @@ def tiny_deepseek_path(tokenizer_from: Path, num_layers: int = 8, hidden_size: i
             if name_.endswith("e_score_correction_bias"):
                 torch.nn.init.uniform_(p, -0.1, 0.1)
         model.save_pretrained(out, safe_serialization=True)
+        tokenizer.save_pretrained(out)
+
+    return _atomic_build(cache_root() / "models" / name, build)
+
+
+def tiny_kimi_vision_config(text_hidden_size: int) -> dict:
+    """A tiny MoonViT + projector for SGLang 0.5.23's `KimiK25ForConditionalGeneration`.
+
+    SGLang always builds the vision tower and projector from `vision_config` (absent, it builds
+    the full 27-layer, 1152-wide MoonViT), so the tiny checkpoint carries a 1-block, 16-wide one.
+    SGLang's tower reads `hidden_size`, `num_hidden_layers`, `num_attention_heads`,
+    `intermediate_size`; its projector reads `vt_hidden_size` and `text_hidden_size`; the `vt_*`
+    duplicates are given for both spellings. The tower never runs for text-only requests.
+    """
+    return dict(
+        patch_size=14, init_pos_emb_height=4, init_pos_emb_width=4, init_pos_emb_time=4,
+        pos_emb_type="divided_fixed", num_attention_heads=2, num_hidden_layers=1, hidden_size=16,
+        intermediate_size=32, vt_num_attention_heads=2, vt_num_hidden_layers=1, vt_hidden_size=16,
+        vt_intermediate_size=32, merge_kernel_size=[2, 2], video_attn_type="spatial_temporal",
+        merge_type="sd2_tpool", mm_projector_type="patchmerger", mm_hidden_size=16,
+        projector_hidden_act="gelu", projector_ln_eps=1e-5, text_hidden_size=text_hidden_size,
+    )
+
+
+def _tiny_vision_weights(vision: dict, generator) -> dict:
+    """Random MoonViT/projector tensors under the checkpoint names Kimi-K2.5 uses
+    (`vision_tower.encoder.blocks.N.wqkv`, `mm_projector.proj.0`, ...), which SGLang remaps."""
+    import torch
+
+    h, mlp, p = vision["vt_hidden_size"], vision["vt_intermediate_size"], vision["patch_size"]
+    merged = h * vision["merge_kernel_size"][0] * vision["merge_kernel_size"][1]
+    text = vision["text_hidden_size"]
+
+    def rnd(*shape):
+        return (torch.randn(*shape, generator=generator) * 0.02).float()
+
+    w = {
+        "vision_tower.patch_embed.proj.weight": rnd(h, 3, p, p),
+        "vision_tower.patch_embed.proj.bias": rnd(h),
+        "vision_tower.patch_embed.pos_emb.weight": rnd(vision["init_pos_emb_height"], vision["init_pos_emb_width"], h),
+        "vision_tower.encoder.final_layernorm.weight": torch.ones(h),
+        "vision_tower.encoder.final_layernorm.bias": torch.zeros(h),
+        "mm_projector.pre_norm.weight": torch.ones(h),
+        "mm_projector.pre_norm.bias": torch.zeros(h),
+        "mm_projector.proj.0.weight": rnd(merged, merged),
+        "mm_projector.proj.0.bias": rnd(merged),
+        "mm_projector.proj.2.weight": rnd(text, merged),
+        "mm_projector.proj.2.bias": rnd(text),
+    }
+    for i in range(vision["vt_num_hidden_layers"]):
+        b = f"vision_tower.encoder.blocks.{i}."
+        w.update({
+            b + "norm0.weight": torch.ones(h), b + "norm0.bias": torch.zeros(h),
+            b + "norm1.weight": torch.ones(h), b + "norm1.bias": torch.zeros(h),
+            b + "wqkv.weight": rnd(3 * h, h), b + "wqkv.bias": rnd(3 * h),
+            b + "wo.weight": rnd(h, h), b + "wo.bias": rnd(h),
+            b + "mlp.fc0.weight": rnd(mlp, h), b + "mlp.fc0.bias": rnd(mlp),
+            b + "mlp.fc1.weight": rnd(h, mlp), b + "mlp.fc1.bias": rnd(h),
+        })
+    return w
+
+
+def tiny_kimi_k25_path(tokenizer_from: Path, num_layers: int = 8, hidden_size: int = 128, seed: int = 0) -> Path:
+    """A random tiny `KimiK25ForConditionalGeneration` checkpoint, laid out like Kimi-K2.5's.
+
+    - config.json: `model_type` kimi_k25, `architectures` [KimiK25ForConditionalGeneration],
+      `text_config` = the tiny DeepSeek-V3 (MLA + MoE + YaRN) of `tiny_deepseek_path` with the
+      same sizes and seed, `vision_config` = `tiny_kimi_vision_config` (1 block, 16 wide).
+    - weights: the text model under `language_model.` (`language_model.model.embed_tokens.weight`,
+      `language_model.lm_head.weight`, ...), plus tiny vision tower / projector weights.
+    - tokenizer: `tokenizer_from`'s (SmolLM2's), not Kimi's tiktoken one. Kimi's media token ids
+      (163602..163605) do not exist in this vocab; `media_placeholder_token_id` points at the last
+      id, which only matters for requests that carry images (never ours).
+    """
+    name = f"tiny-kimi-k25-L{num_layers}-H{hidden_size}-s{seed}"
+
+    def build(out: Path):
+        import json
+
+        import torch
+        from safetensors.torch import load_file, save_file
+        from transformers import AutoTokenizer, DeepseekV3ForCausalLM
+
+        tokenizer = AutoTokenizer.from_pretrained(tokenizer_from)
+        # Kimi-K2.5 has no MTP layer (DeepseekV3Config's default says 1).
+        text_config = tiny_deepseek_config(len(tokenizer), num_layers, hidden_size,
+                                           bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,
+                                           pad_token_id=tokenizer.pad_token_id, num_nextn_predict_layers=0)
+        torch.manual_seed(seed)
+        text_config.initializer_range = 0.08
+        model = DeepseekV3ForCausalLM(text_config).to(torch.float32)
+        for name_, p in model.named_parameters():
+            if name_.endswith("e_score_correction_bias"):
+                torch.nn.init.uniform_(p, -0.1, 0.1)
+        # save_pretrained writes the on-disk (per-expert) layout that checkpoints use; re-key it.
+        text_dir = out / "_text"
+        model.save_pretrained(text_dir, safe_serialization=True)
+        weights = {}
+        for file in sorted(text_dir.glob("*.safetensors")):
+            weights.update({"language_model." + k: v for k, v in load_file(file).items()})
+        text_dict = json.loads((text_dir / "config.json").read_text())
+        shutil.rmtree(text_dir)
+
+        vision = tiny_kimi_vision_config(hidden_size)
+        weights.update(_tiny_vision_weights(vision, torch.Generator().manual_seed(seed + 1)))
+        save_file({k: v.contiguous() for k, v in weights.items()}, out / "model.safetensors", metadata={"format": "pt"})
+
+        config = {
+            "architectures": ["KimiK25ForConditionalGeneration"],
+            "model_type": "kimi_k25",
+            "text_config": text_dict,
+            "vision_config": vision,
+            "media_placeholder_token_id": len(tokenizer) - 1,
+            "ignore_index": -100,
+            "pad_token_id": tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0,
+            "bos_token_id": tokenizer.bos_token_id,
+            "eos_token_id": tokenizer.eos_token_id,
+            "tie_word_embeddings": False,
+            "use_unified_vision_chunk": False,
+            "torch_dtype": "float32",
+        }
+        (out / "config.json").write_text(json.dumps(config, indent=2) + "\n")
         tokenizer.save_pretrained(out)
 
     return _atomic_build(cache_root() / "models" / name, build)

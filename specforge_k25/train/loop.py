@@ -26,7 +26,13 @@ from ..export.serving import export_draft
 from ..stream.producer import StreamError, StreamInterrupted, TargetSpec, TargetStream
 from ..target.base import TargetInfo
 from ..target.hf_config import load_embedding_and_head, read_target_info
-from ..target.layers import default_capture_points, layer_id_rule, sglang_layer_ids, validate_capture_points
+from ..target.layers import (
+    DEEPSEEK_RULE,
+    default_capture_points,
+    layer_id_rule,
+    sglang_layer_ids,
+    validate_capture_points,
+)
 from .checkpoint import list_checkpoints, load_checkpoint, read_state, save_checkpoint
 from .metrics import MetricsLogger, TTTStats
 from .optim import build_optimizer, build_scheduler
@@ -56,7 +62,9 @@ def resolve_target_path(job: JobConfig) -> str:
         return str(models.smollm2_path())
     if job.target.builtin == "tiny_deepseek":
         return str(models.tiny_deepseek_path(models.smollm2_path(), job.target.tiny_layers, job.target.tiny_hidden))
-    raise ValueError(f"target.builtin={job.target.builtin!r}: expected smollm2 or tiny_deepseek (or set target.path)")
+    if job.target.builtin == "tiny_kimi":
+        return str(models.tiny_kimi_k25_path(models.smollm2_path(), job.target.tiny_layers, job.target.tiny_hidden))
+    raise ValueError(f"target.builtin={job.target.builtin!r}: expected smollm2, tiny_deepseek or tiny_kimi (or set target.path)")
 
 
 def _text_config_value(model_path: str, key: str):
@@ -70,12 +78,13 @@ def prepare(job: JobConfig) -> RunSetup:
 
     model_path = resolve_target_path(job)
     info = read_target_info(model_path)
-    if info.architecture in ("DeepseekV3ForCausalLM", "DeepseekV2ForCausalLM") and job.hw.device == "cpu":
+    if layer_id_rule(info.architecture) == DEEPSEEK_RULE and job.hw.device == "cpu":  # DeepSeek-V2/V3, Kimi-K2.5
         from transformers import AutoConfig
 
         from ..target.sglang_cpu_compat import check_deepseek_config
 
-        check_deepseek_config(AutoConfig.from_pretrained(model_path))
+        config = AutoConfig.from_pretrained(model_path, trust_remote_code=job.target.trust_remote_code)
+        check_deepseek_config(getattr(config, "text_config", None) or config)
     points = validate_capture_points(job.target.aux_layers or default_capture_points(info.num_layers), info.num_layers)
     eagle_ids = sglang_layer_ids(points, layer_id_rule(info.architecture))
     if job.data.max_length > info.max_position_embeddings:
