@@ -75,8 +75,7 @@ def build_dataset(
         except Exception as err:  # a tokenizer/template failure on one row must not end the run
             skipped[f"render_error:{type(err).__name__}"] += 1
             continue
-        if len(sample.input_ids) == max_length:
-            truncated += 1
+        truncated += sample.truncated
         samples.append(sample)
         bar.update(1)
     bar.close()

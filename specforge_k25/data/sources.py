@@ -113,7 +113,7 @@ def iter_jsonl(path: Path) -> Iterator[object]:
                 continue
             try:
                 yield json.loads(line)
-            except json.JSONDecodeError:
+            except (ValueError, RecursionError):  # JSONDecodeError, over-long ints, absurd nesting
                 yield BadRow("malformed_json")
 
 

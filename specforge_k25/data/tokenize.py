@@ -23,6 +23,7 @@ from .sources import BadRow
 class Sample:
     input_ids: torch.Tensor  # [T] int64
     loss_mask: torch.Tensor  # [T] bool
+    truncated: bool = False  # cut to max_length
 
 
 def _render(tokenizer, messages, add_generation_prompt: bool) -> list[int]:
@@ -36,6 +37,10 @@ def _render(tokenizer, messages, add_generation_prompt: bool) -> list[int]:
 
 def tokenize_conversation(tokenizer, messages, max_length: int, end_of_turn_id: int) -> Sample:
     """messages -> Sample, truncated to `max_length` tokens. Raises `BadRow`."""
+    specials = [t for t in getattr(tokenizer, "all_special_tokens", []) if t]
+    if any(tok in m["content"] for m in messages for tok in specials):
+        # e.g. "<|im_start|>user" inside a reply would forge a header inside the loss mask
+        raise BadRow("special_token_in_text")
     full = _render(tokenizer, messages, add_generation_prompt=False)
     mask = [False] * len(full)
     for i, message in enumerate(messages):
@@ -53,9 +58,10 @@ def tokenize_conversation(tokenizer, messages, max_length: int, end_of_turn_id: 
             raise BadRow("empty_turn")
         for t in range(len(prompt), len(prompt) + n):
             mask[t] = True
-    if len(full) > max_length:
+    truncated = len(full) > max_length
+    if truncated:
         full, mask = full[:max_length], mask[:max_length]
     # A position t is only trainable with t >= 2 (the draft predicts x[t+k+2]).
     if not any(mask[2:]):
         raise BadRow("no_loss_tokens_after_truncation")
-    return Sample(torch.tensor(full, dtype=torch.int64), torch.tensor(mask, dtype=torch.bool))
+    return Sample(torch.tensor(full, dtype=torch.int64), torch.tensor(mask, dtype=torch.bool), truncated)
