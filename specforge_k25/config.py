@@ -28,18 +28,27 @@ class HwConfig:
     mem_fraction_static: float = doc(0.05, "SGLang static memory fraction (weights + KV pool)")
     max_total_tokens: int = doc(16384, "SGLang KV pool size in tokens; bounds tokens per target batch")
     autocast: str = doc("none", "trainer autocast dtype: none | bf16")
+    gpu_memory_mib: int = doc(0, "memory per GPU in MiB as nvidia-smi reports it (memory plan); 0 = not planned")
+    num_gpus: int = doc(1, "GPUs on the node (memory plan)")
+    target_replicas: int = doc(1, "data-parallel target copies; replica r on GPUs target_gpu+r*tp.. (plan only: the loop runs one)")
+    trainer_gpus: Optional[list] = doc(None, "GPU of each data-parallel trainer rank; null = [trainer_gpu] (plan only: the loop runs one)")
+    cuda_context_gib: float = doc(0.75, "memory plan: CUDA context per process per GPU (GiB)")
+    target_runtime_gib: float = doc(2.0, "memory plan: SGLang non-static memory per TP rank: activations, workspaces (GiB)")
+    target_weight_gb: Optional[float] = doc(None, "memory plan: target weight size in GB (all ranks); null = its safetensors files / known default")
 
 
 @dataclass
 class TargetConfig:
     name: str = doc("smollm2", "target name (for logs and checks)")
-    builtin: str = doc("smollm2", "embedded target built locally when path is unset: smollm2 | tiny_deepseek")
+    builtin: str = doc("smollm2", "embedded target built locally when path is unset: smollm2 | tiny_deepseek | tiny_kimi | none")
     path: Optional[str] = doc(None, "HF-format model folder; overrides `builtin`")
     aux_layers: Optional[list] = doc(None, "3 capture points = inputs of these decoder layers; null = [2, L//2, L-3]")
     end_of_turn_token: Optional[str] = doc(None, "token closing an assistant turn; null = tokenizer eos")
     trust_remote_code: bool = doc(False, "pass trust_remote_code to tokenizer and engine (Kimi needs it)")
-    tiny_layers: int = doc(8, "tiny_deepseek: number of decoder layers")
-    tiny_hidden: int = doc(128, "tiny_deepseek: hidden size")
+    chat_format: str = doc("template", "template (the tokenizer's chat template) | kimi (Kimi-K2.5 format, thinking/tools)")
+    chat_mode: str = doc("thinking", "kimi format: the serving mode to train for, thinking | instant")
+    tiny_layers: int = doc(8, "tiny_deepseek / tiny_kimi: number of decoder layers")
+    tiny_hidden: int = doc(128, "tiny_deepseek / tiny_kimi: hidden size")
 
 
 @dataclass

@@ -21,7 +21,7 @@ from safetensors import safe_open
 from specforge_k25.stream.producer import TargetSpec, TargetStream
 from specforge_k25.target.hf_config import load_embedding_and_head, read_target_info
 from specforge_k25.target.hf_reference import HFTarget
-from specforge_k25.target.layers import default_capture_points, layer_id_rule, sglang_layer_ids
+from specforge_k25.target.layers import default_capture_points, layer_id_rule
 
 KIMI = "KimiK25ForConditionalGeneration"
 

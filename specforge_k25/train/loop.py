@@ -21,6 +21,7 @@ from tqdm import tqdm
 from ..config import JobConfig
 from ..data.dataset import TokenizedData, build_dataset
 from ..draft.model import DraftConfig, Eagle3Draft
+from ..plan import check_fits, facts_from_folder, resolve_draft
 from ..draft.vocab import build_vocab_maps, count_tokens
 from ..export.serving import export_draft
 from ..stream.producer import StreamError, StreamInterrupted, TargetSpec, TargetStream
@@ -67,17 +68,17 @@ def resolve_target_path(job: JobConfig) -> str:
     raise ValueError(f"target.builtin={job.target.builtin!r}: expected smollm2, tiny_deepseek or tiny_kimi (or set target.path)")
 
 
-def _text_config_value(model_path: str, key: str):
-    config = json.loads(Path(model_path, "config.json").read_text())
-    return config.get("text_config", config).get(key)
-
-
 def prepare(job: JobConfig) -> RunSetup:
     """Everything decided before any process starts; bad config fails here."""
     from transformers import AutoTokenizer
 
     model_path = resolve_target_path(job)
     info = read_target_info(model_path)
+    facts = facts_from_folder(model_path, job.target.name)
+    check_fits(job, facts)  # memory plan (GPU profiles): refuses with the override that would fit
+    if job.hw.target_replicas > 1 or len(job.hw.trainer_gpus or [job.hw.trainer_gpu]) > 1:
+        raise ValueError("the data-parallel layout (several target replicas / trainer ranks) is planned but not "
+                         "implemented yet: add hw.target_replicas=1 hw.trainer_gpus=null")
     if layer_id_rule(info.architecture) == DEEPSEEK_RULE and job.hw.device == "cpu":  # DeepSeek-V2/V3, Kimi-K2.5
         from transformers import AutoConfig
 
@@ -99,25 +100,20 @@ def prepare(job: JobConfig) -> RunSetup:
     end_of_turn_id = tokenizer.convert_tokens_to_ids(eot) if eot else tokenizer.eos_token_id
     if end_of_turn_id is None or end_of_turn_id == tokenizer.unk_token_id:
         raise ValueError(f"target.end_of_turn_token={eot!r} is not a token of this tokenizer")
+    if job.target.chat_format == "kimi":
+        from ..data.kimi_format import kimi_renderer
+
+        render = kimi_renderer(tokenizer, mode=job.target.chat_mode)
+    elif job.target.chat_format == "template":
+        render = None
+    else:
+        raise ValueError(f"target.chat_format={job.target.chat_format!r}: expected template or kimi")
     data = build_dataset(
         tokenizer, source=job.data.source, path=job.data.path, max_length=job.data.max_length,
         num_samples=job.data.num_samples, heldout_samples=job.data.heldout_samples, end_of_turn_id=end_of_turn_id,
-        seed=job.data.seed, split=job.data.split, show_progress=job.train.progress,
+        seed=job.data.seed, split=job.data.split, show_progress=job.train.progress, render=render,
     )
-    d = job.draft
-    heads = d.num_attention_heads or _text_config_value(model_path, "num_attention_heads")
-    kv_heads = d.num_key_value_heads or _text_config_value(model_path, "num_key_value_heads") or heads
-    if heads % kv_heads:
-        kv_heads = heads
-    draft_cfg = DraftConfig(
-        hidden_size=info.hidden_size,
-        intermediate_size=d.intermediate_size or _text_config_value(model_path, "intermediate_size"),
-        num_attention_heads=heads, num_key_value_heads=kv_heads,
-        head_dim=d.head_dim or info.hidden_size // heads,
-        vocab_size=info.vocab_size, draft_vocab_size=d.vocab_size, target_hidden_size=info.hidden_size,
-        rms_norm_eps=float(_text_config_value(model_path, "rms_norm_eps") or 1e-6), rope_theta=d.rope_theta,
-        max_position_embeddings=d.max_position_embeddings or info.max_position_embeddings,
-    )
+    draft_cfg = resolve_draft(job.draft, facts)
     return RunSetup(model_path, info, points, eagle_ids, tokenizer, data, draft_cfg)
 
 

@@ -1,0 +1,136 @@
+"""`python -m specforge_k25.plan [+hw=...] [target=...] [group.key=value ...]`
+
+Composes the same config as `python -m specforge_k25.train` (conf/ + the typed schema) and prints
+the per-GPU memory budget, the SGLang `mem_fraction_static` it implies and the tokens per
+optimizer step. Starts nothing. Exit status 0 when the run fits, 2 (with the override that would
+fit) when it does not.
+"""
+from __future__ import annotations
+
+import sys
+
+from . import (PHASE_OPT, PHASE_TEACHER, PHASE_TTT, GiB, MemoryPlan, PlanError, check_fits, draft_param_counts, plan_memory, target_facts_for,
+               with_hw_overrides)
+
+
+def compose_job(overrides: list[str]):
+    from hydra import compose, initialize_config_dir
+    from omegaconf import OmegaConf
+
+    from ..train.__main__ import CONF_DIR  # registers the JobConfig schema as `job_schema`
+
+    with initialize_config_dir(config_dir=CONF_DIR, version_base="1.3"):
+        return OmegaConf.to_object(compose(config_name="config", overrides=overrides))
+
+
+def _g(n: int) -> str:
+    return f"{n / GiB:,.2f}"
+
+
+def _ranges(ids: list[int]) -> str:
+    out, start = [], None
+    for i, g in enumerate(ids):
+        if start is None:
+            start = g
+        if i + 1 == len(ids) or ids[i + 1] != g + 1:
+            out.append(str(start) if start == g else f"{start}-{g}")
+            start = None
+    return ",".join(out)
+
+
+def render(job, plan: MemoryPlan) -> None:
+    from rich.console import Console
+    from rich.markup import escape
+    from rich.table import Table
+
+    console = Console(width=max(Console().width, 140))
+    hw, f, d = job.hw, plan.facts, plan.draft
+    console.print(f"[bold]memory plan[/bold]  hw={hw.name} ({hw.num_gpus} GPUs x {hw.gpu_memory_mib} MiB = "
+                  f"{_g(hw.gpu_memory_mib << 20)} GiB)  target={f.name} ({f.num_layers} layers, Ht {f.hidden_size}, "
+                  f"V {f.vocab_size}, weights {f.weight_bytes / 1e9:.1f} GB)  TP {hw.target_tp} x {hw.target_replicas} "
+                  f"replica(s), trainer GPU(s) {list(hw.trainer_gpus or [hw.trainer_gpu])}")
+    console.print(f"run: batch {job.train.batch_size} x max_length {job.data.max_length} x grad_accum "
+                  f"{job.train.grad_accum}, TTT K={job.train.ttt_length}, teacher chunk {job.train.teacher_chunk}, "
+                  f"autocast {hw.autocast}, {job.train.stream_slots} stream slots")
+
+    console.print(f"draft: H {d.hidden_size}, heads {d.num_attention_heads}/{d.num_key_value_heads} x {d.head_dim}, "
+                  f"I {d.intermediate_size}, Vd {d.draft_vocab_size}; fp32 weights (the master copy), fp32 grads, "
+                  f"fp32 AdamW m/v; frozen embedding and the target lm_head in fp32 on the trainer GPU")
+    params = Table()
+    params.add_column("module")
+    params.add_column("params", justify="right")
+    for name, n in draft_param_counts(d).items():
+        params.add_row(name, f"{n:,}")
+    params.add_row("trainable total", f"{sum(n for k, n in draft_param_counts(d).items() if 'frozen' not in k):,}")
+    console.print(params)
+
+    # one column per distinct GPU role (identical budgets merged)
+    columns: dict[tuple, list] = {}
+    for g in plan.gpus:
+        key = (g.role, tuple((i.name, i.bytes, i.phase) for i in g.items))
+        columns.setdefault(key, []).append(g)
+    table = Table(title="per-GPU memory (GiB); phase rows: only the largest phase of a GPU counts")
+    table.add_column("item")
+    groups = list(columns.values())
+    for gs in groups:
+        label = f"GPU {_ranges([g.gpu for g in gs])}" if gs[0].gpu >= 0 else "trainer"
+        table.add_column(f"{label}\n{gs[0].role}", justify="right")
+    table.add_column("note", overflow="fold", max_width=46)
+    names: list[tuple[str, str | None]] = []
+    notes: dict[tuple, str] = {}
+    for gs in groups:
+        for i in gs[0].items:
+            if (i.name, i.phase) not in names:
+                names.append((i.name, i.phase))
+                notes[(i.name, i.phase)] = i.note
+    order = [None, PHASE_TEACHER, PHASE_TTT, PHASE_OPT]
+    for name, phase in sorted(names, key=lambda k: order.index(k[1]) if k[1] in order else len(order)):
+        label = escape(name if phase is None else f"[{phase}] {name}")
+        cells = []
+        for gs in groups:
+            n = sum(i.bytes for i in gs[0].items if i.name == name and i.phase == phase)
+            present = any(i.name == name and i.phase == phase for i in gs[0].items)
+            cells.append(_g(n) if present else "-")
+        table.add_row(label, *cells, escape(notes[(name, phase)]))
+    table.add_section()
+    table.add_row("resident", *[_g(gs[0].resident()) for gs in groups], "")
+    table.add_row("largest phase", *[f"{gs[0].peak_phase() or '-'}: {_g(max(gs[0].phases().values(), default=0))}"
+                                     for gs in groups], "")
+    table.add_row("[bold]peak total[/bold]", *[f"[bold]{_g(gs[0].total())}[/bold]" for gs in groups], "")
+    if plan.gpus and plan.gpus[0].capacity:
+        table.add_row("capacity", *[_g(gs[0].capacity) for gs in groups], "")
+        table.add_row("[bold]headroom[/bold]", *[
+            f"[{'green' if gs[0].headroom() >= 0 else 'red'}]{_g(gs[0].headroom())}[/]" for gs in groups], "")
+    console.print(table)
+
+    if plan.mem_fraction_static is not None:
+        console.print(f"SGLang mem_fraction_static: derived {plan.mem_fraction_static:.2f} (minimum "
+                      f"{plan.mem_fraction_min:.4f}; configured hw.mem_fraction_static={hw.mem_fraction_static}); "
+                      f"KV pool {plan.kv_pool_tokens} tokens (hw.max_total_tokens={hw.max_total_tokens})")
+    console.print(f"tokens per optimizer step: {plan.tokens_per_step:,} = batch {job.train.batch_size} x max_length "
+                  f"{job.data.max_length} x grad_accum {job.train.grad_accum} x {len(hw.trainer_gpus or [0])} "
+                  f"trainer rank(s) (upper bound: shorter samples give fewer)")
+    for note in plan.notes:
+        console.print(f"note: {escape(note)}")
+
+
+def main(argv: list[str]) -> int:
+    if "--help" in argv or "-h" in argv:
+        print(__doc__)
+        print("Overrides as for `python -m specforge_k25.train` (see its --help); the plan uses hw.*, target.*, "
+              "draft.*, data.max_length and train.{batch_size,grad_accum,ttt_length,teacher_chunk,stream_slots}.")
+        return 0
+    job = compose_job(argv)
+    try:
+        facts = with_hw_overrides(job, target_facts_for(job))
+        render(job, plan_memory(job, facts))
+        check_fits(job, facts)
+    except (PlanError, FileNotFoundError) as err:
+        print(f"\nrefused: {err}", file=sys.stderr)
+        return 2
+    print("fits.")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
