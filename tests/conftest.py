@@ -20,3 +20,26 @@ def tiny_deepseek_path(smollm2_path):
     from specforge_k25.target.models import tiny_deepseek_path
 
     return str(tiny_deepseek_path(smollm2_path))
+
+
+def _sglang_capture(model_path: str, points: list[int], seqs):
+    """Run the real SGLang engine in its own process through the stream, as the trainer does; two
+    batches (several packed sequences, then one). Returns [(lengths, aux, final)] per batch."""
+    from specforge_k25.stream.producer import TargetSpec, TargetStream
+    from specforge_k25.target.hf_config import read_target_info
+
+    info = read_target_info(model_path)
+    spec = TargetSpec(engine="sglang", model_path=model_path, architecture=info.architecture, capture_points=points,
+                      num_threads=2)
+    plan = [list(range(len(seqs) - 1)), [len(seqs) - 1]]
+    out = []
+    with TargetStream(spec, seqs, plan, hidden_size=info.hidden_size, slots=2, timeout_s=300) as stream:
+        for msg, aux, final in stream:
+            out.append((msg.lengths, aux.clone(), final.clone()))
+            stream.release(msg)
+    return out
+
+
+@pytest.fixture(scope="session")
+def sglang_capture():
+    return _sglang_capture

@@ -18,7 +18,6 @@ import pytest
 import torch
 from safetensors import safe_open
 
-from specforge_k25.stream.producer import TargetSpec, TargetStream
 from specforge_k25.target.hf_config import load_embedding_and_head, read_target_info
 from specforge_k25.target.hf_reference import HFTarget
 from specforge_k25.target.layers import default_capture_points, layer_id_rule
@@ -92,29 +91,15 @@ def test_target_tiny_kimi_config_resolves_to_the_tiny_kimi(tiny_kimi_path):
     assert resolve_target_path(job) == tiny_kimi_path
 
 
-def _sglang_capture(model_path: str, points: list[int], seqs: list[torch.Tensor]):
-    """Run the real SGLang engine in its own process through the stream (as the trainer does)."""
-    info = read_target_info(model_path)
-    spec = TargetSpec(engine="sglang", model_path=model_path, architecture=info.architecture, capture_points=points,
-                      num_threads=2)
-    plan = [[0, 1], [2]]  # two batches: packing of several sequences and a single one
-    out = []
-    with TargetStream(spec, seqs, plan, hidden_size=info.hidden_size, slots=2, timeout_s=300) as stream:
-        for msg, aux, final in stream:
-            out.append((msg.lengths, aux.clone(), final.clone()))
-            stream.release(msg)
-    return out
-
-
 @pytest.mark.engine
-def test_sglang_kimi_hidden_states_equal_hf(tiny_kimi_path):
+def test_sglang_kimi_hidden_states_equal_hf(tiny_kimi_path, sglang_capture):
     """Aux (3 capture points) and final post-norm states from SGLang's Kimi class == HF, fp32 <= 1e-4."""
     info = read_target_info(tiny_kimi_path)
     points = default_capture_points(info.num_layers)
     assert points == [2, 4, 5] and len(set(points)) == 3
     g = torch.Generator().manual_seed(0)
     seqs = [torch.randint(3, info.vocab_size, (n,), generator=g) for n in (23, 7, 41)]
-    got = _sglang_capture(tiny_kimi_path, points, seqs)
+    got = sglang_capture(tiny_kimi_path, points, seqs)
     ref = HFTarget(tiny_kimi_path, points)
     expected = ref.forward(seqs)
     assert [n for lengths, _, _ in got for n in lengths] == [23, 7, 41]

@@ -6,7 +6,6 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from specforge_k25.stream.producer import TargetSpec, TargetStream
 from specforge_k25.target.hf_config import load_embedding_and_head, read_target_info
 from specforge_k25.target.hf_reference import HFTarget
 from specforge_k25.target.layers import (
@@ -20,30 +19,16 @@ from specforge_k25.target.layers import (
 )
 
 
-def _sglang_capture(model_path: str, points: list[int], seqs: list[torch.Tensor]):
-    """Run the real SGLang engine in its own process through the stream; return packed tensors."""
-    info = read_target_info(model_path)
-    spec = TargetSpec(engine="sglang", model_path=model_path, architecture=info.architecture, capture_points=points,
-                      num_threads=2)
-    plan = [[0, 1], [2]]  # two batches: packing of several sequences and a single one
-    out = []
-    with TargetStream(spec, seqs, plan, hidden_size=info.hidden_size, slots=2, timeout_s=300) as stream:
-        for msg, aux, final in stream:
-            out.append((msg.lengths, aux.clone(), final.clone()))
-            stream.release(msg)
-    return out
-
-
 @pytest.mark.engine
 @pytest.mark.parametrize("target", ["smollm2", "tiny_deepseek"])
-def test_sglang_hidden_states_equal_hf(target, request):
+def test_sglang_hidden_states_equal_hf(target, request, sglang_capture):
     """Aux (3 capture points) and final post-norm states from SGLang == HF output_hidden_states, fp32."""
     path = request.getfixturevalue(f"{target}_path")
     info = read_target_info(path)
     points = default_capture_points(info.num_layers)
     g = torch.Generator().manual_seed(0)
     seqs = [torch.randint(3, info.vocab_size, (n,), generator=g) for n in (23, 7, 41)]
-    got = _sglang_capture(path, points, seqs)
+    got = sglang_capture(path, points, seqs)
     ref = HFTarget(path, points).forward(seqs)
     ref_aux = torch.split(ref.aux_hidden, ref.lengths)
     ref_final = torch.split(ref.final_hidden, ref.lengths)

@@ -85,6 +85,23 @@ def tiny_deepseek_config(vocab_size: int, num_layers: int = 8, hidden_size: int 
     return DeepseekV3Config(**fields)
 
 
+def _random_tiny_deepseek(tokenizer, num_layers: int, hidden_size: int, seed: int, **overrides):
+    """A seeded random DeepseekV3ForCausalLM (fp32) with the tokenizer's vocab and special ids."""
+    import torch
+    from transformers import DeepseekV3ForCausalLM
+
+    config = tiny_deepseek_config(len(tokenizer), num_layers, hidden_size, bos_token_id=tokenizer.bos_token_id,
+                                  eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id, **overrides)
+    torch.manual_seed(seed)
+    config.initializer_range = 0.08
+    model = DeepseekV3ForCausalLM(config).to(torch.float32)
+    # MoE gate bias (noaux_tc) starts at zero; give routing some variety.
+    for name, p in model.named_parameters():
+        if name.endswith("e_score_correction_bias"):
+            torch.nn.init.uniform_(p, -0.1, 0.1)
+    return model
+
+
 def tiny_deepseek_path(tokenizer_from: Path, num_layers: int = 8, hidden_size: int = 128, seed: int = 0) -> Path:
     """A random tiny DeepseekV3ForCausalLM sharing `tokenizer_from`'s tokenizer and chat template.
 
@@ -94,20 +111,10 @@ def tiny_deepseek_path(tokenizer_from: Path, num_layers: int = 8, hidden_size: i
     name = f"tiny-deepseek-v3-L{num_layers}-H{hidden_size}-s{seed}"
 
     def build(out: Path):
-        import torch
-        from transformers import AutoTokenizer, DeepseekV3ForCausalLM
+        from transformers import AutoTokenizer
 
         tokenizer = AutoTokenizer.from_pretrained(tokenizer_from)
-        config = tiny_deepseek_config(len(tokenizer), num_layers, hidden_size,
-                                      bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,
-                                      pad_token_id=tokenizer.pad_token_id)
-        torch.manual_seed(seed)
-        config.initializer_range = 0.08
-        model = DeepseekV3ForCausalLM(config).to(torch.float32)
-        # MoE gate bias (noaux_tc) starts at zero; give routing some variety.
-        for name_, p in model.named_parameters():
-            if name_.endswith("e_score_correction_bias"):
-                torch.nn.init.uniform_(p, -0.1, 0.1)
+        model = _random_tiny_deepseek(tokenizer, num_layers, hidden_size, seed)
         model.save_pretrained(out, safe_serialization=True)
         tokenizer.save_pretrained(out)
 
@@ -190,19 +197,11 @@ def tiny_kimi_k25_path(tokenizer_from: Path, num_layers: int = 8, hidden_size: i
 
         import torch
         from safetensors.torch import load_file, save_file
-        from transformers import AutoTokenizer, DeepseekV3ForCausalLM
+        from transformers import AutoTokenizer
 
         tokenizer = AutoTokenizer.from_pretrained(tokenizer_from)
         # Kimi-K2.5 has no MTP layer (DeepseekV3Config's default says 1).
-        text_config = tiny_deepseek_config(len(tokenizer), num_layers, hidden_size,
-                                           bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,
-                                           pad_token_id=tokenizer.pad_token_id, num_nextn_predict_layers=0)
-        torch.manual_seed(seed)
-        text_config.initializer_range = 0.08
-        model = DeepseekV3ForCausalLM(text_config).to(torch.float32)
-        for name_, p in model.named_parameters():
-            if name_.endswith("e_score_correction_bias"):
-                torch.nn.init.uniform_(p, -0.1, 0.1)
+        model = _random_tiny_deepseek(tokenizer, num_layers, hidden_size, seed, num_nextn_predict_layers=0)
         # save_pretrained writes the on-disk (per-expert) layout that checkpoints use; re-key it.
         text_dir = out / "_text"
         model.save_pretrained(text_dir, safe_serialization=True)
