@@ -8,6 +8,17 @@ import pytest
 os.environ.setdefault("WANDB_SILENT", "true")
 
 
+@pytest.fixture(scope="module")
+def one_torch_thread():
+    """Tiny tensors: one intra-op thread avoids oversubscription stalls on a busy CI box."""
+    import torch
+
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
 @pytest.fixture(scope="session")
 def smollm2_path():
     from specforge_k25.target.models import smollm2_path

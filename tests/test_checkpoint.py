@@ -21,12 +21,8 @@ TOTAL_STEPS = 10
 
 
 @pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    """Tiny tensors: one intra-op thread avoids oversubscription stalls on a busy CI box."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
+def _one_thread(one_torch_thread):
     yield
-    torch.set_num_threads(before)
 
 
 def make_cfg(**over) -> DraftConfig:

@@ -21,12 +21,8 @@ BOS, EOS = 163584, [163585, 163586]  # eos as a list, as multi-eos targets write
 
 
 @pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    """Tiny tensors: one intra-op thread avoids oversubscription stalls on a busy CI box."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
+def _one_thread(one_torch_thread):
     yield
-    torch.set_num_threads(before)
 
 
 # eagle3.md §1: every tensor of the serving checkpoint (no embedding), with its shape.

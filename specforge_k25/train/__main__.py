@@ -24,7 +24,7 @@ def print_summary(summary: dict, ttt_length: int) -> None:
 
     table = Table(title="specforge_k25 run summary", show_lines=False)
     table.add_column("metric")
-    table.add_column("value", justify="right")
+    table.add_column("value", justify="right", overflow="fold")
     data = summary["data"]
     table.add_row("samples trained", str(summary["samples_trained"]))
     table.add_row("tokens trained", str(summary["tokens_trained"]))
