@@ -28,6 +28,7 @@ import logging
 import os
 import sys
 import types
+import warnings
 
 SGLANG_VERSION = "0.5.23"
 _applied = False
@@ -110,6 +111,9 @@ def apply(mla_fix: bool = True) -> None:
         # SGLang already skips -- but with one WARNING line per model (~20 lines of noise).
         for name in ("sglang.srt.models.registry", "sglang.srt.managers.multimodal_processor"):
             logging.getLogger(name).setLevel(logging.ERROR)
+        # ...and import-time UserWarnings that only say "this GPU feature is not on CPU".
+        for text in ("Only CUDA", "Triton is not supported on current platform"):
+            warnings.filterwarnings("ignore", message=text, category=UserWarning)
     if mla_fix:
         handler = sys.modules.get(_MlaRoutingFinder.TARGET)
         if handler is not None:
