@@ -64,10 +64,9 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, fields
 from typing import Any, Literal
 
-import torch
 
 from .sources import BadRow
-from .tokenize import Sample
+from .tokenize import Sample, make_sample
 
 Mode = Literal["thinking", "instant"]
 MODES = ("thinking", "instant")
@@ -394,13 +393,7 @@ def render_kimi(tokenizer, messages: Sequence[dict], max_length: int, *, mode: M
     """
     sp = special if special is not None else special_tokens_of(tokenizer)
     ids, mask = encode_pieces(render_pieces(messages, mode=mode, special=sp, fmt=fmt), text_encoder(tokenizer))
-    truncated = len(ids) > max_length
-    if truncated:
-        ids, mask = ids[:max_length], mask[:max_length]
-    # A position t is only trainable with t >= 2 (the draft predicts x[t+k+2]).
-    if not any(mask[2:]):
-        raise BadRow("no_loss_tokens_after_truncation")
-    return Sample(torch.tensor(ids, dtype=torch.int64), torch.tensor(mask, dtype=torch.bool), truncated)
+    return make_sample(ids, mask, max_length)
 
 
 def kimi_renderer(tokenizer, *, mode: Mode, special: KimiSpecialTokens | None = None,

@@ -26,6 +26,17 @@ class Sample:
     truncated: bool = False  # cut to max_length
 
 
+def make_sample(ids: list[int], mask: list[bool], max_length: int) -> Sample:
+    """Truncate to `max_length`; a row left with no trainable loss token raises `BadRow`."""
+    truncated = len(ids) > max_length
+    if truncated:
+        ids, mask = ids[:max_length], mask[:max_length]
+    # A position t is only trainable with t >= 2 (the draft predicts x[t+k+2]).
+    if not any(mask[2:]):
+        raise BadRow("no_loss_tokens_after_truncation")
+    return Sample(torch.tensor(ids, dtype=torch.int64), torch.tensor(mask, dtype=torch.bool), truncated)
+
+
 def _render(tokenizer, messages, add_generation_prompt: bool) -> list[int]:
     out = tokenizer.apply_chat_template(
         messages, tokenize=True, add_generation_prompt=add_generation_prompt, return_dict=False
@@ -58,10 +69,4 @@ def tokenize_conversation(tokenizer, messages, max_length: int, end_of_turn_id: 
             raise BadRow("empty_turn")
         for t in range(len(prompt), len(prompt) + n):
             mask[t] = True
-    truncated = len(full) > max_length
-    if truncated:
-        full, mask = full[:max_length], mask[:max_length]
-    # A position t is only trainable with t >= 2 (the draft predicts x[t+k+2]).
-    if not any(mask[2:]):
-        raise BadRow("no_loss_tokens_after_truncation")
-    return Sample(torch.tensor(full, dtype=torch.int64), torch.tensor(mask, dtype=torch.bool), truncated)
+    return make_sample(full, mask, max_length)
