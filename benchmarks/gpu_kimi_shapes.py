@@ -1,0 +1,383 @@
+"""One EAGLE-3 draft training step at Kimi-K2.5 shapes on one GPU: time, peak memory, TFLOP/s.
+
+The step is the trainer's own (train/step.py `DraftTrainer`): make_batch (pad + chunked teacher
+over the full 163840-token vocab) -> train_micro (TTT forward + backward, bf16 autocast) ->
+optimizer_step (grad clip + AdamW + LR schedule). Random tensors stand in for the target's hidden
+states (aux [N, 3*7168], final [N, 7168], bf16 as the stream carries them on GPU).
+
+Shapes: the draft of conf/draft/kimi.yaml (read from the file) on the Kimi-K2.5 target facts of
+specforge_k25.plan (hidden 7168, vocab 163840): 56 heads / 8 KV heads, head_dim 128, I 18432,
+Vd 32000; ttt_length 7; T 2048, 4096, 8192 (one sequence per step).
+
+Reported per T: median step time after warm-up and its phases (teacher / fwd+bwd / optimizer,
+CUDA-synchronised between phases), torch.cuda.max_memory_allocated over the shape (setup
+included: weights, AdamW state, step transients) beside the memory planner's figure for the
+same step, and achieved TFLOP/s = analytic FLOPs / median step time, against the bf16 (and
+fp32) matmul rate measured in the same process. A shape that runs out of memory is reported
+as OOM. The table is printed last.
+
+    python benchmarks/gpu_kimi_shapes.py                      # CUDA, Kimi shapes (<= ~5 min on one H200)
+    python benchmarks/gpu_kimi_shapes.py --device cpu --small # tiny shapes, seconds (smoke test)
+
+FLOP count (executed multiply-adds x2, per step of N = B*T tokens, K TTT steps):
+  forward  = N*2*(3Ht*H)                                  fc, once
+           + K*N*2*(2H*(nh+2nkv)*hd + nh*hd*H + 3H*I + H*Vd)   q,k,v (input 2H), o, SwiGLU, lm_head
+           + sum_k B*4*nh*T*T*hd + N*4*nh*hd*k            QK^T and PV over the full [T, T] (the
+                                                          masked upper half is computed, so counted)
+                                                          + the diagonal keys of steps 1..k
+  backward = 2 x forward, except fc: weight grad only (aux needs no grad) = 1 x
+  teacher  = 2*N*V*Ht (fp32 matmul, no backward)
+Element-wise work (norms, softmax, RoPE, AdamW) is not counted. Without the diagonal terms this
+equals torch.utils.flop_counter's count of the same step exactly (tests/test_benchmarks.py).
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import gc
+import math
+import statistics
+import time
+from pathlib import Path
+
+import torch
+
+from _common import RESULTS, GiB, machine_info, new_figure, print_table, save_figure, set_threads, write_json
+
+REPO = Path(__file__).resolve().parent.parent
+KIMI_DRAFT_YAML = REPO / "conf" / "draft" / "kimi.yaml"
+DEFAULT_OUT = RESULTS / "gpu_kimi_shapes.json"
+# --small: a draft of the same structure (GQA 2:1, Vd < V), sized for a CPU smoke test
+SMALL_SHAPE = dict(hidden_size=64, intermediate_size=128, num_attention_heads=4, num_key_value_heads=2,
+                   head_dim=16, vocab_size=1024, draft_vocab_size=256, target_hidden_size=64)
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p.add_argument("--device", default="cuda", help="cuda | cuda:N | cpu")
+    p.add_argument("--small", action="store_true", help="tiny shapes (smoke test; any device)")
+    p.add_argument("--seq-lens", default=None, help="comma-separated T (default 2048,4096,8192; --small: 32,64)")
+    p.add_argument("--batch", type=int, default=1, help="sequences per step")
+    p.add_argument("--ttt-length", type=int, default=7)
+    p.add_argument("--teacher-chunk", type=int, default=1024, help="positions per teacher chunk (train.teacher_chunk)")
+    p.add_argument("--no-bf16", action="store_true", help="fp32 compute instead of bf16 autocast")
+    p.add_argument("--warmup", type=int, default=2, help="untimed steps per shape")
+    p.add_argument("--iters", type=int, default=5, help="timed steps per shape")
+    p.add_argument("--matmul-size", type=int, default=None, help="n of the n x n x n rate check (default 8192; --small: 256)")
+    p.add_argument("--time-budget-s", type=float, default=240.0,
+                   help="shapes not started within this many seconds are reported as skipped")
+    p.add_argument("--threads", type=int, default=2, help="CPU intra-op threads")
+    p.add_argument("--out", type=Path, default=DEFAULT_OUT, help="JSON result (the PNG goes beside it)")
+    return p.parse_args(argv)
+
+
+# ------------------------------------------------------------------------------------ shapes
+def draft_config(small: bool):
+    """The Kimi draft exactly as a run with `target=kimi_k25 draft=kimi` builds it (or a tiny one)."""
+    from omegaconf import OmegaConf
+
+    from specforge_k25.config import DraftConfigSpec
+    from specforge_k25.draft.model import DraftConfig
+    from specforge_k25.plan import KIMI_K25, resolve_draft
+
+    if small:
+        return DraftConfig(**SMALL_SHAPE, max_position_embeddings=4096)
+    spec = DraftConfigSpec()
+    for key, value in OmegaConf.to_container(OmegaConf.load(KIMI_DRAFT_YAML)).items():
+        setattr(spec, key, value)
+    return resolve_draft(spec, KIMI_K25)
+
+
+def step_flops(cfg, batch: int, seq_len: int, ttt_length: int) -> dict:
+    """Analytic FLOPs of one training step (see the module docstring)."""
+    H, Ht, I, Vd, V = (cfg.hidden_size, cfg.target_hidden_size, cfg.intermediate_size, cfg.draft_vocab_size,
+                       cfg.vocab_size)
+    nh, nkv, hd = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
+    N, T = batch * seq_len, seq_len
+    fc = 2 * N * 3 * Ht * H
+    linear_per_step = 2 * N * (2 * H * (nh + 2 * nkv) * hd + nh * hd * H + 3 * H * I + H * Vd)
+    attention_mm = ttt_length * batch * 4 * nh * T * T * hd  # QK^T and PV (matmuls)
+    diagonal = sum(N * 4 * nh * hd * k for k in range(ttt_length))  # q.k_j and p_j*v_j (element-wise)
+    fwd = fc + ttt_length * linear_per_step + attention_mm + diagonal
+    bwd = fc + 2 * (ttt_length * linear_per_step + attention_mm + diagonal)
+    teacher = 2 * N * V * Ht
+    return {"teacher": teacher, "draft_fwd": fwd, "draft_bwd": bwd, "attention_fwd": attention_mm + diagonal,
+            "diagonal_fwd": diagonal, "total": teacher + fwd + bwd}
+
+
+def planned_bytes(cfg, batch: int, seq_len: int, ttt_length: int, chunk: int, bf16: bool) -> int:
+    """The memory planner's trainer figure for this step, without the CUDA context."""
+    from specforge_k25.plan import trainer_items
+
+    items = trainer_items(cfg, batch=batch, seq_len=seq_len, ttt_length=ttt_length, teacher_chunk=chunk, bf16=bf16,
+                          data_parallel=False, context_bytes=0)
+    resident = sum(i.bytes for i in items if i.phase is None)
+    phases: dict[str, int] = {}
+    for i in items:
+        if i.phase is not None:
+            phases[i.phase] = phases.get(i.phase, 0) + i.bytes
+    return resident + max(phases.values(), default=0)
+
+
+# ----------------------------------------------------------------------------------- devices
+def sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def peak_bytes(device: torch.device) -> int | None:
+    return torch.cuda.max_memory_allocated(device) if device.type == "cuda" else None
+
+
+def reset_peak(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+
+
+def free_memory(device: torch.device) -> None:
+    gc.collect()
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+
+
+def matmul_rate(device: torch.device, n: int, dtype: torch.dtype, seconds: float = 2.0) -> float:
+    """FLOP/s of an n x n x n matmul in `dtype` (fp32 under the current TF32 setting)."""
+    a = torch.randn(n, n, device=device, dtype=dtype)
+    b = torch.randn(n, n, device=device, dtype=dtype)
+    for _ in range(3):
+        a @ b
+    sync(device)
+    iters, t0 = 0, time.perf_counter()
+    while True:
+        for _ in range(10):
+            a @ b
+        iters += 10
+        sync(device)
+        if time.perf_counter() - t0 >= seconds:
+            break
+    rate = 2 * n**3 * iters / (time.perf_counter() - t0)
+    del a, b
+    free_memory(device)
+    return rate
+
+
+def is_oom(err: BaseException) -> bool:
+    if isinstance(err, torch.OutOfMemoryError):
+        return True
+    text = str(err).lower()
+    return isinstance(err, RuntimeError) and ("out of memory" in text or "can't allocate memory" in text)
+
+
+# -------------------------------------------------------------------------------------- step
+def build_trainer(cfg, device: torch.device, args):
+    from specforge_k25.draft.model import Eagle3Draft
+    from specforge_k25.train.optim import build_optimizer, build_scheduler
+    from specforge_k25.train.step import DraftTrainer
+
+    torch.manual_seed(0)
+    with torch.device(device):  # initialise the 2B-parameter module where it lives
+        draft = Eagle3Draft(cfg)
+        lm_head = torch.randn(cfg.vocab_size, cfg.target_hidden_size) * cfg.target_hidden_size**-0.5
+    # d2t = 0: draft ids 0..Vd-1 are target ids 0..Vd-1 (which ids does not change the cost)
+    optimizer = build_optimizer(draft.trainable_parameters(), 5e-5, (0.9, 0.95), 0.0)
+    scheduler = build_scheduler(optimizer, 1000, 0.015)
+    return DraftTrainer(draft, lm_head, optimizer, scheduler, ttt_length=args.ttt_length, loss_decay=0.8,
+                        grad_accum=1, grad_clip=0.5, teacher_chunk=args.teacher_chunk, autocast_bf16=not args.no_bf16)
+
+
+def random_inputs(cfg, batch: int, seq_len: int, device: torch.device):
+    """What the stream hands the trainer: samples (ids + loss masks), packed aux / final hidden states."""
+    from specforge_k25.data.tokenize import Sample
+
+    samples = []
+    for _ in range(batch):
+        ids = torch.randint(0, cfg.vocab_size, (seq_len,))
+        mask = torch.ones(seq_len, dtype=torch.bool)
+        mask[: seq_len // 8] = False  # a short prompt
+        samples.append(Sample(ids, mask))
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    N, Ht = batch * seq_len, cfg.target_hidden_size
+    aux = torch.randn(N, 3 * Ht, device=device, dtype=dtype)
+    final = torch.randn(N, Ht, device=device, dtype=dtype)
+    return samples, [seq_len] * batch, aux, final
+
+
+def timed_step(trainer, inputs, device: torch.device) -> dict:
+    samples, lengths, aux, final = inputs
+    sync(device)
+    t0 = time.perf_counter()
+    batch = trainer.make_batch(samples, lengths, aux, final)
+    sync(device)
+    t1 = time.perf_counter()
+    res = trainer.train_micro(batch)
+    sync(device)
+    t2 = time.perf_counter()
+    grad_norm = trainer.optimizer_step()  # float(): synchronises
+    t3 = time.perf_counter()
+    return {"step_s": t3 - t0, "teacher_s": t1 - t0, "fwd_bwd_s": t2 - t1, "optim_s": t3 - t2,
+            "loss": float(res.loss.detach()), "grad_norm": grad_norm}
+
+
+def run_shape(cfg, seq_len: int, device: torch.device, args) -> dict:
+    trainer = build_trainer(cfg, device, args)
+    inputs = random_inputs(cfg, args.batch, seq_len, device)
+    sync(device)
+    resident = torch.cuda.memory_allocated(device) if device.type == "cuda" else None
+    steps = [timed_step(trainer, inputs, device) for _ in range(args.warmup + args.iters)][args.warmup:]
+    out = {"status": "ok", "resident_bytes": resident, "peak_bytes": peak_bytes(device)}
+    for key in ("step_s", "teacher_s", "fwd_bwd_s", "optim_s"):
+        out[key] = statistics.median(s[key] for s in steps)
+    out["step_s_all"] = [s["step_s"] for s in steps]
+    out["loss_last"], out["grad_norm_last"] = steps[-1]["loss"], steps[-1]["grad_norm"]
+    return out
+
+
+def measure_shape(cfg, seq_len: int, device: torch.device, args) -> dict:
+    """run_shape, with an out-of-memory error reported as status OOM instead of raised."""
+    free_memory(device)
+    reset_peak(device)
+    try:
+        result = run_shape(cfg, seq_len, device, args)
+    except Exception as err:  # noqa: BLE001 - only OOM is swallowed
+        if not is_oom(err):
+            raise
+        result = {"status": "OOM", "error": str(err).strip().splitlines()[0][:300], "peak_bytes": peak_bytes(device)}
+    free_memory(device)
+    return result
+
+
+# ------------------------------------------------------------------------------------ report
+def add_rates(row: dict, flops: dict, bf16_rate: float, fp32_rate: float) -> None:
+    if row["status"] != "ok":
+        return
+    row["tflop_per_step"] = flops["total"] / 1e12
+    row["tflops"] = flops["total"] / row["step_s"] / 1e12
+    row["frac_of_bf16_matmul"] = flops["total"] / row["step_s"] / bf16_rate
+    row["draft_tflops"] = (flops["draft_fwd"] + flops["draft_bwd"]) / row["fwd_bwd_s"] / 1e12
+    row["teacher_tflops"] = flops["teacher"] / row["teacher_s"] / 1e12
+    row["teacher_frac_of_fp32_matmul"] = flops["teacher"] / row["teacher_s"] / fp32_rate
+
+
+def plot(result: dict, path: Path) -> None:
+    fig, (ax_t, ax_m) = new_figure(2, width=5.5)
+    rows = [r for r in result["shapes"] if r["status"] == "ok"]
+    labels = [str(r["seq_len"]) for r in rows]
+    bottom = [0.0] * len(rows)
+    for key, name in (("teacher_s", "teacher (fp32)"), ("fwd_bwd_s", "TTT fwd+bwd"), ("optim_s", "optimizer")):
+        vals = [r[key] for r in rows]
+        ax_t.bar(labels, vals, bottom=bottom, label=name)
+        bottom = [b + v for b, v in zip(bottom, vals)]
+    for i, r in enumerate(rows):
+        ax_t.text(i, bottom[i], f"{r['tflops']:.0f} TF/s", ha="center", va="bottom", fontsize=8)
+    ax_t.set_xlabel("T (tokens per step)")
+    ax_t.set_ylabel("seconds per step (median)")
+    ax_t.set_title(f"{result['device_name']}: draft step time")
+    ax_t.legend(fontsize=8)
+    all_rows = result["shapes"]
+    labels = [str(r["seq_len"]) for r in all_rows]
+    x = range(len(all_rows))
+    measured = [(r.get("peak_bytes") or 0) / GiB if r["status"] == "ok" else 0 for r in all_rows]
+    planned = [r["planned_bytes"] / GiB for r in all_rows]
+    ax_m.bar([i - 0.2 for i in x], measured, width=0.4, label="measured peak")
+    ax_m.bar([i + 0.2 for i in x], planned, width=0.4, label="planner")
+    for i, r in enumerate(all_rows):
+        if r["status"] != "ok":
+            ax_m.text(i - 0.2, 0, r["status"], ha="center", va="bottom", fontsize=8, rotation=90)
+    if result.get("device_memory_bytes"):
+        ax_m.axhline(result["device_memory_bytes"] / GiB, color="k", ls="--", lw=1, label="device memory")
+    ax_m.set_xticks(list(x), labels)
+    ax_m.set_xlabel("T (tokens per step)")
+    ax_m.set_ylabel("GiB")
+    ax_m.set_title("peak memory")
+    ax_m.legend(fontsize=8)
+    save_figure(fig, path)
+
+
+def print_report(result: dict) -> None:
+    def f(v, fmt):
+        return "-" if v is None else format(v, fmt)
+
+    rows = []
+    for r in result["shapes"]:
+        ok = r["status"] == "ok"
+        peak = r.get("peak_bytes")
+        rows.append([
+            str(r["seq_len"]), r["status"], f(r.get("step_s"), ".3f"), f(r.get("teacher_s"), ".3f"),
+            f(r.get("fwd_bwd_s"), ".3f"), f(r.get("optim_s"), ".3f"),
+            f(peak / GiB if peak is not None and ok else None, ".1f"), f(r["planned_bytes"] / GiB, ".1f"),
+            f(r["flops"]["total"] / 1e12, ".3g"), f(r.get("tflops"), ".3g"),
+            f(100 * r["frac_of_bf16_matmul"] if ok else None, ".0f"),
+        ])
+    m = result["matmul"]
+    print(f"\nmatmul rate ({m['n']}^3): bf16 {m['bf16_tflops']:.1f} TFLOP/s, fp32 {m['fp32_tflops']:.1f} TFLOP/s "
+          f"(TF32 allowed: {m['fp32_allow_tf32']})")
+    c = result["draft"]
+    print(f"draft: H {c['hidden_size']}, heads {c['num_attention_heads']}/{c['num_key_value_heads']} x {c['head_dim']}, "
+          f"I {c['intermediate_size']}, Vd {c['draft_vocab_size']}, V {c['vocab_size']}; "
+          f"{result['trainable_params'] / 1e6:.0f}M trainable; batch {result['args']['batch']}, "
+          f"K {result['args']['ttt_length']}, bf16 autocast {not result['args']['no_bf16']}, "
+          f"teacher chunk {result['args']['teacher_chunk']}")
+    print_table(
+        f"{result['device_name']}: one draft training step (median of {result['args']['iters']} after "
+        f"{result['args']['warmup']} warm-up)",
+        ["T", "status", "step s", "teacher s", "fwd+bwd s", "optim s", "peak GiB", "plan GiB", "TFLOP/step",
+         "TFLOP/s", "% bf16 mm"], rows)
+
+
+def main(argv=None) -> dict:
+    args = parse_args(argv)
+    set_threads(args.threads)
+    device = torch.device(args.device)
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise SystemExit("no CUDA device: run with --device cpu --small for the smoke mode")
+    seq_lens = [int(t) for t in (args.seq_lens or ("32,64" if args.small else "2048,4096,8192")).split(",")]
+    n_mm = args.matmul_size or (256 if args.small else 8192)
+    t_start = time.perf_counter()
+    cfg = draft_config(args.small)
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    device_name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
+    print(f"device {device_name}; T {seq_lens}; draft {cfg}", flush=True)
+
+    bf16_rate = matmul_rate(device, n_mm, torch.bfloat16, seconds=0.3 if args.small else 2.0)
+    fp32_rate = matmul_rate(device, n_mm, torch.float32, seconds=0.3 if args.small else 2.0)
+    print(f"matmul {n_mm}^3: bf16 {bf16_rate / 1e12:.1f} TFLOP/s, fp32 {fp32_rate / 1e12:.1f} TFLOP/s", flush=True)
+
+    from specforge_k25.plan import trainable_params
+
+    shapes = []
+    for T in seq_lens:
+        flops = step_flops(cfg, args.batch, T, args.ttt_length)
+        planned = planned_bytes(cfg, args.batch, T, args.ttt_length, args.teacher_chunk, not args.no_bf16)
+        if time.perf_counter() - t_start > args.time_budget_s:
+            row = {"status": "skipped (time budget)"}
+        else:
+            print(f"T={T}: planner says {planned / GiB:.1f} GiB ...", flush=True)
+            row = measure_shape(cfg, T, device, args)
+        row.update(seq_len=T, flops=flops, planned_bytes=planned)
+        add_rates(row, flops, bf16_rate, fp32_rate)
+        print(f"T={T}: {row['status']}" + (f", {row['step_s']:.3f} s/step" if row["status"] == "ok" else ""),
+              flush=True)
+        shapes.append(row)
+
+    result = {
+        "benchmark": "gpu_kimi_shapes", "device_name": device_name,
+        "device_memory_bytes": torch.cuda.get_device_properties(device).total_memory if device.type == "cuda" else None,
+        "draft": dataclasses.asdict(cfg), "trainable_params": trainable_params(cfg),
+        "matmul": {"n": n_mm, "bf16_tflops": bf16_rate / 1e12, "fp32_tflops": fp32_rate / 1e12,
+                   "fp32_allow_tf32": torch.backends.cuda.matmul.allow_tf32},
+        "memory_method": ("torch.cuda.max_memory_allocated over the shape (setup + warm-up + timed steps)"
+                          if device.type == "cuda" else "not measured on CPU"),
+        "flop_method": "analytic, see the module docstring (attention counts the full [T, T])",
+        "shapes": shapes, "args": vars(args), "machine": machine_info(threads=args.threads),
+        "total_wall_s": time.perf_counter() - t_start,
+    }
+    write_json(args.out, result)
+    plot(result, args.out.with_suffix(".png"))
+    print_report(result)  # last
+    return result
+
+
+if __name__ == "__main__":
+    main()
