@@ -60,7 +60,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--vocab", type=int, default=4096, help="draft vocabulary size")
     p.add_argument("--no-calibrate", action="store_true",
                    help="skip the ~10 s check of how fast two concurrent compute-bound processes run")
-    p.add_argument("--out", type=Path, default=DEFAULT_OUT, help="JSON result file")
+    p.add_argument("--out", type=Path, default=DEFAULT_OUT, help="JSON result file (the PNG plot goes beside it)")
+    p.add_argument("--replot", action="store_true", help="measure nothing: redraw the PNG from the JSON at --out")
     return p.parse_args(argv)
 
 
@@ -248,8 +249,40 @@ def print_table(phases: dict, ratio: float, bottleneck: str, calib: dict | None)
                       f"each vs. alone; 1.0 = independent cores)")
 
 
+def plot(result: dict, path: Path) -> None:
+    """tokens/s of the three phases, the goal line (GOAL x the slower half) and the ratio."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    phases = result["phases"]
+    names = list(phases)
+    rates = [phases[n]["tokens_per_s"] for n in names]
+    fig, ax = plt.subplots(figsize=(6.0, 4.0))
+    bars = ax.bar(names, rates, color=["#fdae6b", "#e6550d", "#2b8cbe"][: len(names)])
+    for bar, n in zip(bars, names):
+        ax.text(bar.get_x() + bar.get_width() / 2, bar.get_height(), f"{phases[n]['tokens_per_s']:.0f}",
+                ha="center", va="bottom", fontsize=9)
+    slower = phases[result["bottleneck"]]["tokens_per_s"]
+    ax.axhline(result["goal"] * slower, color="k", ls="--", lw=1,
+               label=f"goal: {result['goal']} x {result['bottleneck']}")
+    ax.set_ylabel("tokens/s (steady state, items 1..N-1)")
+    ax.set_title(f"stream: online / min(target, trainer) = {result['ratio_online_over_min']:.3f}")
+    ax.legend(fontsize=8, loc="lower right")
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    print(f"wrote {path}")
+
+
 def main(argv=None) -> dict:
     args = parse_args(argv)
+    if args.replot:
+        result = json.loads(args.out.read_text())
+        plot(result, args.out.with_suffix(".png"))
+        return result
     job = build_job(args)
     torch.set_num_threads(job.hw.trainer_threads)  # the trainer (this process); the target gets hw.target_threads
     t0 = time.perf_counter()
@@ -292,6 +325,7 @@ def main(argv=None) -> dict:
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(result, indent=1))
     print(f"wrote {args.out}")
+    plot(result, args.out.with_suffix(".png"))
     return result
 
 
