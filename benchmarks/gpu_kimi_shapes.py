@@ -35,7 +35,6 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import gc
-import math
 import statistics
 import time
 from pathlib import Path
