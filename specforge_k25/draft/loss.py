@@ -67,6 +67,22 @@ class TTTResult:
     alpha_sum: torch.Tensor  # [K] Σ over scored positions of Σ_v min(p_target(v), q(v))
 
 
+def _step_masks(k: int, loss_mask: torch.Tensor, lengths: torch.Tensor, teacher: Teacher):
+    """TTT step k -> (scored, target draft id, counted), each [B, T]: which positions enter acc_k
+    and which the loss (see the module doc)."""
+    pos = torch.arange(loss_mask.shape[1], device=loss_mask.device)
+    in_range = (pos[None] + k + 2) <= (lengths[:, None] - 1)  # [B, T]
+    scored = in_range & _shift(loss_mask, k + 2, False)
+    target_draft_id = _shift(teacher.argmax_draft_id, k + 1, -1)
+    return scored, target_draft_id, scored & (target_draft_id >= 0)
+
+
+def loss_positions(loss_mask: torch.Tensor, lengths: torch.Tensor, teacher: Teacher, ttt_length: int) -> torch.Tensor:
+    """[K] int64: positions each TTT step counts in the loss (ttt_loss's `counted`). They depend
+    on the data and the teacher only, so they are known before the draft runs."""
+    return torch.stack([_step_masks(k, loss_mask, lengths, teacher)[2].sum() for k in range(ttt_length)])
+
+
 def ttt_loss(
     draft,
     aux_hidden: torch.Tensor,
@@ -76,8 +92,15 @@ def ttt_loss(
     teacher: Teacher,
     ttt_length: int = 7,
     decay: float = 0.8,
+    normalizer: torch.Tensor | None = None,
 ) -> TTTResult:
-    """aux_hidden [B, T, 3Ht], input_ids/loss_mask [B, T] (right-padded), lengths [B]."""
+    """aux_hidden [B, T, 3Ht], input_ids/loss_mask [B, T] (right-padded), lengths [B].
+
+    normalizer [K]: divide step k's summed soft-CE by normalizer[k] instead of this batch's own
+    count of loss positions. Data-parallel ranks pass the count summed over all ranks
+    (`loss_positions`), so their losses (and gradients) add up to the loss of the global batch.
+    `ploss` and the counters stay this batch's own.
+    """
     B, T = input_ids.shape
     pos = torch.arange(T, device=input_ids.device)
     hidden = draft.project(aux_hidden)  # [B, T, H]
@@ -90,16 +113,14 @@ def ttt_loss(
         logits = draft.logits(hidden)
         logq = F.log_softmax(logits.to(at_least_fp32(logits.dtype)), -1)  # [B, T, Vd]
 
-        in_range = (pos[None] + k + 2) <= (lengths[:, None] - 1)  # [B, T]
-        scored = in_range & _shift(loss_mask, k + 2, False)
-        target_draft_id = _shift(teacher.argmax_draft_id, k + 1, -1)
-        counted = scored & (target_draft_id >= 0)
+        scored, target_draft_id, counted = _step_masks(k, loss_mask, lengths, teacher)
         z = _shift(teacher.draft_logits, k + 1, 0.0)  # [B, T, Vd]
         p_hat = torch.softmax(z, -1)  # teacher renormalised over the draft vocab
         ce = -(p_hat * logq).sum(-1)  # [B, T]
         n_counted = counted.sum()
-        ploss = (ce * counted).sum() / n_counted.clamp(min=1)
-        loss = loss + decay**k * ploss
+        ce_sum = (ce * counted).sum()
+        ploss = ce_sum / n_counted.clamp(min=1)
+        loss = loss + decay**k * (ploss if normalizer is None else ce_sum / normalizer[k].clamp(min=1))
         with torch.no_grad():
             p_target = torch.exp(z - _shift(teacher.logsumexp, k + 1, 0.0)[..., None])  # target mass on draft tokens
             alpha = torch.minimum(p_target, logq.exp()).sum(-1)

@@ -57,6 +57,7 @@ def main(cfg) -> None:
     from hydra.core.hydra_config import HydraConfig
 
     from ..stream.producer import StreamError
+    from .distributed import RankFailed, World
     from .loop import TrainingInterrupted, run_training
 
     job: JobConfig = OmegaConf.to_object(cfg)
@@ -70,10 +71,14 @@ def main(cfg) -> None:
     except StreamError as err:
         print(f"\ntarget engine failure: {err}", file=sys.stderr)
         sys.exit(1)
+    except RankFailed as err:  # torchrun: another trainer rank died or hung
+        print(f"\ndata-parallel failure: {err}", file=sys.stderr)
+        sys.exit(1)
     except (ValueError, FileNotFoundError) as err:  # configuration / data problems found before training
         print(f"\nerror: {err}", file=sys.stderr)
         sys.exit(2)
-    print_summary(summary, job.train.ttt_length)
+    if World.from_env().rank == 0:
+        print_summary(summary, job.train.ttt_length)
 
 
 if __name__ == "__main__":

@@ -35,7 +35,8 @@ from ..target.layers import (
     validate_capture_points,
 )
 from .checkpoint import list_checkpoints, load_checkpoint, read_state, save_checkpoint
-from .metrics import MetricsLogger, TTTStats
+from .distributed import RankFailed, Ranks, World, check_layout, start_ranks, stop_ranks
+from .metrics import MetricsLogger, NullLogger, TTTStats
 from .optim import build_optimizer, build_scheduler
 from .step import DraftTrainer
 
@@ -72,13 +73,11 @@ def prepare(job: JobConfig) -> RunSetup:
     """Everything decided before any process starts; bad config fails here."""
     from transformers import AutoTokenizer
 
+    check_layout(job.hw, World.from_env())  # torchrun ranks per node == target replicas of the hw profile
     model_path = resolve_target_path(job)
     info = read_target_info(model_path)
     facts = facts_from_folder(model_path, job.target.name)
     check_fits(job, facts)  # memory plan (GPU profiles): refuses with the override that would fit
-    if job.hw.target_replicas > 1 or len(job.hw.trainer_gpus or [job.hw.trainer_gpu]) > 1:
-        raise ValueError("the data-parallel layout (several target replicas / trainer ranks) is planned but not "
-                         "implemented yet: add hw.target_replicas=1 hw.trainer_gpus=null")
     if layer_id_rule(info.architecture) == DEEPSEEK_RULE and job.hw.device == "cpu":  # DeepSeek-V2/V3, Kimi-K2.5
         from transformers import AutoConfig
 
@@ -170,7 +169,8 @@ def _fmt_params(n: int) -> str:
     return f"{n / 1e6:.2f}M" if n < 1e9 else f"{n / 1e9:.2f}B"
 
 
-def print_plan(job: JobConfig, setup: RunSetup, plan: list[PlanItem], steps: int, draft: Eagle3Draft, run_dir: Path):
+def print_plan(job: JobConfig, setup: RunSetup, plan: list[PlanItem], steps: int, draft: Eagle3Draft, run_dir: Path,
+               world: int = 1):
     trainable = sum(p.numel() for p in draft.trainable_parameters())
     n_train_items = sum(1 for p in plan if p.kind == "train")
     train_tokens = sum(len(setup.data.train[i].input_ids) for p in plan if p.kind == "train" for i in p.sample_ids
@@ -193,11 +193,15 @@ def print_plan(job: JobConfig, setup: RunSetup, plan: list[PlanItem], steps: int
         f"{job.train.batch_size * job.data.max_length} tokens x {4 * H} floats",
         f"outputs     {run_dir}",
     ]
+    if world > 1:
+        lines.insert(-2, f"ranks       {world} data-parallel trainer ranks, one target replica each; global batch "
+                         f"{world} x {job.train.batch_size} samples, sliced by rank")
     print("\n".join(lines), flush=True)
 
 
 # --------------------------------------------------------------------------------- builders
-def build_trainer(job: JobConfig, setup: RunSetup, steps: int, device: torch.device) -> DraftTrainer:
+def build_trainer(job: JobConfig, setup: RunSetup, steps: int, device: torch.device,
+                  ranks: Ranks | None = None) -> DraftTrainer:
     """A fresh draft (target embedding, vocab maps from the training split only), AdamW and schedule."""
     tr = job.train
     torch.manual_seed(tr.seed)
@@ -213,7 +217,7 @@ def build_trainer(job: JobConfig, setup: RunSetup, steps: int, device: torch.dev
     scheduler = build_scheduler(optimizer, steps, tr.warmup_ratio)
     return DraftTrainer(draft, lm_head.to(device, torch.float32), optimizer, scheduler, ttt_length=tr.ttt_length,
                         loss_decay=tr.loss_decay, grad_accum=tr.grad_accum, grad_clip=tr.grad_clip,
-                        teacher_chunk=tr.teacher_chunk, autocast_bf16=job.hw.autocast == "bf16")
+                        teacher_chunk=tr.teacher_chunk, autocast_bf16=job.hw.autocast == "bf16", ranks=ranks)
 
 
 def make_target_stream(job: JobConfig, setup: RunSetup, samples, plan: list[list[int]],
@@ -264,8 +268,9 @@ class _StopOnSignal:
         return self.signum is not None
 
 
-def run_fingerprint(job: JobConfig, setup: RunSetup, n_plan: int) -> dict:
-    """What a checkpoint must agree with to be resumed: target, draft shape, data, schedule."""
+def run_fingerprint(job: JobConfig, setup: RunSetup, n_plan: int, ranks: int = 1) -> dict:
+    """What a checkpoint must agree with to be resumed: target, draft shape, data, schedule
+    (and the number of data-parallel ranks when there are several)."""
     digest = hashlib.sha1()
     for s in setup.data.train:
         digest.update(s.input_ids.numpy().tobytes())
@@ -276,6 +281,7 @@ def run_fingerprint(job: JobConfig, setup: RunSetup, n_plan: int) -> dict:
         "capture_points": list(setup.capture_points), "draft": dataclasses.asdict(setup.draft_cfg),
         "train_data_sha1": digest.hexdigest(), "plan_items": n_plan, "seed": job.train.seed,
         "batch_size": job.train.batch_size, "grad_accum": job.train.grad_accum, "ttt_length": job.train.ttt_length,
+        **({"trainer_ranks": ranks} if ranks > 1 else {}),
     }
 
 
@@ -301,8 +307,26 @@ def run_training(job: JobConfig, run_dir: str | Path, engine: str = "sglang") ->
     """Train a draft online and export it. Returns the summary (also written to summary.json).
 
     Raises TrainingInterrupted (after saving) on SIGTERM/SIGINT, and StreamError (after saving)
-    when the target process fails, dies or stalls.
+    when the target process fails, dies or stalls. Under torchrun every rank calls this
+    (train/distributed.py); only rank 0 prints, logs, checkpoints and exports, and a rank that
+    sees another one fail raises RankFailed (rank 0 after saving).
     """
+    try:
+        return _run_training(job, run_dir, engine)
+    finally:
+        stop_ranks()
+
+
+def _local_items(stream: TargetStream, shares: list[list[int]]):
+    """(share, (msg, aux, final) or None) per plan item: a rank without a share of an item reads
+    nothing from its stream for it."""
+    batches = iter(stream)
+    for share in shares:
+        yield share, (next(batches) if share else None)
+    next(batches, None)  # runs the stream to the target's end message (its I/O counters)
+
+
+def _run_training(job: JobConfig, run_dir: str | Path, engine: str) -> dict:
     run_dir = Path(run_dir)
     run_dir.mkdir(parents=True, exist_ok=True)
     t_start = time.perf_counter()
@@ -311,14 +335,17 @@ def run_training(job: JobConfig, run_dir: str | Path, engine: str = "sglang") ->
     if job.hw.device == "cpu":
         torch.set_num_threads(job.hw.trainer_threads)
     setup = prepare(job)
+    job, ranks = start_ranks(job)  # torchrun: this rank's trainer GPU and target replica, the process group
+    run_dir = Path(ranks.from_main(str(run_dir)))  # Hydra's default folder is a timestamp: take rank 0's
     device = torch.device("cuda", job.hw.trainer_gpu) if job.hw.device == "cuda" else torch.device("cpu")
 
-    plan, steps = build_plan(len(setup.data.train), len(setup.data.heldout), batch_size=tr.batch_size,
+    # The plan is over GLOBAL batches (train.batch_size per rank x ranks); rank r trains on slice r of each.
+    plan, steps = build_plan(len(setup.data.train), len(setup.data.heldout), batch_size=tr.batch_size * ranks.world,
                              grad_accum=tr.grad_accum, epochs=tr.epochs, max_steps=tr.max_steps,
                              eval_every=tr.eval_every, seed=tr.seed)
-    trainer = build_trainer(job, setup, steps, device)
+    trainer = build_trainer(job, setup, steps, device, ranks)
     draft, optimizer, scheduler = trainer.draft, trainer.optimizer, trainer.scheduler
-    fingerprint = run_fingerprint(job, setup, len(plan))
+    fingerprint = run_fingerprint(job, setup, len(plan), ranks.world)
     # progress at the last optimizer-step boundary: what a checkpoint records and a resume restores
     boundary = {"step": 0, "micro_batches": 0, "plan_item": 0, "tokens_trained": 0, "samples_trained": 0}
     evals: dict[str, dict] = {}
@@ -328,14 +355,20 @@ def run_training(job: JobConfig, run_dir: str | Path, engine: str = "sglang") ->
         state = load_checkpoint(resume_from, draft, optimizer, scheduler)  # weights, Adam, LR, RNG, vocab maps
         boundary = {k: state[k] for k in boundary}
         evals = state.get("evals", {})
-        print(f"resuming from {resume_from} at optimizer step {boundary['step']} (plan item {boundary['plan_item']})")
+        if ranks.main:
+            print(f"resuming from {resume_from} at optimizer step {boundary['step']} (plan item {boundary['plan_item']})")
+    ranks.check_same(boundary["plan_item"], "the plan item to resume from", device)
     start_item = boundary["plan_item"]
-    print_plan(job, setup, plan, steps, draft, run_dir)
-    logger = MetricsLogger(tr.logger, project=tr.wandb_project, mode=tr.wandb_mode, run_dir=str(run_dir),
-                           config={"job": dataclasses.asdict(job), "capture_points": setup.capture_points})
+    if ranks.main:
+        print_plan(job, setup, plan, steps, draft, run_dir, ranks.world)
+        logger = MetricsLogger(tr.logger, project=tr.wandb_project, mode=tr.wandb_mode, run_dir=str(run_dir),
+                               config={"job": dataclasses.asdict(job), "capture_points": setup.capture_points})
+    else:
+        logger = NullLogger()
     samples = setup.data.train + setup.data.heldout
     stop = _StopOnSignal()
-    stream = make_target_stream(job, setup, samples, [p.sample_ids for p in plan[start_item:]], engine)
+    shares = [ranks.share(p.sample_ids, tr.batch_size) for p in plan[start_item:]]  # this rank's slices
+    stream = make_target_stream(job, setup, samples, [ids for ids in shares if ids], engine)
     stream.should_stop = stop.requested
     eval_stats: TTTStats | None = None
     train_stats = TTTStats()
@@ -344,13 +377,21 @@ def run_training(job: JobConfig, run_dir: str | Path, engine: str = "sglang") ->
     session_tokens = tokens_streamed = 0
     ckpt_path = None
     artifact_bytes = 0  # bytes of checkpoints and export the trainer wrote (to separate them from anything else)
-    bar = tqdm(total=steps, initial=step, desc="train", unit="step", disable=not tr.progress, dynamic_ncols=True)
+    bar = tqdm(total=steps, initial=step, desc="train", unit="step", disable=not (tr.progress and ranks.main),
+               dynamic_ncols=True)
     t_train = None  # set at the first training batch: throughput excludes engine start and the first eval
     wait_at_train_start = 0.0
     io = psutil.Process().io_counters
 
-    def save(plan_item_done: bool = False) -> Path:
+    def say(line: str) -> None:
+        if ranks.main:
+            bar.write(line)
+
+    def save(plan_item_done: bool = False) -> Path | None:
+        """Checkpoint at the last optimizer-step boundary (rank 0 only; the ranks' weights are equal)."""
         nonlocal ckpt_path, artifact_bytes
+        if not ranks.main:
+            return None
         extra = {**boundary, "evals": evals, "fingerprint": fingerprint}
         if plan_item_done:
             extra["plan_item"] = len(plan)
@@ -361,29 +402,37 @@ def run_training(job: JobConfig, run_dir: str | Path, engine: str = "sglang") ->
     try:
         with stop, stream:
             trainer_io_start = io().write_bytes
-            for (msg, aux_packed, final_packed), index in zip(stream, range(start_item, len(plan))):
+            # Every rank walks the whole plan (the collectives line up); it reads its stream only for
+            # the items it has a share of. Token and sample counts are the global items'.
+            for index, (share, got) in enumerate(_local_items(stream, shares), start_item):
                 item = plan[index]
-                batch = trainer.make_batch([samples[i] for i in item.sample_ids], msg.lengths, aux_packed, final_packed)
-                stream.release(msg)  # the slot is free for the target's next batch
-                tokens_streamed += batch.num_tokens
+                batch = None
+                if got is not None:
+                    msg, aux_packed, final_packed = got
+                    batch = trainer.make_batch([samples[i] for i in share], msg.lengths, aux_packed, final_packed)
+                    stream.release(msg)  # the slot is free for the target's next batch
+                item_tokens = sum(len(samples[i].input_ids) for i in item.sample_ids)
+                tokens_streamed += item_tokens
                 if stop.requested():
                     raise TrainingInterrupted(stop.signum, None)
                 if item.kind == "eval":
                     eval_stats = eval_stats or TTTStats()
-                    eval_stats.add(trainer.evaluate(batch))
+                    if batch is not None:
+                        eval_stats.add(trainer.evaluate(batch))
                     continue
                 if eval_stats is not None:  # an evaluation just ended
-                    tag = _finish_eval(evals, eval_stats, plan, index, logger, step)
+                    tag = _finish_eval(evals, trainer.sum_stats(eval_stats), plan, index, logger, step)
                     eval_stats = None
-                    bar.write(f"eval[{tag}] " + _eval_line(evals[tag], tr.ttt_length))
+                    say(f"eval[{tag}] " + _eval_line(evals[tag], tr.ttt_length))
 
                 if t_train is None:
                     t_train, wait_at_train_start = time.perf_counter(), stream.wait_s
-                res = trainer.train_micro(batch)
-                train_stats.add(res)
+                res = trainer.train_micro(batch)  # None: no share of this micro-batch (it still joins the counts)
+                if res is not None:
+                    train_stats.add(res)
                 micro += 1
-                tokens_trained += batch.num_tokens
-                session_tokens += batch.num_tokens
+                tokens_trained += item_tokens
+                session_tokens += item_tokens
                 samples_trained += len(item.sample_ids)
                 if micro % tr.grad_accum:
                     continue
@@ -392,37 +441,42 @@ def run_training(job: JobConfig, run_dir: str | Path, engine: str = "sglang") ->
                 boundary = {"step": step, "micro_batches": micro, "plan_item": index + 1,
                             "tokens_trained": tokens_trained, "samples_trained": samples_trained}
                 elapsed = time.perf_counter() - t_train
+                loss = trainer.loss_value(res)
+                log_now = step % tr.log_every == 0 or step == steps
+                if log_now:
+                    trainer.sum_stats(train_stats)
                 summary = train_stats.summary("train")
-                bar.set_postfix(tok_s=f"{session_tokens / elapsed:.0f}", loss=f"{res.loss.item():.3f}",
+                bar.set_postfix(tok_s=f"{session_tokens / elapsed:.0f}", loss=f"{loss:.3f}",
                                 acc0=f"{summary.get('train/acc_0', 0):.2f}", q=stream.depth())
                 bar.update(1)
-                if step % tr.log_every == 0 or step == steps:
-                    logger.log({**summary, "train/loss": res.loss.item(), "train/grad_norm": grad_norm,
+                if log_now:
+                    logger.log({**summary, "train/loss": loss, "train/grad_norm": grad_norm,
                                 "train/lr": scheduler.get_last_lr()[0], "perf/tokens_per_s": session_tokens / elapsed,
                                 "stream/depth": stream.depth(), "stream/wait_frac": stream.wait_s / elapsed}, step)
                     train_stats = TTTStats()
                 if tr.checkpoint_every and step % tr.checkpoint_every == 0 and step < steps:
                     save()
             if eval_stats is not None:
-                tag = _finish_eval(evals, eval_stats, plan, len(plan) - 1, logger, step)
-                bar.write(f"eval[{tag}] " + _eval_line(evals[tag], tr.ttt_length))
+                tag = _finish_eval(evals, trainer.sum_stats(eval_stats), plan, len(plan) - 1, logger, step)
+                say(f"eval[{tag}] " + _eval_line(evals[tag], tr.ttt_length))
             trainer_written = io().write_bytes - trainer_io_start
         bar.close()
         save(plan_item_done=True)
-        export_dir = export_draft(draft.cpu(), run_dir / "export", setup.eagle_layer_ids,
-                                  setup.info.bos_token_id, setup.info.eos_token_id)
+        export_dir = (export_draft(draft.cpu(), run_dir / "export", setup.eagle_layer_ids,
+                                   setup.info.bos_token_id, setup.info.eos_token_id) if ranks.main else None)
     except (TrainingInterrupted, StreamInterrupted):
         bar.close()
         stream.close()
         path = save()
         logger.close()
         raise TrainingInterrupted(stop.signum or signal.SIGTERM, path) from None
-    except StreamError as err:
+    except (StreamError, RankFailed) as err:
         bar.close()
         stream.close()
         path = save()
         logger.close()
-        raise StreamError(f"{err}\nprogress saved: {path} (resume with train.resume=auto train.out_dir={run_dir})") from None
+        saved = f"progress saved: {path}" if path else f"rank {ranks.rank}: rank 0 saves the progress"
+        raise type(err)(f"{err}\n{saved} (resume with train.resume=auto train.out_dir={run_dir})") from None
     finally:
         bar.close()
         stream.close()
@@ -430,8 +484,11 @@ def run_training(job: JobConfig, run_dir: str | Path, engine: str = "sglang") ->
     wait_frac = (stream.wait_s - wait_at_train_start) / train_wall
     elem_bytes = torch.finfo(getattr(torch, job.hw.target_dtype)).bits // 8
     smallest_batch = min(sum(len(samples[i].input_ids) for i in p.sample_ids) for p in plan)
+    # summed over the data-parallel ranks: every target process and every trainer
+    hidden_disk, startup_disk, trainer_written = ranks.sum_ints(
+        [stream.target_io.streaming_write_bytes, stream.target_io.startup_write_bytes, trainer_written], device)
     summary = {
-        "target": job.target.name, "steps": step, "samples_trained": samples_trained, "tokens_trained": tokens_trained,
+        "target": job.target.name, "trainer_ranks": ranks.world, "steps": step, "samples_trained": samples_trained, "tokens_trained": tokens_trained,
         "resumed_from": str(resume_from) if resume_from else None,
         "train_wall_s": round(train_wall, 1), "tokens_per_s": round(session_tokens / train_wall, 1),
         "stream_wait_frac": round(wait_frac, 3), "total_wall_s": round(time.perf_counter() - t_start, 1),
@@ -441,15 +498,16 @@ def run_training(job: JobConfig, run_dir: str | Path, engine: str = "sglang") ->
         # process produces every hidden state, so its count is the hidden-state bytes on disk.
         # The trainer's writes other than checkpoint files (filesystem metadata, temp probes) are
         # shown beside the smallest batch of hidden states: a spilled batch could not hide below it.
-        "disk": {"hidden_state_bytes_on_disk": stream.target_io.streaming_write_bytes,
-                 "target_startup_write_bytes": stream.target_io.startup_write_bytes,
+        "disk": {"hidden_state_bytes_on_disk": hidden_disk,
+                 "target_startup_write_bytes": startup_disk,
                  "trainer_checkpoint_bytes": artifact_bytes,
                  "trainer_other_write_bytes": max(0, trainer_written - artifact_bytes),
                  "smallest_batch_hidden_state_bytes": smallest_batch * 4 * setup.info.hidden_size * elem_bytes,
                  "hidden_state_bytes_streamed_in_memory": tokens_streamed * 4 * setup.info.hidden_size * elem_bytes},
         "checkpoint": str(ckpt_path), "export": str(export_dir),
     }
-    (run_dir / "summary.json").write_text(json.dumps(summary, indent=1))
+    if ranks.main:
+        (run_dir / "summary.json").write_text(json.dumps(summary, indent=1))
     logger.summary({"tokens_per_s": summary["tokens_per_s"], **{f"final/{k}": v for k, v in evals.get("end", {}).items()}})
     logger.close()
     return summary

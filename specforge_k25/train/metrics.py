@@ -15,6 +15,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import torch
 
 from ..draft.loss import TTTResult, simulated_acceptance_length
 
@@ -33,6 +34,15 @@ class TTTStats:
         else:
             for name, v in zip(("correct", "scored", "alpha", "ploss_weighted", "counted"), vals):
                 setattr(self, name, getattr(self, name) + v)
+
+    def all_reduce(self, ranks, ttt_length: int, device) -> None:
+        """In place: sum the counters over data-parallel ranks (a rank that added nothing sends zeros)."""
+        names = ("correct", "scored", "alpha", "ploss_weighted", "counted")
+        zeros = torch.zeros(ttt_length, dtype=torch.float64, device=device)
+        packed = torch.stack([zeros if getattr(self, n) is None else getattr(self, n) for n in names])  # [5, K]
+        ranks.sum(packed)
+        for name, row in zip(names, packed):
+            setattr(self, name, row)
 
     def summary(self, prefix: str) -> dict[str, float]:
         if self.correct is None:
@@ -82,3 +92,16 @@ class MetricsLogger:
         if self.run is not None:
             self.run.finish()
             self.run = None
+
+
+class NullLogger:
+    """What data-parallel ranks other than 0 log to: nothing."""
+
+    def log(self, metrics: dict, step: int) -> None:
+        pass
+
+    def summary(self, values: dict) -> None:
+        pass
+
+    def close(self) -> None:
+        pass

@@ -5,8 +5,10 @@ from dataclasses import dataclass
 
 import torch
 
-from ..draft.loss import Teacher, TTTResult, compute_teacher, ttt_loss
+from ..draft.loss import Teacher, TTTResult, compute_teacher, loss_positions, ttt_loss
 from ..draft.model import Eagle3Draft
+from .distributed import Ranks
+from .metrics import TTTStats
 
 
 @dataclass
@@ -33,11 +35,19 @@ def pad_packed(packed: torch.Tensor, lengths: list[int]) -> torch.Tensor:
 
 
 class DraftTrainer:
-    """Owns the draft, the frozen target lm_head, the optimizer and the schedule."""
+    """Owns the draft, the frozen target lm_head, the optimizer and the schedule.
+
+    With data-parallel `ranks` (train/distributed.py) each rank trains on its slice of every
+    micro-batch: the loss is divided by the micro-batch's loss positions summed over all ranks and
+    the gradients are summed over ranks before clipping, so the update equals one rank's on the
+    whole global micro-batch.
+    """
 
     def __init__(self, draft: Eagle3Draft, lm_head: torch.Tensor, optimizer, scheduler, *, ttt_length: int,
-                 loss_decay: float, grad_accum: int, grad_clip: float, teacher_chunk: int, autocast_bf16: bool):
+                 loss_decay: float, grad_accum: int, grad_clip: float, teacher_chunk: int, autocast_bf16: bool,
+                 ranks: Ranks | None = None):
         self.draft, self.lm_head, self.optimizer, self.scheduler = draft, lm_head, optimizer, scheduler
+        self.ranks = ranks or Ranks()
         self.ttt_length, self.loss_decay, self.grad_accum = ttt_length, loss_decay, grad_accum
         self.grad_clip, self.teacher_chunk = grad_clip, teacher_chunk
         self.device = lm_head.device
@@ -55,17 +65,44 @@ class DraftTrainer:
         teacher = compute_teacher(final, self.lm_head, self.draft.d2t, self.teacher_chunk)
         return DraftBatch(input_ids, loss_mask, torch.tensor(lengths, device=dev), aux, teacher)
 
-    def _loss(self, batch: DraftBatch) -> TTTResult:
+    def _loss(self, batch: DraftBatch, normalizer: torch.Tensor | None = None) -> TTTResult:
         with self.autocast():
             return ttt_loss(self.draft, batch.aux_hidden, batch.input_ids, batch.loss_mask, batch.lengths,
-                            batch.teacher, self.ttt_length, self.loss_decay)
+                            batch.teacher, self.ttt_length, self.loss_decay, normalizer)
 
-    def train_micro(self, batch: DraftBatch) -> TTTResult:
-        res = self._loss(batch)
+    def train_micro(self, batch: DraftBatch | None) -> TTTResult | None:
+        """Forward + backward of this rank's part of a micro-batch. None: this rank has no sample in
+        it (a short last batch); it still takes part in the count all-reduce."""
+        normalizer = None
+        if self.ranks.distributed:
+            local = (loss_positions(batch.loss_mask, batch.lengths, batch.teacher, self.ttt_length) if batch is not None
+                     else torch.zeros(self.ttt_length, dtype=torch.int64, device=self.device))
+            normalizer = self.ranks.sum(local)  # [K] loss positions of the whole global micro-batch
+        if batch is None:
+            return None
+        res = self._loss(batch, normalizer)
         (res.loss / self.grad_accum).backward()
         return res
 
+    def loss_value(self, res: TTTResult | None) -> float:
+        """The micro-batch's loss as logged; with several ranks the sum of their parts."""
+        if not self.ranks.distributed:
+            return res.loss.item()
+        loss = res.loss.detach().float().reshape(1) if res is not None else torch.zeros(1, device=self.device)
+        return self.ranks.sum(loss).item()
+
+    def sum_stats(self, stats: TTTStats) -> TTTStats:
+        """In place: the counters of all ranks (a no-op with one rank)."""
+        if self.ranks.distributed:
+            stats.all_reduce(self.ranks, self.ttt_length, self.device)
+        return stats
+
     def optimizer_step(self) -> float:
+        if self.ranks.distributed:  # each rank's loss is already divided by the global count: sum, not mean
+            for p in self.draft.trainable_parameters():
+                if p.grad is None:  # this rank had no sample in the step
+                    p.grad = torch.zeros_like(p)
+                self.ranks.sum(p.grad)
         grad_norm = torch.nn.utils.clip_grad_norm_(self.draft.trainable_parameters(), self.grad_clip)
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)

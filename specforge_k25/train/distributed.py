@@ -1,0 +1,171 @@
+"""Data-parallel trainer ranks started by torchrun: which rank this process is, its GPUs, and the
+few collectives the loop needs.
+
+One trainer rank per target replica; each rank runs its own target process (its own stream).
+Every global batch (train.batch_size samples per rank x ranks) is cut into contiguous per-rank
+slices. Each rank divides its summed loss by the GLOBAL number of loss positions and the gradients
+are summed over ranks, so W ranks x batch b make the same update as one rank x batch W*b.
+
+A single process (plain `python -m ...`, or torchrun with one rank) is rank 0 of 1: no process
+group, no collective, the code path of a one-rank run is unchanged.
+"""
+from __future__ import annotations
+
+import dataclasses
+import datetime
+import os
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+
+class RankFailed(RuntimeError):
+    """A collective with the other trainer ranks failed (a rank died, hung or timed out)."""
+
+
+@dataclass(frozen=True)
+class World:
+    """What torchrun says about this process (RANK, WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE)."""
+
+    rank: int = 0
+    size: int = 1
+    local_rank: int = 0
+    local_size: int = 1
+
+    @classmethod
+    def from_env(cls) -> "World":
+        env = os.environ
+        size = int(env.get("WORLD_SIZE", 1))
+        return cls(rank=int(env.get("RANK", 0)), size=size, local_rank=int(env.get("LOCAL_RANK", 0)),
+                   local_size=int(env.get("LOCAL_WORLD_SIZE", size)))
+
+
+def _trainer_gpus(hw) -> list[int]:
+    return list(hw.trainer_gpus) if hw.trainer_gpus else [hw.trainer_gpu]
+
+
+def rank_gpus(hw, local_rank: int) -> tuple[int, int]:
+    """(trainer GPU, first GPU of the target replica) of a rank on its node.
+
+    The trainer GPU is hw.trainer_gpus[local_rank]; its replica is the one whose first GPU that is
+    (b300x8: trainer_gpus [0, 4], TP 4 -> rank 0 reads GPUs 0-3, rank 1 GPUs 4-7), else replica
+    number local_rank (a trainer on a GPU of its own).
+    """
+    firsts = [hw.target_gpu + r * hw.target_tp for r in range(hw.target_replicas)]
+    gpu = _trainer_gpus(hw)[local_rank]
+    return gpu, (gpu if gpu in firsts else firsts[local_rank])
+
+
+def check_layout(hw, world: World) -> None:
+    """Refuse a launch whose ranks do not match the hw profile, before any process starts.
+
+    The profile describes one node: hw.target_replicas replicas, one trainer rank each (on GPU,
+    hw.trainer_gpus lists their GPUs). torchrun must start exactly that many ranks per node.
+    """
+    replicas = hw.target_replicas
+    if replicas < 1:
+        raise ValueError(f"hw.target_replicas={replicas}: need at least one target replica")
+    if hw.trainer_gpus is not None and len(hw.trainer_gpus) != replicas:
+        raise ValueError(f"hw.trainer_gpus={list(hw.trainer_gpus)} lists {len(hw.trainer_gpus)} trainer rank(s) but "
+                         f"hw.target_replicas={replicas}: one trainer rank per target replica")
+    if hw.device == "cuda" and hw.trainer_gpus is None and replicas > 1:
+        raise ValueError(f"hw.target_replicas={replicas}: set hw.trainer_gpus to the GPU of each trainer rank")
+    if world.local_size != replicas:
+        launch = (f"torchrun --nproc-per-node {replicas} -m specforge_k25.train ..." if replicas > 1
+                  else "python -m specforge_k25.train ... (or torchrun --nproc-per-node 1)")
+        raise ValueError(f"{world.local_size} trainer rank(s) were started on this node but the hw profile "
+                         f"{hw.name!r} has {replicas} target replica(s) (hw.target_replicas, hw.trainer_gpus), one "
+                         f"rank each: start `{launch}` or change hw.target_replicas / hw.trainer_gpus")
+    if world.size % world.local_size:
+        raise ValueError(f"WORLD_SIZE={world.size} is not a multiple of the {world.local_size} ranks per node")
+    if hw.device == "cuda":
+        targets = [rank_gpus(hw, r)[1] for r in range(replicas)]
+        if len(set(targets)) != replicas:
+            raise ValueError(f"hw.trainer_gpus={_trainer_gpus(hw)}: two trainer ranks would read the same target "
+                             f"replica (first GPUs {targets}); put each rank on its replica's first GPU")
+
+
+@dataclass(frozen=True)
+class Ranks:
+    """This process's place among the trainer ranks and the collectives over them.
+
+    With one rank every method is the identity; with several, a failed or timed-out collective
+    raises RankFailed.
+    """
+
+    rank: int = 0
+    world: int = 1
+    local_rank: int = 0
+
+    @property
+    def main(self) -> bool:
+        """Rank 0: the only one that prints, logs, checkpoints and exports."""
+        return self.rank == 0
+
+    @property
+    def distributed(self) -> bool:
+        return self.world > 1
+
+    def share(self, sample_ids: list[int], per_rank: int) -> list[int]:
+        """This rank's contiguous slice of a global batch (rank-major; may be empty for a short batch)."""
+        return sample_ids[self.rank * per_rank:(self.rank + 1) * per_rank]
+
+    def _reduce(self, t: torch.Tensor, op) -> torch.Tensor:
+        if self.world > 1:
+            try:
+                dist.all_reduce(t, op=op)
+            except RuntimeError as err:  # gloo: peer closed / timeout; nccl: timeout
+                raise RankFailed(f"trainer rank {self.rank}: a collective with the other ranks failed "
+                                 f"(another rank died or hung): {err}") from None
+        return t
+
+    def sum(self, t: torch.Tensor) -> torch.Tensor:
+        """In place: t = Σ over ranks."""
+        return self._reduce(t, dist.ReduceOp.SUM)
+
+    def sum_ints(self, values: list[int], device) -> list[int]:
+        return [int(v) for v in self.sum(torch.tensor(values, dtype=torch.int64, device=device)).tolist()]
+
+    def check_same(self, value: int, what: str, device) -> None:
+        """Raise (on every rank) unless all ranks hold the same integer."""
+        if self.world == 1:
+            return
+        t = self._reduce(torch.tensor([value, -value], dtype=torch.int64, device=device), dist.ReduceOp.MAX)
+        if int(t[0]) != -int(t[1]):
+            raise ValueError(f"the trainer ranks disagree on {what} (from {-int(t[1])} to {int(t[0])}): "
+                             f"train.out_dir must be one folder every rank sees")
+
+    def from_main(self, obj):
+        """Rank 0's value of a picklable object, on every rank."""
+        if self.world == 1:
+            return obj
+        box = [obj]
+        try:
+            dist.broadcast_object_list(box, src=0)
+        except RuntimeError as err:
+            raise RankFailed(f"trainer rank {self.rank}: broadcast from rank 0 failed: {err}") from None
+        return box[0]
+
+
+def start_ranks(job, world: World | None = None):
+    """This process's job (its trainer GPU, its replica's first GPU) and its `Ranks`; with several
+    ranks also the process group (gloo on CPU, nccl on CUDA; collectives time out after
+    train.dist_timeout_s). Returns (job, ranks)."""
+    world = world or World.from_env()
+    if world.size == 1:
+        return job, Ranks()
+    timeout = datetime.timedelta(seconds=job.train.dist_timeout_s)
+    if job.hw.device == "cuda":
+        trainer_gpu, target_gpu = rank_gpus(job.hw, world.local_rank)
+        job = dataclasses.replace(job, hw=dataclasses.replace(job.hw, trainer_gpu=trainer_gpu, target_gpu=target_gpu))
+        torch.cuda.set_device(trainer_gpu)
+        dist.init_process_group("nccl", timeout=timeout, device_id=torch.device("cuda", trainer_gpu))
+    else:
+        dist.init_process_group("gloo", timeout=timeout)
+    return job, Ranks(rank=dist.get_rank(), world=dist.get_world_size(), local_rank=world.local_rank)
+
+
+def stop_ranks() -> None:
+    if dist.is_available() and dist.is_initialized():
+        dist.destroy_process_group()

@@ -1,0 +1,238 @@
+"""Data-parallel trainer ranks (train/distributed.py): the loss normalisation over ranks in float64,
+the rank layout checks, and two ranks under torchrun (gloo, CPU, HF target) against one rank with
+the doubled batch."""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from specforge_k25.config import HwConfig
+from specforge_k25.draft.loss import Teacher, loss_positions, ttt_loss
+from specforge_k25.train.distributed import Ranks, World, check_layout, rank_gpus
+
+from test_draft import _tiny_setup, reference_ttt  # the float64 loop reference of the TTT loss
+
+ROOT = Path(__file__).resolve().parents[1]
+WORKER = str(ROOT / "tests" / "dp_train_worker.py")
+
+
+# ------------------------------------------------------------------ global-token normalisation
+def _float64_teacher(final, lm_head_full, d2t, cfg) -> Teacher:
+    full = final @ lm_head_full.T  # [B, T, V] float64
+    used = torch.arange(cfg.draft_vocab_size) + d2t
+    inv = torch.full((cfg.vocab_size,), -1, dtype=torch.int64)
+    inv[used] = torch.arange(cfg.draft_vocab_size)
+    return Teacher(full[..., used], torch.logsumexp(full, -1), inv[full.argmax(-1)])
+
+
+def _rows(x, rows: slice, T: int):
+    return x[rows, :T]
+
+
+def test_global_token_normalisation_equals_single_rank_float64():
+    """Rank 0 gets sequence 0 (9 tokens), rank 1 sequence 1 (6 tokens, padded only to 6): their loss
+    position counts differ. Each rank divides its summed soft-CE by the count summed over both
+    ranks; the sum of the two rank losses and of their gradients must equal the one-rank loss of
+    the whole batch (float64: 1e-12), and the independent loop reference."""
+    K = 3
+    cfg, draft, d2t, input_ids, loss_mask, lengths, aux, final, lm_head_full = _tiny_setup(seed=1)
+    teacher = _float64_teacher(final, lm_head_full, d2t, cfg)
+    params = [p for p in draft.parameters() if p.requires_grad]
+
+    whole = ttt_loss(draft, aux, input_ids, loss_mask, lengths, teacher, ttt_length=K)
+    whole_grads = torch.autograd.grad(whole.loss, params)
+
+    parts = [(slice(0, 1), int(lengths[0])), (slice(1, 2), int(lengths[1]))]  # (rows, padded length)
+    local_batches = []
+    for rows, T in parts:
+        sub_teacher = Teacher(*(_rows(t, rows, T) for t in (teacher.draft_logits, teacher.logsumexp,
+                                                           teacher.argmax_draft_id)))
+        local_batches.append((_rows(aux, rows, T), _rows(input_ids, rows, T), _rows(loss_mask, rows, T),
+                              lengths[rows], sub_teacher))
+    counts = [loss_positions(m, n, t, K) for _, _, m, n, t in local_batches]
+    assert counts[0].tolist() != counts[1].tolist(), "the test needs uneven counts"
+    global_counts = counts[0] + counts[1]  # what the all-reduce computes
+    assert global_counts.tolist() == whole.counted.tolist()
+
+    loss_sum, grad_sum, local_means = 0.0, [torch.zeros_like(p) for p in params], []
+    for (a, ids, m, n, t), c in zip(local_batches, counts):
+        res = ttt_loss(draft, a, ids, m, n, t, ttt_length=K, normalizer=global_counts)
+        assert res.counted.tolist() == c.tolist()  # loss_positions == what ttt_loss counts
+        grads = torch.autograd.grad(res.loss, params)
+        loss_sum = loss_sum + res.loss.detach()
+        grad_sum = [g0 + g for g0, g in zip(grad_sum, grads)]
+        local_means.append(ttt_loss(draft, a, ids, m, n, t, ttt_length=K).loss.detach())
+
+    assert res.loss.dtype == torch.float64
+    torch.testing.assert_close(loss_sum, whole.loss.detach(), rtol=1e-12, atol=0)
+    ref_loss = reference_ttt(draft, aux, input_ids, loss_mask, lengths, final, lm_head_full, d2t, K)[0]
+    torch.testing.assert_close(loss_sum, ref_loss.detach(), rtol=1e-10, atol=0)
+    for g, wg in zip(grad_sum, whole_grads):
+        torch.testing.assert_close(g, wg, rtol=0, atol=1e-12 * max(wg.abs().max().item(), 1.0))
+    # The alternative this replaces: the mean of per-rank means is a different (wrong) objective.
+    assert abs(float(sum(local_means) / 2 - whole.loss.detach())) > 1e-3 * float(whole.loss.detach())
+
+
+def test_normalizer_none_keeps_the_single_rank_loss_bit_identical():
+    K = 3
+    cfg, draft, d2t, input_ids, loss_mask, lengths, aux, final, lm_head_full = _tiny_setup(seed=2)
+    teacher = _float64_teacher(final, lm_head_full, d2t, cfg)
+    plain = ttt_loss(draft, aux, input_ids, loss_mask, lengths, teacher, ttt_length=K)
+    own = ttt_loss(draft, aux, input_ids, loss_mask, lengths, teacher, ttt_length=K,
+                   normalizer=loss_positions(loss_mask, lengths, teacher, K))
+    assert plain.loss.item() == own.loss.item()
+
+
+def test_rank_major_slices():
+    batch = [10, 11, 12, 13]
+    assert [Ranks(rank=r, world=2).share(batch, 2) for r in range(2)] == [[10, 11], [12, 13]]
+    assert [Ranks(rank=r, world=2).share([10, 11, 12], 2) for r in range(2)] == [[10, 11], [12]]
+    assert [Ranks(rank=r, world=2).share([10], 2) for r in range(2)] == [[10], []]  # short last batch
+
+
+# ------------------------------------------------------------------ layout vs the hw profile
+def _b300(**kw) -> HwConfig:
+    base = dict(name="b300x8", device="cuda", num_gpus=8, target_tp=4, target_replicas=2, target_gpu=0,
+                trainer_gpu=0, trainer_gpus=[0, 4])
+    return HwConfig(**{**base, **kw})
+
+
+def test_rank_gpus_follow_the_profile():
+    hw = _b300()
+    assert [rank_gpus(hw, r) for r in range(2)] == [(0, 0), (4, 4)]  # (trainer GPU, replica's first GPU)
+    check_layout(hw, World(rank=1, size=2, local_rank=1, local_size=2))
+    check_layout(hw, World(rank=3, size=4, local_rank=1, local_size=2))  # two nodes
+    alone = _b300(target_replicas=1, trainer_gpus=[4], trainer_gpu=4)  # trainer on a GPU of its own
+    assert rank_gpus(alone, 0) == (4, 0)
+    check_layout(HwConfig(target_replicas=2), World(size=2, local_size=2))  # CPU: no GPU list needed
+
+
+@pytest.mark.parametrize("hw,world,message", [
+    (_b300(), World(size=1, local_size=1), "1 trainer rank(s) were started on this node but the hw profile"),
+    (_b300(), World(size=3, local_size=3), "torchrun --nproc-per-node 2"),
+    (HwConfig(), World(size=2, local_size=2), "has 1 target replica"),
+    (_b300(trainer_gpus=[0]), World(size=2, local_size=2), "lists 1 trainer rank(s) but hw.target_replicas=2"),
+    (_b300(trainer_gpus=None), World(size=2, local_size=2), "set hw.trainer_gpus"),
+    (_b300(trainer_gpus=[4, 1]), World(size=2, local_size=2), "read the same target replica"),
+])
+def test_layout_mismatch_is_refused(hw, world, message):
+    with pytest.raises(ValueError, match=message.replace("(", r"\(").replace(")", r"\)")):
+        check_layout(hw, world)
+
+
+def _env():
+    return {**os.environ, "PYTHONWARNINGS": "ignore", "OMP_NUM_THREADS": "1", "WANDB_SILENT": "true"}
+
+
+def _torchrun(nproc: int, *args: str) -> list[str]:
+    return [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}", *args]
+
+
+def test_cli_under_torchrun_refuses_a_world_that_does_not_match(tmp_path):
+    """The real CLI: one rank started for a two-replica profile stops before any engine starts."""
+    t0 = time.monotonic()
+    out = subprocess.run(_torchrun(1, "-m", "specforge_k25.train", "hw.target_replicas=2", "train.logger=none",
+                                   f"train.out_dir={tmp_path / 'run'}", f"hydra.run.dir={tmp_path / 'hydra'}"),
+                         capture_output=True, text=True, timeout=300, env=_env(), cwd=ROOT)
+    assert out.returncode != 0
+    assert "1 trainer rank(s) were started on this node" in out.stderr, out.stderr[-3000:]
+    assert "torchrun --nproc-per-node 2" in out.stderr
+    assert time.monotonic() - t0 < 120
+    assert not (tmp_path / "run" / "checkpoints").exists()
+
+
+# ------------------------------------------------------------------ two ranks == one rank x 2b
+# 13 training samples, global batch 4 (2 ranks x 2 | 1 rank x 4): every epoch ends with a one-sample
+# micro-batch, in which rank 1 has no share; grad_accum 2, 3 epochs -> 6 optimizer steps; 3
+# held-out samples -> eval batch [2 | 1] sharded over the ranks.
+#
+# Tolerance. Adam divides each gradient element by its own running RMS, so where a gradient element
+# is mostly cancellation, the fp32 rounding differences between one [4, T] batch and two [2, T']
+# batches (summation order, matmul blocking, padding length) become O(lr) weight differences; with
+# lr 1e-3 we measured 2e-5 relative after 6 steps. Here lr=1000 with grad_clip=1e-10 puts every
+# clipped gradient element (~1e-13) far below Adam's eps (1e-8): the update is lr/eps x the
+# momentum of the clipped gradient, linear in the gradient, and the weights still move by O(0.1)
+# per step. What remains is fp32 rounding of the gradients themselves, measured 6e-7 of each
+# tensor's largest weight; 2e-6 is allowed. A wrong normalisation (local counts) or a missing
+# gradient all-reduce moves weights by O(1e-1) relative.
+COMMON = ["target=tiny_deepseek", "data.num_samples=13", "data.heldout_samples=3", "data.max_length=64",
+          "draft.vocab_size=1024", "train.ttt_length=3", "train.grad_accum=2", "train.epochs=3",
+          "train.lr=1000", "train.grad_clip=1e-10", "train.log_every=1", "train.checkpoint_every=1",
+          "train.keep_checkpoints=10", "train.progress=false", "train.logger=none"]
+
+
+def _train_records(run_dir: Path) -> list[dict]:
+    return [json.loads(l) for l in (run_dir / "metrics.jsonl").read_text().splitlines() if "train/loss" in l]
+
+
+def _max_rel_diff(a: dict, b: dict) -> float:
+    assert a.keys() == b.keys()
+    worst = 0.0
+    for k in a:
+        if not a[k].is_floating_point():
+            assert torch.equal(a[k], b[k]), k  # vocab maps
+            continue
+        scale = a[k].double().abs().max().item()
+        worst = max(worst, (a[k].double() - b[k].double()).abs().max().item() / scale)
+    return worst
+
+
+@pytest.mark.e2e
+def test_two_ranks_equal_one_rank_with_the_doubled_batch(tiny_deepseek_path, tmp_path):
+    one, two = tmp_path / "one", tmp_path / "two"
+    procs = [
+        (subprocess.Popen([sys.executable, WORKER, str(one), *COMMON, "train.batch_size=4"], env=_env(), cwd=ROOT,
+                          stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True), one),
+        (subprocess.Popen(_torchrun(2, WORKER, str(two), *COMMON, "train.batch_size=2", "hw.target_replicas=2"),
+                          env=_env(), cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True), two),
+    ]
+    logs = []
+    for proc, _ in procs:
+        log, _ = proc.communicate(timeout=600)
+        assert proc.returncode == 0, log[-5000:]
+        logs.append(log)
+    assert logs[1].count("run plan") == 1 and "ranks       2 data-parallel trainer ranks" in logs[1]  # rank 0 prints
+
+    s1, s2 = (json.loads((d / "summary.json").read_text()) for d in (one, two))
+    assert s2["trainer_ranks"] == 2 and s1["trainer_ranks"] == 1
+    for key in ("steps", "samples_trained", "tokens_trained"):
+        assert s1[key] == s2[key], key
+    assert s1["steps"] == 6 and s1["samples_trained"] == 39
+    assert s2["disk"]["hidden_state_bytes_on_disk"] == 0
+
+    # every checkpoint (steps 1..6) and the export: same weights
+    ckpts = sorted(p.name for p in (one / "checkpoints").iterdir())
+    assert ckpts == sorted(p.name for p in (two / "checkpoints").iterdir()) and len(ckpts) == 6
+    diffs = {c: _max_rel_diff(load_file(one / "checkpoints" / c / "draft.safetensors"),
+                              load_file(two / "checkpoints" / c / "draft.safetensors")) for c in ckpts}
+    a, b = load_file(one / "export" / "model.safetensors"), load_file(two / "export" / "model.safetensors")
+    diffs["export"] = _max_rel_diff(a, b)
+    print("max relative weight difference per checkpoint:", diffs)
+    assert max(diffs.values()) < 2e-6, diffs
+    # the weights did move: step 1 -> 6 changes them by far more than the tolerance
+    first = load_file(one / "checkpoints" / ckpts[0] / "draft.safetensors")
+    assert _max_rel_diff(first, load_file(one / "checkpoints" / ckpts[-1] / "draft.safetensors")) > 1e-2
+
+    # only rank 0 logged (one record per step); the logged loss is the global one
+    r1, r2 = _train_records(one), _train_records(two)
+    assert [r["optimizer_step"] for r in r2] == list(range(1, 7))
+    # (accuracies: an argmax near-tie may flip under fp32 rounding, hence abs 0.05)
+    for x, y in zip(r1, r2):
+        assert y["train/loss"] == pytest.approx(x["train/loss"], rel=1e-5, abs=1e-6)
+        assert y["train/positions"] == x["train/positions"]
+        assert y["train/acc_0"] == pytest.approx(x["train/acc_0"], abs=0.05)
+    # sharded evaluation summed over the ranks: the same positions and metrics as one rank
+    for tag in ("start", "end"):
+        e1, e2 = s1["eval"][tag], s2["eval"][tag]
+        assert e1["positions"] == e2["positions"] > 0
+        for k in e1:
+            tol = dict(abs=0.05) if k.startswith(("acc_", "tau_sim")) else dict(rel=1e-5, abs=1e-7)
+            assert e2[k] == pytest.approx(e1[k], **tol), (tag, k)
