@@ -33,15 +33,16 @@ def tiny_deepseek_path(smollm2_path):
     return str(tiny_deepseek_path(smollm2_path))
 
 
-def _sglang_capture(model_path: str, points: list[int], seqs):
+def _sglang_capture(model_path: str, points: list[int], seqs, **spec_fields):
     """Run the real SGLang engine in its own process through the stream, as the trainer does; two
-    batches (several packed sequences, then one). Returns [(lengths, aux, final)] per batch."""
+    batches (several packed sequences, then one). Returns [(lengths, aux, final)] per batch.
+    `spec_fields` go to TargetSpec (e.g. tp_size=2)."""
     from specforge_k25.stream.producer import TargetSpec, TargetStream
     from specforge_k25.target.hf_config import read_target_info
 
     info = read_target_info(model_path)
     spec = TargetSpec(engine="sglang", model_path=model_path, architecture=info.architecture, capture_points=points,
-                      num_threads=2)
+                      **{"num_threads": 2, **spec_fields})
     plan = [list(range(len(seqs) - 1)), [len(seqs) - 1]]
     out = []
     with TargetStream(spec, seqs, plan, hidden_size=info.hidden_size, slots=2, timeout_s=300) as stream:

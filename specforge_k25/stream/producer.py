@@ -1,9 +1,17 @@
 """The target process: runs the frozen target over a fixed plan of batches and streams the
 hidden states into a `SlotRing`. The trainer side (`TargetStream`) starts it, iterates the
 batches, and notices within `poll_s` + `timeout_s` if the process dies or stalls.
+
+Tensor parallelism (tp_size > 1): one process per TP rank, as SGLang's own one_batch benchmark
+runs them. TP rank 0 (`_producer_main`) walks the plan and broadcasts each batch's token ids to
+the other ranks (`_tp_rank_main`), which run the same forward and discard its output; only rank 0
+writes into the ring. The TP group may span nodes (SGLang's nnodes / node_rank / dist_init_addr):
+the trainer's node starts its local ranks here, every other node runs only its own ranks
+(`run_tp_node`, `python -m specforge_k25.stream.tp_node`).
 """
 from __future__ import annotations
 
+import dataclasses
 import os
 import signal
 import sys
@@ -28,22 +36,48 @@ class TargetSpec:
     device: str = "cpu"
     dtype: str = "float32"
     tp_size: int = 1
-    gpu_id: int = 0
+    gpu_id: int = 0  # GPU of this node's first TP rank; the others use the next ones
     max_total_tokens: int = 16384
     mem_fraction_static: float = 0.05
     num_threads: int = 1
     trust_remote_code: bool = False
+    nnodes: int = 1  # nodes the TP group spans (each holds tp_size // nnodes consecutive ranks)
+    node_rank: int = 0  # this node's index among them; node 0 holds TP rank 0 (and the trainer)
+    dist_init_addr: str | None = None  # host:port of the TP group's rendezvous; required when nnodes > 1
+    nccl_port: int | None = None  # one node: 127.0.0.1 port of the rendezvous (TargetStream picks a free one)
+
+    def local_tp_ranks(self) -> list[int]:
+        """The TP ranks this node runs."""
+        per_node = self.tp_size // self.nnodes
+        return list(range(self.node_rank * per_node, (self.node_rank + 1) * per_node))
 
 
-def build_target(spec: TargetSpec):
+def check_tp_layout(spec: TargetSpec) -> None:
+    """Refuse a TP layout SGLang cannot form, before any process starts."""
+    if spec.tp_size < 1 or spec.nnodes < 1:
+        raise ValueError(f"target TP size {spec.tp_size} and nodes {spec.nnodes} must be >= 1")
+    if spec.tp_size % spec.nnodes:
+        raise ValueError(f"target TP size {spec.tp_size} does not split evenly over {spec.nnodes} nodes")
+    if not 0 <= spec.node_rank < spec.nnodes:
+        raise ValueError(f"target node rank {spec.node_rank} is out of range for {spec.nnodes} node(s)")
+    if spec.nnodes > 1 and not spec.dist_init_addr:
+        raise ValueError(f"a target TP group over {spec.nnodes} nodes needs the rendezvous address "
+                         f"(hw.target_dist_init_addr=HOST:PORT of node 0, reachable from every node)")
+    if spec.engine != "sglang" and spec.tp_size > 1:
+        raise ValueError(f"target engine {spec.engine!r} runs TP 1 only (tp_size={spec.tp_size})")
+
+
+def build_target(spec: TargetSpec, tp_rank: int = 0):
     if spec.engine == "sglang":
         from ..target.sglang_engine import SGLangTarget
 
+        local_index = tp_rank - spec.local_tp_ranks()[0]  # CPU: SGLang's NUMA/thread-group index
         return SGLangTarget(
             spec.model_path, spec.architecture, spec.capture_points, device=spec.device, dtype=spec.dtype,
-            tp_size=spec.tp_size, gpu_id=spec.gpu_id, max_total_tokens=spec.max_total_tokens,
-            mem_fraction_static=spec.mem_fraction_static, num_threads=spec.num_threads,
-            trust_remote_code=spec.trust_remote_code,
+            tp_size=spec.tp_size, tp_rank=tp_rank, gpu_id=spec.gpu_id + local_index,
+            max_total_tokens=spec.max_total_tokens, mem_fraction_static=spec.mem_fraction_static,
+            num_threads=spec.num_threads, trust_remote_code=spec.trust_remote_code, nccl_port=spec.nccl_port,
+            nnodes=spec.nnodes, node_rank=spec.node_rank, dist_init_addr=spec.dist_init_addr,
         )
     if spec.engine == "hf":
         from ..target.hf_reference import HFTarget
@@ -63,7 +97,7 @@ def _die_with_parent() -> None:
 
 def _producer_main(spec: TargetSpec, tokens: torch.Tensor, offsets: torch.Tensor, plan: list, ring: SlotRing,
                    parent_pid: int):
-    """Entry point of the target process. tokens: all sequences concatenated; offsets [N+1]."""
+    """Entry point of the target process (TP rank 0). tokens: all sequences concatenated; offsets [N+1]."""
     _die_with_parent()
     if os.getppid() != parent_pid:  # the trainer died before prctl took effect
         return
@@ -71,7 +105,7 @@ def _producer_main(spec: TargetSpec, tokens: torch.Tensor, offsets: torch.Tensor
     torch.set_num_threads(spec.num_threads)
     stage = "engine start"
     try:
-        target = build_target(spec)
+        target = build_target(spec, tp_rank=0)
         torch.set_num_threads(spec.num_threads)
         pool = getattr(target, "max_total_tokens", None)  # SGLang sizes its KV pool from free memory at start
         largest = max((int(sum(offsets[i + 1] - offsets[i] for i in b)) for b in plan), default=0)
@@ -85,13 +119,121 @@ def _producer_main(spec: TargetSpec, tokens: torch.Tensor, offsets: torch.Tensor
         for item, batch in enumerate(plan):
             stage = f"target forward of plan item {item}"
             seqs = [tokens[offsets[i]:offsets[i + 1]] for i in batch]
+            if spec.tp_size > 1:
+                target.share_batch(seqs)  # the other TP ranks run the same forward
             out = target.forward(seqs)
             ring.put(item, out.aux_hidden, out.final_hidden, out.lengths)
+        if spec.tp_size > 1:
+            stage = "end of plan (telling the other TP ranks)"
+            target.share_batch(None)
         target.close()
         ring.ready.put(EndOfStream(len(plan), ready_bytes, io().write_bytes - ready_bytes))
     except BaseException as err:  # report, never hang the trainer
         ring.ready.put(ProducerFailed(stage, f"{type(err).__name__}: {err}\n{traceback.format_exc()}"))
         raise
+
+
+def _tp_rank_main(spec: TargetSpec, tp_rank: int, report, parent_pid: int):
+    """Entry point of a TP rank other than 0: the same engine start, warm-up and forwards as rank 0,
+    batch by batch as rank 0 broadcasts them, until rank 0 says the plan is done. Its outputs are
+    dropped (rank 0 holds the full hidden states). A failure goes to `report` (the trainer's ready
+    queue on the trainer's node; None elsewhere: the traceback and exit code tell)."""
+    _die_with_parent()
+    if os.getppid() != parent_pid:
+        return
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    torch.set_num_threads(spec.num_threads)
+    stage = "engine start"
+    try:
+        target = build_target(spec, tp_rank=tp_rank)
+        torch.set_num_threads(spec.num_threads)
+        stage = "engine warmup"
+        target.warmup()
+        item = 0
+        while True:
+            stage = f"target forward of plan item {item}"
+            seqs = target.share_batch(None)
+            if seqs is None:
+                break
+            target.forward(seqs)
+            item += 1
+        target.close()
+    except BaseException as err:
+        if report is not None:
+            report.put(ProducerFailed(stage, f"{type(err).__name__}: {err}\n{traceback.format_exc()}", rank=tp_rank))
+        raise
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _start_quietly(process) -> None:
+    """Start a target process with PYTHONDONTWRITEBYTECODE: it writes nothing to disk, not even
+    bytecode caches, so its I/O counter measures hidden-state bytes on disk (expected: 0)."""
+    previous = os.environ.get("PYTHONDONTWRITEBYTECODE")
+    os.environ["PYTHONDONTWRITEBYTECODE"] = "1"
+    try:
+        process.start()
+    finally:
+        if previous is None:
+            del os.environ["PYTHONDONTWRITEBYTECODE"]
+        else:
+            os.environ["PYTHONDONTWRITEBYTECODE"] = previous
+
+
+def _stop(processes) -> None:
+    """Terminate processes and anything they started (no orphans)."""
+    children = []
+    for process in processes:
+        if process.is_alive():
+            try:
+                children += psutil.Process(process.pid).children(recursive=True)
+            except psutil.Error:
+                pass
+            process.terminate()
+    for process in processes:
+        process.join(timeout=10)
+        if process.is_alive():
+            process.kill()
+            process.join(timeout=5)
+    for child in children:
+        try:
+            child.kill()
+        except psutil.Error:
+            pass
+    psutil.wait_procs(children, timeout=5)
+
+
+def run_tp_node(spec: TargetSpec, poll_s: float = 1.0) -> int:
+    """A node of a multi-node target that does not hold TP rank 0: run this node's TP ranks until
+    rank 0 ends the plan. Returns 0, or raises RuntimeError naming the first rank that failed
+    (the others are stopped). The ranks die with this process."""
+    check_tp_layout(spec)
+    ranks = spec.local_tp_ranks()
+    if 0 in ranks:
+        raise ValueError("this node holds TP rank 0: it runs the trainer (python -m specforge_k25.train)")
+    ctx = torch.multiprocessing.get_context("spawn")
+    processes = [ctx.Process(target=_tp_rank_main, args=(spec, r, None, os.getpid()), name=f"specforge-target-tp{r}",
+                             daemon=True) for r in ranks]
+    try:
+        for process in processes:
+            _start_quietly(process)
+        while any(p.is_alive() for p in processes):
+            for rank, process in zip(ranks, processes):
+                if not process.is_alive() and process.exitcode != 0:
+                    raise RuntimeError(f"target TP rank {rank} (pid {process.pid}) exited with code {process.exitcode}")
+            time.sleep(poll_s)
+        for rank, process in zip(ranks, processes):
+            if process.exitcode != 0:
+                raise RuntimeError(f"target TP rank {rank} (pid {process.pid}) exited with code {process.exitcode}")
+        return 0
+    finally:
+        _stop(processes)
 
 
 class StreamError(RuntimeError):
@@ -124,28 +266,45 @@ class TargetStream:
         max_tokens = max((int(lengths[b].sum()) for b in plan), default=1)
         self.ctx = torch.multiprocessing.get_context("spawn")
         self.ring = SlotRing(self.ctx, slots, max_tokens, hidden_size, dtype, device)
-        self.process = None
+        self.process = None  # TP rank 0: the one that fills the ring
+        self.tp_processes: dict[int, object] = {}  # every TP rank started on this node, rank 0 included
         self.wait_s = 0.0  # trainer time spent waiting for the target
         self.target_io: EndOfStream | None = None  # the target's own write counters, sent at its end
         self.should_stop = lambda: False  # polled while waiting; True -> StreamInterrupted
 
     def start(self) -> "TargetStream":
-        self.process = self.ctx.Process(
-            target=_producer_main, args=(self.spec, self.tokens, self.offsets, self.plan, self.ring, os.getpid()),
-            name="specforge-target", daemon=True,
-        )
-        # The target process writes nothing to disk, not even bytecode caches, so its I/O
-        # counter is a direct measure of hidden-state bytes on disk (expected: 0).
-        previous = os.environ.get("PYTHONDONTWRITEBYTECODE")
-        os.environ["PYTHONDONTWRITEBYTECODE"] = "1"
-        try:
-            self.process.start()
-        finally:
-            if previous is None:
-                del os.environ["PYTHONDONTWRITEBYTECODE"]
+        """Start this node's TP ranks: rank 0 (fills the ring) and, with tp_size > 1, the others."""
+        spec = self.spec
+        check_tp_layout(spec)
+        ranks = spec.local_tp_ranks()
+        if 0 not in ranks:
+            raise ValueError(f"target node rank {spec.node_rank} does not hold TP rank 0: the trainer runs on "
+                             f"node 0; this node runs `python -m specforge_k25.stream.tp_node` instead")
+        if spec.tp_size > 1 and spec.nnodes == 1 and spec.nccl_port is None:
+            spec = self.spec = dataclasses.replace(spec, nccl_port=_free_port())  # the ranks' rendezvous
+        for rank in ranks:
+            if rank == 0:
+                process = self.ctx.Process(
+                    target=_producer_main, args=(spec, self.tokens, self.offsets, self.plan, self.ring, os.getpid()),
+                    name="specforge-target", daemon=True)
+                self.process = process
             else:
-                os.environ["PYTHONDONTWRITEBYTECODE"] = previous
+                process = self.ctx.Process(target=_tp_rank_main, args=(spec, rank, self.ring.ready, os.getpid()),
+                                           name=f"specforge-target-tp{rank}", daemon=True)
+            self.tp_processes[rank] = process
+            _start_quietly(process)
         return self
+
+    def _describe(self, rank: int) -> str:
+        process = self.tp_processes[rank]
+        tp = f"TP rank {rank} of {self.spec.tp_size}, " if self.spec.tp_size > 1 else ""
+        return f"target process {process.name} ({tp}pid {process.pid})"
+
+    def _dead_ranks(self) -> list[str]:
+        """Ranks that are gone before their time: rank 0 ends only after its end message, the others
+        end with exit code 0 once rank 0 has told them the plan is done."""
+        return [f"{self._describe(rank)} died with exit code {p.exitcode}"
+                for rank, p in self.tp_processes.items() if not p.is_alive() and (rank == 0 or p.exitcode != 0)]
 
     def __enter__(self):
         return self.start()
@@ -178,22 +337,23 @@ class TargetStream:
                     waited += self.poll_s
                     if self.should_stop():
                         raise StreamInterrupted("stop requested while waiting for the target") from None
-                    if not self.process.is_alive():
-                        raise StreamError(
-                            f"target process {self.process.name} (pid {self.process.pid}) died with exit code "
-                            f"{self.process.exitcode} and sent no error"
-                        ) from None
+                    dead = self._dead_ranks()
+                    if dead:
+                        raise StreamError("; ".join(dead) + " and sent no error") from None
                     limit, knob = ((self.timeout_s, "train.stream_timeout_s") if self._received_any
                                    else (self.start_timeout_s, "train.engine_start_timeout_s"))
                     if waited >= limit:
                         raise StreamError(
-                            f"target process {self.process.name} (pid {self.process.pid}) produced nothing "
-                            f"for {waited:.0f} s ({knob})"
+                            f"{self._describe(0)} produced nothing for {waited:.0f} s ({knob})"
                         ) from None
                     continue
                 self._received_any = True
                 if isinstance(msg, ProducerFailed):
-                    raise StreamError(f"target process {self.process.name} failed during {msg.where}:\n{msg.error}")
+                    time.sleep(min(self.poll_s, 1.0))  # a peer that died first is the likely cause: name it too
+                    dead = [d for d in self._dead_ranks() if f"TP rank {msg.rank} " not in d]
+                    also = ("\n(" + "; ".join(dead) + ")") if dead and self.spec.tp_size > 1 else ""
+                    name = self._describe(msg.rank) if msg.rank in self.tp_processes else f"target TP rank {msg.rank}"
+                    raise StreamError(f"{name} failed during {msg.where}:{also}\n{msg.error}")
                 return msg
         finally:
             self.wait_s += time.perf_counter() - t0
@@ -205,21 +365,5 @@ class TargetStream:
         return self.ring.depth()
 
     def close(self) -> None:
-        """Stop the target process and anything it started (no orphans)."""
-        if self.process is None or not self.process.is_alive():
-            return
-        try:
-            children = psutil.Process(self.process.pid).children(recursive=True)
-        except psutil.Error:
-            children = []
-        self.process.terminate()
-        self.process.join(timeout=10)
-        if self.process.is_alive():
-            self.process.kill()
-            self.process.join(timeout=5)
-        for child in children:
-            try:
-                child.kill()
-            except psutil.Error:
-                pass
-        psutil.wait_procs(children, timeout=5)
+        """Stop the target processes (every TP rank on this node) and anything they started (no orphans)."""
+        _stop(list(self.tp_processes.values()))

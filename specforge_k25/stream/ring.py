@@ -35,6 +35,7 @@ class EndOfStream:
 class ProducerFailed:
     where: str
     error: str
+    rank: int = 0  # the TP rank that failed (0: the process that fills the ring)
 
 
 class SlotRing:

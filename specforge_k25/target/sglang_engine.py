@@ -11,10 +11,14 @@ SGLang internals touched (all in this file, covered by tests/test_target.py):
   return_aux_hidden_state_layer_ids)`: makes the model capture the aux layers;
 - a forward hook on the text model (`model.model`, or `model.language_model.model` for
   Kimi-K2.5), whose output is `(final_hidden_after_norm, aux_hidden)`;
-- `Req` fields the extend path reads.
+- `Req` fields the extend path reads;
+- TP > 1: `ServerArgs(nccl_port, nnodes, node_rank, dist_init_addr)` and SGLang's TP group
+  (`parallel_state.get_tp_group()`: `cpu_group`, `ranks`, `rank_in_group`), over which TP rank 0
+  broadcasts each batch's token ids to the other ranks (`share_batch`).
 """
 from __future__ import annotations
 
+import os
 from array import array
 
 import torch
@@ -30,7 +34,31 @@ def _text_model(model: torch.nn.Module) -> torch.nn.Module:
     return (language_model if language_model is not None else model).model
 
 
+def cpu_bind_groups(num_ranks: int) -> str:
+    """SGLANG_CPU_OMP_THREADS_BIND for `num_ranks` TP ranks on this machine: its CPUs cut into
+    contiguous groups ("0-7|8-15"), one per rank, shared round-robin if there are fewer CPUs.
+
+    sglang 0.5.23 on CPU asserts tp_size <= NUMA nodes unless this is set (numa_utils.
+    init_threads_binding); the groups are only applied on AMX / arm64 CPUs (sgl_kernel's thread
+    binding), elsewhere they just satisfy that check."""
+    cpus = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else list(range(os.cpu_count() or 1))
+    per = max(1, len(cpus) // num_ranks)
+    groups = []
+    for r in range(num_ranks):
+        start = (r * per) % len(cpus)
+        chunk = cpus[start:start + per]
+        if len(chunk) > 1 and chunk == list(range(chunk[0], chunk[-1] + 1)):
+            groups.append(f"{chunk[0]}-{chunk[-1]}")  # the form SGLang documents
+        else:
+            groups.append(",".join(str(c) for c in chunk))
+    return "|".join(groups)
+
+
 class SGLangTarget:
+    """One TP rank of the frozen target. With tp_size > 1 every rank of the TP group builds one
+    (each in its own process, `gpu_id` = its GPU; on CPU its index on the node) and they all run
+    the same `forward` calls in the same order; `share_batch` gives every rank TP rank 0's batch."""
+
     def __init__(
         self,
         model_path: str,
@@ -47,6 +75,11 @@ class SGLangTarget:
         num_threads: int | None = None,
         attention_backend: str | None = None,
         trust_remote_code: bool = False,
+        nccl_port: int | None = None,
+        nnodes: int = 1,
+        node_rank: int = 0,
+        dist_init_addr: str | None = None,
+        dist_timeout: int | None = None,
     ):
         if device == "cpu":
             from . import sglang_cpu_compat
@@ -61,6 +94,9 @@ class SGLangTarget:
         from sglang.srt.server_args import PortArgs, ServerArgs
 
         self._one_batch = one_batch
+        self.tp_size, self.tp_rank = tp_size, tp_rank
+        if device == "cpu" and tp_size > 1 and not os.environ.get("SGLANG_CPU_OMP_THREADS_BIND"):
+            os.environ["SGLANG_CPU_OMP_THREADS_BIND"] = cpu_bind_groups(tp_size // nnodes)
         self.layer_ids = sglang_layer_ids(capture_points, layer_id_rule(architecture))
         server_args = ServerArgs(
             model_path=model_path,
@@ -78,6 +114,13 @@ class SGLangTarget:
             enable_return_aux_hidden_states=True,
             speculative_algorithm="EAGLE3",
             return_aux_hidden_state_layer_ids=self.layer_ids,
+            # TP > 1: every rank must meet at the same rendezvous. One node: 127.0.0.1:nccl_port,
+            # chosen once by whoever starts the ranks; several nodes: dist_init_addr (host:port).
+            nccl_port=nccl_port,
+            nnodes=nnodes,
+            node_rank=node_rank,
+            dist_init_addr=dist_init_addr,
+            dist_timeout=dist_timeout,
         )
         server_args.resolve_once()
         _set_envs_and_config(server_args)
@@ -97,6 +140,33 @@ class SGLangTarget:
 
         self._Req, self._sampling = Req, SamplingParams(temperature=0, max_new_tokens=1)
         self._next_rid = 0
+
+    def share_batch(self, sequences: list[torch.Tensor] | None) -> list[torch.Tensor] | None:
+        """TP > 1: TP rank 0 passes its next batch (None = no more batches) and every other rank
+        passes None; all of them get rank 0's batch back. Two broadcasts over SGLang's own CPU
+        (gloo) TP group: (count, tokens) then lengths + token ids. A collective: every rank calls it
+        once per batch, in the same order."""
+        if self.tp_size == 1:
+            return sequences
+        import torch.distributed as dist
+        from sglang.srt.distributed.parallel_state import get_tp_group
+
+        group = get_tp_group()
+        src, is_src = group.ranks[0], group.rank_in_group == 0
+        header = torch.tensor([-1, 0], dtype=torch.int64)
+        if is_src and sequences is not None:
+            header = torch.tensor([len(sequences), sum(len(s) for s in sequences)], dtype=torch.int64)
+        dist.broadcast(header, src=src, group=group.cpu_group)
+        count, total = header.tolist()
+        if count < 0:
+            return None
+        if is_src:
+            lengths = torch.tensor([len(s) for s in sequences], dtype=torch.int64)
+            payload = torch.cat([lengths] + [s.to(torch.int64) for s in sequences])
+        else:
+            payload = torch.empty(count + total, dtype=torch.int64)
+        dist.broadcast(payload, src=src, group=group.cpu_group)
+        return list(torch.split(payload[count:], payload[:count].tolist()))
 
     def _capture(self, module, args, output):
         self._captured = output
