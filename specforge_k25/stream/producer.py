@@ -52,6 +52,23 @@ class TargetSpec:
         return list(range(self.node_rank * per_node, (self.node_rank + 1) * per_node))
 
 
+def target_spec(job, model_path: str, architecture: str, capture_points: list, engine: str = "sglang") -> TargetSpec:
+    """The TargetSpec of a run (`job`: a config.JobConfig). The trainer's node and the nodes that
+    only run TP ranks (stream/tp_node.py) build it the same way, so every rank loads the same engine."""
+    hw = job.hw
+    if hw.target_nnodes > 1 and hw.target_replicas != 1:
+        raise ValueError(f"hw.target_nnodes={hw.target_nnodes}: a target spanning nodes runs as one replica with "
+                         f"one trainer rank (hw.target_replicas=1), not {hw.target_replicas}")
+    spec = TargetSpec(engine=engine, model_path=model_path, architecture=architecture,
+                      capture_points=list(capture_points), device=hw.device, dtype=hw.target_dtype,
+                      tp_size=hw.target_tp, gpu_id=hw.target_gpu, max_total_tokens=hw.max_total_tokens,
+                      mem_fraction_static=hw.mem_fraction_static, num_threads=hw.target_threads,
+                      trust_remote_code=job.target.trust_remote_code, nnodes=hw.target_nnodes,
+                      node_rank=hw.target_node_rank, dist_init_addr=hw.target_dist_init_addr)
+    check_tp_layout(spec)
+    return spec
+
+
 def check_tp_layout(spec: TargetSpec) -> None:
     """Refuse a TP layout SGLang cannot form, before any process starts."""
     if spec.tp_size < 1 or spec.nnodes < 1:
@@ -217,6 +234,8 @@ def run_tp_node(spec: TargetSpec, poll_s: float = 1.0) -> int:
     ranks = spec.local_tp_ranks()
     if 0 in ranks:
         raise ValueError("this node holds TP rank 0: it runs the trainer (python -m specforge_k25.train)")
+    print(f"target TP ranks {ranks[0]}..{ranks[-1]} of {spec.tp_size} (node {spec.node_rank} of {spec.nnodes}), "
+          f"rendezvous {spec.dist_init_addr}", flush=True)
     ctx = torch.multiprocessing.get_context("spawn")
     processes = [ctx.Process(target=_tp_rank_main, args=(spec, r, None, os.getpid()), name=f"specforge-target-tp{r}",
                              daemon=True) for r in ranks]

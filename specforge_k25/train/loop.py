@@ -223,11 +223,9 @@ def build_trainer(job: JobConfig, setup: RunSetup, steps: int, device: torch.dev
 def make_target_stream(job: JobConfig, setup: RunSetup, samples, plan: list[list[int]],
                        engine: str = "sglang") -> TargetStream:
     """The target process over `plan` (lists of indices into `samples`), not yet started."""
-    spec = TargetSpec(engine=engine, model_path=setup.model_path, architecture=setup.info.architecture,
-                      capture_points=setup.capture_points, device=job.hw.device, dtype=job.hw.target_dtype,
-                      tp_size=job.hw.target_tp, gpu_id=job.hw.target_gpu, max_total_tokens=job.hw.max_total_tokens,
-                      mem_fraction_static=job.hw.mem_fraction_static, num_threads=job.hw.target_threads,
-                      trust_remote_code=job.target.trust_remote_code)
+    from ..stream.producer import target_spec  # the same spec as the nodes that only run TP ranks
+
+    spec = target_spec(job, setup.model_path, setup.info.architecture, setup.capture_points, engine)
     return TargetStream(spec, [s.input_ids for s in samples], plan, hidden_size=setup.info.hidden_size,
                         slots=job.train.stream_slots, timeout_s=job.train.stream_timeout_s,
                         start_timeout_s=job.train.engine_start_timeout_s,
