@@ -317,7 +317,8 @@ def trainer_items(cfg: DraftConfig, *, batch: int, seq_len: int, ttt_length: int
         Item("vocab maps d2t int64 + t2d bool", 8 * Vd + V),
     ]
     if data_parallel:
-        items.append(Item("DP gradient buckets fp32 (DDP, assumed)", 4 * P, note="DP is planned, not implemented"))
+        items.append(Item("DP gradient buckets fp32 (DDP, assumed)", 4 * P,
+                          note="upper bound: train/step.py all-reduces each grad in place"))
     items += [
         Item("batch: aux fp32 [B,T,3Ht] + teacher [B,T,Vd] fp32", batch_bytes, PHASE_TEACHER),
         Item("next batch + its final hidden fp32 [B,T,Ht]", batch_bytes + 4 * N * Ht, PHASE_TEACHER,
@@ -475,7 +476,8 @@ def plan_memory(job, facts: TargetFacts, *, max_length: int | None = None, batch
 
     notes.append(attention_note(cfg, B, L, tr.ttt_length, bf16))
     if ranks > 1 or hw.target_replicas > 1:
-        notes.append("train/loop.py runs one target replica and one trainer rank today: the DP layout is a plan")
+        notes.append(f"data-parallel: launch with torchrun --nproc-per-node {hw.target_replicas} (one trainer rank "
+                     f"per replica)")
     return MemoryPlan(facts, cfg, sorted(budgets.values(), key=lambda b: b.gpu), kv_tokens, tokens_per_step,
                       frac, frac_min, problems, notes, capacity_ok)
 

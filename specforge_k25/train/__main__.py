@@ -1,4 +1,5 @@
 """`python -m specforge_k25.train [+hw=...] [target=...] [group.key=value ...]`
+`torchrun --nproc-per-node N -m specforge_k25.train ...`: N data-parallel trainer ranks (N = hw.target_replicas).
 
 Hydra composes conf/config.yaml; the structured schema (specforge_k25/config.py) rejects
 unknown keys and wrong types. `--help` lists every field with its one-line doc.
