@@ -151,3 +151,23 @@ def test_cpu_bind_groups_one_group_per_rank():
     assert len(groups) == 2 and all(groups)
     cpus = sorted(os.sched_getaffinity(0))
     assert cpu_bind_groups(1) in (f"{cpus[0]}-{cpus[-1]}", str(cpus[0]), ",".join(map(str, cpus)))
+
+
+def test_memory_plan_of_a_target_over_two_nodes():
+    """TP16 over two 8-GPU nodes: node 0 holds 8 TP ranks (a 1/16 weight shard each), so the plan
+    sees GPUs 0-7 only; the same TP16 on one node is refused for lack of GPUs."""
+    from specforge_k25.plan import KIMI_K25, plan_memory
+    from specforge_k25.stream.tp_node import load_job
+
+    base = ["+hw=rtxpro6000x8", "target=kimi_k25", "draft=kimi", "hw.target_tp=16"]
+    two = plan_memory(load_job(base + ["hw.target_nnodes=2", "hw.target_dist_init_addr=h:1"]), KIMI_K25)
+    one = plan_memory(load_job(base), KIMI_K25)
+    assert not any("do not fit on hw.num_gpus" in p for p in two.problems), two.problems
+    assert any("do not fit on hw.num_gpus" in p for p in one.problems)
+    tp8 = plan_memory(load_job(base[:-1]), KIMI_K25)
+
+    def weights(plan):
+        return next(i.bytes for i in plan.gpus[0].items if i.name.startswith("target weights"))
+
+    assert [g.gpu for g in two.gpus if "target" in g.role] == list(range(8))
+    assert weights(two) < 0.6 * weights(tp8)  # half the shard (plus the replicated part)

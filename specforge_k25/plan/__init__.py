@@ -343,7 +343,8 @@ def _gib(n: float) -> str:
 
 
 def _gpu_layout(hw) -> tuple[list[list[int]], list[int]]:
-    tp, replicas = hw.target_tp, hw.target_replicas
+    # a target spanning nodes (hw.target_nnodes) holds target_tp / target_nnodes ranks per node; this plans node 0
+    tp, replicas = hw.target_tp // hw.target_nnodes, hw.target_replicas
     groups = [[hw.target_gpu + r * tp + i for i in range(tp)] for r in range(replicas)]
     trainers = list(hw.trainer_gpus) if hw.trainer_gpus else [hw.trainer_gpu]
     return groups, trainers

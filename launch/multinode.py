@@ -1,0 +1,165 @@
+#!/usr/bin/env python
+"""Multi-node launch of `python -m specforge_k25.train`: composes the torchrun and SGLang arguments
+for each node, prints them (--dry-run) or runs this node's command (exec, no cluster layer).
+
+Two layouts:
+
+* --target-nodes 1 (default), data parallel: every node runs hw.target_replicas trainer ranks, each
+  with its own target replica inside the node (TP hw.target_tp). One torchrun per node:
+      torchrun --nnodes N --node-rank I --nproc-per-node R --rdzv-backend static
+               --rdzv-endpoint MASTER:PORT -m specforge_k25.train OVERRIDES
+* --target-nodes N (= --nodes), one target spanning the nodes: SGLang's multi-node tensor
+  parallelism (hw.target_tp split over N nodes, hw.target_replicas=1). Node 0 runs the one trainer
+  rank and TP ranks 0..tp/N-1; every other node runs only its TP ranks:
+      node 0:  torchrun --nnodes 1 ... -m specforge_k25.train OVERRIDES hw.target_nnodes=N
+               hw.target_node_rank=0 hw.target_dist_init_addr=MASTER:TARGET_PORT
+      node I:  python -m specforge_k25.stream.tp_node OVERRIDES hw.target_nnodes=N hw.target_node_rank=I
+               hw.target_dist_init_addr=MASTER:TARGET_PORT
+
+Example (print every node's command):
+    python launch/multinode.py --nodes 2 --master-addr 10.0.0.1 --dry-run -- \\
+        +hw=rtxpro6000x8 target=kimi_k25 target.path=/models/Kimi-K2.5
+On each node (what launch/slurm_multinode.sbatch does through srun):
+    python launch/multinode.py --nodes 2 --node-rank $NODE --master-addr 10.0.0.1 -- OVERRIDES
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import shlex
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+class LaunchError(ValueError):
+    """Bad launcher input (printed as `error: ...`, exit code 2)."""
+
+
+@dataclass
+class NodeCommand:
+    node_rank: int
+    role: str  # what the node runs, for the printed header
+    argv: list[str]
+
+
+def parse_args(argv: list[str]) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(
+        prog="launch/multinode.py", formatter_class=argparse.RawDescriptionHelpFormatter,
+        description="Compose (and on this node run) the torchrun / SGLang multi-node commands of "
+                    "`python -m specforge_k25.train`.",
+        epilog="Everything after `--` is passed to specforge_k25.train as Hydra overrides (e.g. +hw=rtxpro6000x8 "
+               "target=kimi_k25 target.path=/models/Kimi-K2.5).")
+    parser.add_argument("--nodes", type=int, required=True, help="number of nodes")
+    parser.add_argument("--node-rank", type=int, default=None,
+                        help="this node's index, 0..nodes-1 (required to run; with --dry-run: print only this node)")
+    parser.add_argument("--master-addr", default=None,
+                        help="address of node 0, reachable from every node (required for more than one node)")
+    parser.add_argument("--rdzv-port", type=int, default=29500, help="torchrun rendezvous port on node 0")
+    parser.add_argument("--target-nodes", type=int, default=1,
+                        help="nodes one target's TP group spans: 1 (data parallel, a target per node) or --nodes "
+                             "(SGLang multi-node TP; the trainer on node 0)")
+    parser.add_argument("--target-port", type=int, default=29600,
+                        help="SGLang's TP rendezvous port on node 0 (hw.target_dist_init_addr) when --target-nodes > 1")
+    parser.add_argument("--nproc-per-node", type=int, default=None,
+                        help="trainer ranks per node; default: hw.target_replicas of the composed config")
+    parser.add_argument("--python", default="python", help="interpreter on the nodes (default: python)")
+    parser.add_argument("--torchrun", default="torchrun", help="torchrun executable on the nodes (default: torchrun)")
+    parser.add_argument("--dry-run", action="store_true", help="print the commands of every node (or --node-rank's)")
+    parser.add_argument("overrides", nargs="*", help="Hydra overrides for specforge_k25.train (after --)")
+    return parser.parse_args(argv)
+
+
+def hw_layout(overrides: list[str]) -> tuple[int, int]:
+    """(hw.target_tp, hw.target_replicas) of the config the overrides compose (the same config the
+    nodes will run: a bad override fails here, before any node starts)."""
+    sys.path.insert(0, str(REPO))
+    from specforge_k25.stream.tp_node import load_job
+
+    try:
+        job = load_job(overrides)
+    except Exception as err:  # hydra's errors (unknown key, wrong type, missing group)
+        raise LaunchError(f"the overrides do not compose: {err}") from None
+    return job.hw.target_tp, job.hw.target_replicas
+
+
+def check_args(args: argparse.Namespace) -> None:
+    """The launcher's own arguments (before the overrides are composed)."""
+    n = args.nodes
+    if n < 1:
+        raise LaunchError(f"--nodes {n}: need at least one node")
+    if args.node_rank is not None and not 0 <= args.node_rank < n:
+        raise LaunchError(f"--node-rank {args.node_rank} is out of range for --nodes {n} (0..{n - 1})")
+    if n > 1 and not args.master_addr:
+        raise LaunchError(f"--nodes {n}: --master-addr (node 0's address, reachable from every node) is required")
+    if args.target_nodes not in (1, n):
+        raise LaunchError(f"--target-nodes {args.target_nodes}: use 1 (a target per node) or {n} (one target "
+                          f"over all nodes)")
+    for key in ("hw.target_nnodes", "hw.target_node_rank", "hw.target_dist_init_addr"):
+        if any(o.lstrip("+~").startswith(key + "=") for o in args.overrides):
+            raise LaunchError(f"{key} is set by the launcher (--target-nodes, --master-addr, --target-port): "
+                              f"drop it from the overrides")
+    if not args.dry_run and args.node_rank is None:
+        if n != 1:
+            raise LaunchError("--node-rank is required to run a node's command (or use --dry-run)")
+        args.node_rank = 0
+
+
+def node_commands(args: argparse.Namespace, target_tp: int, target_replicas: int) -> list[NodeCommand]:
+    """Every node's command (`args` passed check_args)."""
+    n = args.nodes
+    master = args.master_addr or "127.0.0.1"
+    rdzv = f"{master}:{args.rdzv_port}"
+    train = ["-m", "specforge_k25.train", *args.overrides]
+
+    if args.target_nodes == 1:
+        per_node = args.nproc_per_node or target_replicas
+        return [NodeCommand(i, f"{per_node} trainer rank(s), each with a TP {target_tp} target replica",
+                            [args.torchrun, "--nnodes", str(n), "--node-rank", str(i), "--nproc-per-node",
+                             str(per_node), "--rdzv-backend", "static", "--rdzv-endpoint", rdzv, *train])
+                for i in range(n)]
+
+    if target_replicas != 1 or (args.nproc_per_node or 1) != 1:
+        raise LaunchError(f"--target-nodes {n}: one target over all nodes has one trainer rank "
+                          f"(hw.target_replicas=1, got {target_replicas})")
+    if target_tp % n:
+        raise LaunchError(f"hw.target_tp={target_tp} does not split evenly over {n} nodes")
+    per_node = target_tp // n
+    tp_args = [f"hw.target_nnodes={n}", f"hw.target_dist_init_addr={master}:{args.target_port}"]
+    commands = [NodeCommand(0, f"the trainer rank + target TP ranks 0..{per_node - 1} of {target_tp}",
+                            [args.torchrun, "--nnodes", "1", "--node-rank", "0", "--nproc-per-node", "1",
+                             "--rdzv-backend", "static", "--rdzv-endpoint", rdzv, *train,
+                             tp_args[0], "hw.target_node_rank=0", tp_args[1]])]
+    for i in range(1, n):
+        commands.append(NodeCommand(
+            i, f"target TP ranks {i * per_node}..{(i + 1) * per_node - 1} of {target_tp} (no trainer)",
+            [args.python, "-m", "specforge_k25.stream.tp_node", *args.overrides,
+             tp_args[0], f"hw.target_node_rank={i}", tp_args[1]]))
+    return commands
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(sys.argv[1:] if argv is None else argv)
+    try:
+        check_args(args)
+        commands = node_commands(args, *hw_layout(args.overrides))
+    except LaunchError as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 2
+    if args.node_rank is not None:
+        commands = [c for c in commands if c.node_rank == args.node_rank]
+    if args.dry_run:
+        for c in commands:
+            print(f"# node {c.node_rank} of {args.nodes}: {c.role}")
+            print(shlex.join(c.argv))
+        return 0
+    (command,) = commands
+    print(f"node {command.node_rank} of {args.nodes}: {shlex.join(command.argv)}", flush=True)
+    os.chdir(REPO)
+    os.execvp(command.argv[0], command.argv)  # replaces this process: signals and exit code are torchrun's
+
+
+if __name__ == "__main__":
+    sys.exit(main())
