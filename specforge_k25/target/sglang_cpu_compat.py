@@ -16,11 +16,19 @@ version bump forces a review of this file.
 3. DeepSeek configs on CPU: the CPU rope path only supports YaRN and the config needs
    `moe_layer_freq`; `check_deepseek_config` turns a violation into a clear error instead of
    a crash deep inside SGLang.
+4. EAGLE-3 speculative decoding (used by `specforge_k25.eval` to let SGLang itself measure the
+   acceptance length). On CPU SGLang calls `sgl_kernel.*_cpu` ops where GPUs run Triton
+   kernels; the stand-in gets pure-torch versions of the eight it calls (`SPEC_OPS`, tested
+   against SGLang's own Triton kernels run by the Triton interpreter). Two patches make the
+   `torch_native` attention backend usable for chain drafts (topk=1): the draft-decode backend
+   factory knows no `torch_native` (`_patch_draft_backends`), and TARGET_VERIFY batches carry
+   no `extend_*` lengths, which torch_native's extend path needs (`_patch_target_verify`).
 
 Call `apply()` in every process that builds an SGLang model, before importing sglang.
 """
 from __future__ import annotations
 
+import ctypes
 import importlib.abc
 import importlib.util
 import importlib.machinery
@@ -29,6 +37,8 @@ import os
 import sys
 import types
 import warnings
+
+import torch
 
 SGLANG_VERSION = "0.5.23"
 _applied = False
@@ -64,19 +74,22 @@ class _StandInFinder(importlib.abc.MetaPathFinder, importlib.abc.Loader):
         module = _MissingKernelModule(spec.name)
         module.__path__ = []  # a package with no submodules
         module.__version__ = "0.0.0+specforge-cpu-stand-in"
+        for op in SPEC_OPS:  # workaround 4: the ops speculative decoding calls
+            setattr(module, op.__name__, op)
         return module
 
     def exec_module(self, module):
         pass
 
 
-class _MlaRoutingFinder(importlib.abc.MetaPathFinder):
-    """Registers torch_native -> MLA right after SGLang's handler module is executed."""
+class _PostImportHook(importlib.abc.MetaPathFinder):
+    """Runs `patch(module)` right after SGLang's module `target` is executed (once)."""
 
-    TARGET = "sglang.srt.models.deepseek_common.attention_backend_handler"
+    def __init__(self, target: str, patch):
+        self.target, self.patch = target, patch
 
     def find_spec(self, fullname, path=None, target=None):
-        if fullname != self.TARGET:
+        if fullname != self.target:
             return None
         sys.meta_path.remove(self)
         spec = importlib.util.find_spec(fullname)
@@ -84,10 +97,22 @@ class _MlaRoutingFinder(importlib.abc.MetaPathFinder):
 
         def exec_module(module):
             original_exec(module)
-            register_mla_for_torch_native(module)
+            self.patch(module)
 
         spec.loader.exec_module = exec_module
         return spec
+
+
+def patch_when_imported(target: str, patch) -> None:
+    """Run `patch(module)` on SGLang's module `target` now if imported, else right after its import."""
+    module = sys.modules.get(target)
+    if module is not None:
+        patch(module)
+    else:
+        sys.meta_path.insert(0, _PostImportHook(target, patch))
+
+
+_MLA_HANDLER_MODULE = "sglang.srt.models.deepseek_common.attention_backend_handler"
 
 
 def register_mla_for_torch_native(handler_module) -> None:
@@ -98,8 +123,8 @@ def register_mla_for_torch_native(handler_module) -> None:
     handler_module.AttentionBackendRegistry.register("torch_native", lambda attn, batch: AttnForwardMethod.MLA)
 
 
-def apply(mla_fix: bool = True) -> None:
-    """Install the workarounds in this process (idempotent). `mla_fix=False` only for tests."""
+def apply(mla_fix: bool = True, spec_patches: bool = True) -> None:
+    """Install the workarounds in this process (idempotent). `False` switches are for tests."""
     global _applied
     if _applied:
         return
@@ -115,11 +140,10 @@ def apply(mla_fix: bool = True) -> None:
         for text in ("Only CUDA", "Triton is not supported on current platform"):
             warnings.filterwarnings("ignore", message=text, category=UserWarning)
     if mla_fix:
-        handler = sys.modules.get(_MlaRoutingFinder.TARGET)
-        if handler is not None:
-            register_mla_for_torch_native(handler)
-        else:
-            sys.meta_path.insert(0, _MlaRoutingFinder())
+        patch_when_imported(_MLA_HANDLER_MODULE, register_mla_for_torch_native)
+    if spec_patches:
+        patch_when_imported("sglang.srt.speculative.draft_utils", _patch_draft_backends)
+        patch_when_imported("sglang.srt.layers.attention.torch_native_backend", _patch_target_verify)
     _applied = True
 
 
@@ -134,3 +158,246 @@ def check_deepseek_config(config) -> None:
         )
     if getattr(config, "moe_layer_freq", None) is None:
         raise ValueError(f"sglang {SGLANG_VERSION} on CPU needs `moe_layer_freq` in the DeepSeek config (use 1)")
+
+
+# ---------------------------------------------------------------------------------------------
+# 4. EAGLE-3 speculative decoding on CPU: pure-torch versions of the `sgl_kernel.*_cpu` ops that
+#    sglang 0.5.23 calls in place of its Triton kernels (kernels/ops/speculative/*.py,
+#    kernels/ops/kvcache/cache_move.py, srt/mem_cache/allocation.py). Signatures follow the
+#    call sites. Batch sizes are small on CPU, so clarity beats speed here.
+# ---------------------------------------------------------------------------------------------
+
+
+def _segments(starts: torch.Tensor, ends: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Flatten segments [starts[i], ends[i]) into (segment id, column) pairs, segment-major."""
+    lengths = (ends - starts).clamp(min=0).long()
+    seg = torch.repeat_interleave(torch.arange(len(lengths), device=starts.device), lengths)
+    first = torch.cumsum(lengths, 0) - lengths  # packed offset of each segment
+    cols = starts.long()[seg] + torch.arange(len(seg), device=starts.device) - first[seg]
+    return seg, cols
+
+
+def assign_req_to_token_pool_cpu(req_pool_indices, req_to_token, start_offset, end_offset, out_cache_loc, pool_len):
+    """req_to_token[rpi[i], start[i]:end[i]] = the i-th packed segment of out_cache_loc."""
+    seg, cols = _segments(start_offset, end_offset)
+    req_to_token[req_pool_indices.long()[seg], cols] = out_cache_loc[: len(seg)].to(req_to_token.dtype)
+
+
+def assign_extend_cache_locs_cpu(req_pool_indices, req_to_token, start_offset, end_offset, out_cache_loc, pool_len):
+    """The inverse gather: i-th packed segment of out_cache_loc = req_to_token[rpi[i], start[i]:end[i]]."""
+    seg, cols = _segments(start_offset, end_offset)
+    out_cache_loc[: len(seg)] = req_to_token[req_pool_indices.long()[seg], cols].to(out_cache_loc.dtype)
+
+
+def assign_draft_cache_locs_contiguous_cpu(req_pool_indices, req_to_token, seq_lens, out_cache_loc, pool_len,
+                                           topk, num_steps):
+    """Request i's topk*num_steps draft slots, read from req_to_token after its seq_len."""
+    n = topk * num_steps
+    assign_extend_cache_locs_cpu(req_pool_indices, req_to_token, seq_lens, seq_lens + n, out_cache_loc, pool_len)
+
+
+def fill_bonus_tokens_cpu(accept_tokens, accept_lens, bonus_tokens, accept_stride):
+    """bonus[i] = the last accepted token of request i (accept_lens counts the bonus token)."""
+    rows = torch.arange(len(accept_lens), device=accept_lens.device)
+    bonus_tokens[:] = accept_tokens.reshape(-1)[rows * accept_stride + accept_lens.long() - 1]
+
+
+def fill_accept_out_cache_loc_cpu(accept_index, out_cache_loc, accept_out_cache_loc):
+    """Compact the KV slots of accepted tokens (accept_index != -1), keeping their order."""
+    idx = accept_index.reshape(-1)
+    kept = idx[idx != -1].long()
+    accept_out_cache_loc[: len(kept)] = out_cache_loc[kept].to(accept_out_cache_loc.dtype)
+
+
+def copy_all_layer_kv_cache_cpu(data_ptrs, strides, tgt_loc, src_loc):
+    """In every KV buffer (raw address, bytes per row): rows[tgt] = rows[src], sources read first."""
+    if tgt_loc.numel() == 0:
+        return
+    tgt, src = tgt_loc.long(), src_loc.long()
+    n_rows = int(torch.maximum(tgt.max(), src.max())) + 1
+    for address, row_bytes in zip(data_ptrs.tolist(), strides.tolist()):
+        raw = (ctypes.c_uint8 * (n_rows * row_bytes)).from_address(address)
+        rows = torch.frombuffer(raw, dtype=torch.uint8).view(n_rows, row_bytes)
+        rows[tgt] = rows[src].clone()
+
+
+def build_tree_kernel_efficient_cpu(parent_list, selected_index, verified_seq_len, tree_mask, positions,
+                                    retrive_index, retrive_next_token, retrive_next_sibling,
+                                    topk, depth, draft_token_num, tree_mask_mode):
+    """Builds each request's draft tree from the draft's top-k choices.
+
+    Node 0 is the last verified token; node i >= 1 is the draft token `selected_index[b, i-1]`
+    (an index into the draft's flattened top-k scores; `// topk` gives the entry of
+    `parent_list` holding its parent's score index, 0 meaning the root). Outputs, in place:
+    the children of a node as a linked list (`retrive_next_token`: first child,
+    `retrive_next_sibling`: next one, in increasing node order), `retrive_index` (row in the
+    flattened batch), each node's position (seq_len + its depth) and the tree attention mask
+    (a node sees the root and its ancestors; mode 0 rows also span the verified prefix, left
+    as allocated). -1 entries in the linked lists are expected to be pre-filled by the caller.
+    """
+    if int(tree_mask_mode) not in (0, 1):
+        raise NotImplementedError("tree mask mode QLEN_ONLY_BITPACKING has no CPU version")
+    n = draft_token_num
+    seq_lens = verified_seq_len.tolist()
+    selected = selected_index.reshape(len(seq_lens), -1).tolist()
+    parents = parent_list.reshape(len(seq_lens), -1).tolist() if parent_list.numel() else None
+    mask, pos = tree_mask.view(-1), positions.view(-1)
+    first_child, next_sibling = retrive_next_token.view(-1), retrive_next_sibling.view(-1)
+    prefix = 0  # sum of earlier requests' verified lengths (full-mask layout)
+    for b, seq_len in enumerate(seq_lens):
+        sel = selected[b][: n - 1]
+
+        def parent_node(node: int) -> int | None:  # node >= 1 -> parent node, None if not in tree
+            parent_slot = sel[node - 1] // topk
+            if parent_slot == 0:
+                return 0
+            parent_score_index = parents[b][parent_slot]
+            return sel.index(parent_score_index) + 1 if parent_score_index in sel else None
+
+        base = b * n
+        for node in range(n - 1, 0, -1):  # prepend: children end up in increasing order
+            retrive_index.view(-1)[base + node] = base + node
+            parent = parent_node(node)
+            if parent is not None:
+                previous = int(first_child[base + parent])
+                first_child[base + parent] = node
+                if previous != -1:
+                    next_sibling[base + node] = previous
+        retrive_index.view(-1)[base] = base
+
+        pos[base] = seq_len
+        for row in range(n):
+            if int(tree_mask_mode) == 0:  # rows of seq_len + n columns; the tree part after the prefix
+                start = n * n * b + prefix * n + (seq_len + n) * row + seq_len
+            else:  # rows of n columns
+                start = n * n * b + n * row
+            mask[start] = True
+            mask[start + 1: start + n] = False
+            node, level = row, 0
+            while node != 0 and node is not None and level < depth:
+                mask[start + node] = True
+                level += 1
+                node = parent_node(node)
+            if row > 0:
+                pos[base + row] = seq_len + level
+        prefix += seq_len
+
+
+def verify_tree_greedy_cpu(predicts, accept_index, accept_token_num, candidates, retrive_index,
+                           retrive_next_token, retrive_next_sibling, target_predict):
+    """Greedy verification: walk down the tree, at each level accept the child whose token
+    equals the target's argmax after the last accepted node; stop when none does.
+
+    `target_predict` and `predicts` are indexed by flattened node row (`retrive_index`);
+    `accept_index[b, :k+1]` gets the rows of the root and the k accepted nodes,
+    `accept_token_num[b] = k`, and `predicts[row]` the target token after each accepted row.
+    """
+    batch, n = candidates.shape
+    levels = accept_index.shape[1]
+    rows, first_child = retrive_index.tolist(), retrive_next_token.tolist()
+    next_sibling, tokens = retrive_next_sibling.tolist(), candidates.tolist()
+    target, out = target_predict.reshape(-1).tolist(), predicts.view(-1)
+    for b in range(batch):
+        last = rows[b][0]
+        accept_index[b, 0] = last
+        accepted, node = 0, 0
+        for _ in range(1, levels):
+            child = first_child[b][node]
+            while child != -1 and tokens[b][child] != target[last]:
+                child = next_sibling[b][child]
+            if child == -1:
+                break
+            out[last] = target[last]
+            accepted += 1
+            accept_index[b, accepted] = rows[b][child]
+            last, node = rows[b][child], child
+        accept_token_num[b] = accepted
+        out[last] = target[last]
+
+
+SPEC_OPS = (
+    assign_req_to_token_pool_cpu, assign_extend_cache_locs_cpu, assign_draft_cache_locs_contiguous_cpu,
+    fill_bonus_tokens_cpu, fill_accept_out_cache_loc_cpu, copy_all_layer_kv_cache_cpu,
+    build_tree_kernel_efficient_cpu, verify_tree_greedy_cpu,
+)
+
+
+def _patch_draft_backends(draft_utils) -> None:
+    """Let `DraftBackendFactory` build torch_native draft backends (chain drafts, topk=1)."""
+    from sglang.srt.layers.attention.torch_native_backend import TorchNativeAttnBackend
+
+    class DraftStepBackend(TorchNativeAttnBackend):
+        """Draft decode step `step`: the query also sees the draft tokens of steps 0..step."""
+
+        def __init__(self, model_runner, step: int):
+            super().__init__(model_runner)
+            self.step = step
+
+        def forward_decode(self, q, k, v, layer, forward_batch, save_kv_cache=True):
+            verified = forward_batch.seq_lens
+            forward_batch.seq_lens = verified + self.step + 1
+            try:
+                return super().forward_decode(q, k, v, layer, forward_batch, save_kv_cache)
+            finally:
+                forward_batch.seq_lens = verified
+
+    class ChainDraftBackends:
+        """One backend per draft decode step, the container shape EAGLE workers expect."""
+
+        def __init__(self, model_runner, topk: int, num_steps: int):
+            if topk != 1:
+                raise NotImplementedError("torch_native speculative decoding on CPU supports chain drafts "
+                                          "only (speculative_eagle_topk=1)")
+            self.attn_backends = [DraftStepBackend(model_runner, i) for i in range(num_steps - 1)]
+            for b in [self, *self.attn_backends]:
+                b.prefill_attention_backend_str = b.decode_attention_backend_str = "torch_native"
+
+        def init_forward_metadata(self, forward_batch):
+            for b in self.attn_backends:
+                b.init_forward_metadata(forward_batch)
+
+    factory = draft_utils.DraftBackendFactory
+    original_decode, original_extend = factory.create_decode_backend, factory.create_draft_extend_backend
+
+    def uses_torch_native(self, decode: bool) -> bool:  # the choice SGLang's `_create_backend` makes
+        return (self.draft_attn_backend or draft_utils.attention_backends()[1 if decode else 0]) == "torch_native"
+
+    def create_decode_backend(self):
+        if self.speculative_num_steps > 1 and uses_torch_native(self, decode=True):
+            return ChainDraftBackends(self.draft_model_runner, self.topk, self.speculative_num_steps)
+        return original_decode(self)
+
+    def create_draft_extend_backend(self):
+        if uses_torch_native(self, decode=False):
+            backend = TorchNativeAttnBackend(self.draft_model_runner)
+            backend.prefill_attention_backend_str = backend.decode_attention_backend_str = "torch_native"
+            return backend
+        return original_extend(self)
+
+    factory.create_decode_backend = create_decode_backend
+    factory.create_draft_extend_backend = create_draft_extend_backend
+
+
+def _patch_target_verify(torch_native_backend) -> None:
+    """TARGET_VERIFY through torch_native's extend path: each request extends its verified
+    prefix by the draft_token_num chain tokens, for which the causal mask is the chain mask."""
+    backend = torch_native_backend.TorchNativeAttnBackend
+    original_extend = backend.forward_extend
+
+    def forward_extend(self, q, k, v, layer, forward_batch, save_kv_cache=True):
+        if not forward_batch.forward_mode.is_target_verify():
+            return original_extend(self, q, k, v, layer, forward_batch, save_kv_cache)
+        spec = forward_batch.spec_info
+        if getattr(spec, "topk", 1) != 1:
+            raise NotImplementedError("torch_native target verify on CPU supports chain drafts only (topk=1)")
+        saved = forward_batch.seq_lens, forward_batch.extend_prefix_lens, forward_batch.extend_seq_lens
+        verified = forward_batch.seq_lens
+        forward_batch.extend_prefix_lens = verified
+        forward_batch.extend_seq_lens = torch.full_like(verified, spec.draft_token_num)
+        forward_batch.seq_lens = verified + spec.draft_token_num
+        try:
+            return original_extend(self, q, k, v, layer, forward_batch, save_kv_cache)
+        finally:
+            forward_batch.seq_lens, forward_batch.extend_prefix_lens, forward_batch.extend_seq_lens = saved
+
+    backend.forward_extend = forward_extend
