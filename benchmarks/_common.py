@@ -37,7 +37,7 @@ def machine_info(**extra) -> dict:
         "cpu_affinity": len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else None,
         "cpu_model": model or platform.processor(), "platform": platform.platform(),
         "python": sys.version.split()[0], "torch": torch.__version__,
-        "load_avg_at_start": os.getloadavg() if hasattr(os, "getloadavg") else None,
+        "load_avg_at_end": os.getloadavg() if hasattr(os, "getloadavg") else None,
     }
     if torch.cuda.is_available():
         info["gpu"] = torch.cuda.get_device_name(0)

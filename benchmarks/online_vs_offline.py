@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import json
 import os
 import shutil
 import tempfile
@@ -71,6 +72,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--keep-dump", action="store_true", help="do not delete the dump folder")
     p.add_argument("--no-calibrate", action="store_true", help="skip the ~10 s two-process CPU speed check")
     p.add_argument("--out", type=Path, default=DEFAULT_OUT, help="JSON result (the PNG goes beside it)")
+    p.add_argument("--replot", action="store_true", help="measure nothing: redraw the PNG from the JSON at --out")
     args = p.parse_args(argv)
     args.offline_threads = [int(x) for x in (args.offline_threads or f"{args.threads},{2 * args.threads}").split(",")]
     return args
@@ -244,7 +246,7 @@ def kimi_extrapolation(tokens: int, dump_bytes: int, hidden: int, elem_bytes: in
 
 
 def plot(result: dict, path: Path) -> None:
-    fig, (ax,) = new_figure(1, width=8.0, height=1.2 + 0.8 * len(result["runs"]))
+    fig, (ax,) = new_figure(1, width=8.0, height=1.6 + 0.8 * len(result["runs"]))
     colors = {"engine start + first batch": "#bbbbbb", "stream + train": "#2b8cbe",
               "target pass + dump": "#fdae6b", "read back + train": "#e6550d"}
     labels = []
@@ -263,7 +265,7 @@ def plot(result: dict, path: Path) -> None:
     ratios = ", ".join(f"{c['ratio_end_to_end']:.2f}x ({c['offline_threads']} thr)" for c in result["comparisons"])
     ax.set_title(f"{result['tokens']} tokens of {result['setup']['target']}: offline / online wall = {ratios}",
                  fontsize=10)
-    ax.legend(fontsize=7, loc="lower right")
+    ax.legend(fontsize=7, loc="upper center", bbox_to_anchor=(0.5, -0.22), ncol=4)
     save_figure(fig, path)
 
 
@@ -301,6 +303,10 @@ def print_report(result: dict) -> None:
 
 def main(argv=None) -> dict:
     args = parse_args(argv)
+    if args.replot:
+        result = json.loads(args.out.read_text())
+        plot(result, args.out.with_suffix(".png"))
+        return result
     job = build_job(args)
     set_threads(args.threads)
     t0 = time.perf_counter()

@@ -57,6 +57,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--skip-memory", action="store_true")
     p.add_argument("--skip-time", action="store_true")
     p.add_argument("--out", type=Path, default=DEFAULT_OUT, help="JSON result (the PNG goes beside it)")
+    p.add_argument("--replot", action="store_true", help="measure nothing: redraw the PNG from the JSON at --out")
     p.add_argument("--child", default=None, help=argparse.SUPPRESS)  # internal: one memory config as JSON
     args = p.parse_args(argv)
 
@@ -235,10 +236,13 @@ def plot(result: dict, path: Path) -> None:
         ax = axes[i]
         i += 1
         rows = result["memory"]
-        for mode, marker in (("chunked", "o"), ("one chunk (non-chunked)", "s")):
+        for mode, color in (("chunked", "tab:blue"), ("one chunk (non-chunked)", "tab:red")):
             sel = [r for r in rows if r["mode"] == mode]
-            label = f"measured, chunk {sel[0]['chunk']}" if mode == "chunked" else "measured, non-chunked"
-            ax.plot([r["vocab"] / 1000 for r in sel], [r["step_peak_delta"] / MiB for r in sel], marker=marker, label=label)
+            name = f"chunk {sel[0]['chunk']}" if mode == "chunked" else "non-chunked"
+            x = [r["vocab"] / 1000 for r in sel]
+            ax.plot(x, [r["step_peak_delta"] / MiB for r in sel], "o-", color=color, label=f"whole step, {name}")
+            ax.plot(x, [r["teacher_peak_delta"] / MiB for r in sel], "s--", color=color, alpha=0.6,
+                    label=f"teacher phase, {name}")
         sel = [r for r in rows if r["mode"] == "chunked"]
         ax.plot([r["vocab"] / 1000 for r in sel], [r["analytic_full_logits_bytes"] / MiB for r in sel], "k--",
                 label="analytic [T, V] fp32 logits")
@@ -246,7 +250,7 @@ def plot(result: dict, path: Path) -> None:
                 label="analytic [chunk, V] fp32")
         ax.set_xlabel("target vocab V (thousands)")
         ax.set_ylabel("MiB above the resident set")
-        ax.set_title(f"peak memory of one step, T={rows[0]['seq_len']}")
+        ax.set_title(f"peak memory, one training step, T={rows[0]['seq_len']}", fontsize=10)
         ax.legend(fontsize=7)
     if result["time"]:
         t = result["time"]
@@ -290,6 +294,10 @@ def print_report(result: dict) -> None:
 
 def main(argv=None) -> dict:
     args = parse_args(argv)
+    if args.replot:
+        result = json.loads(args.out.read_text())
+        plot(result, args.out.with_suffix(".png"))
+        return result
     if args.child:
         print("RESULT " + json.dumps(child_memory(json.loads(args.child))), flush=True)
         return {}
