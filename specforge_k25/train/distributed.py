@@ -14,6 +14,7 @@ from __future__ import annotations
 import dataclasses
 import datetime
 import os
+from contextlib import contextmanager
 from dataclasses import dataclass
 
 import torch
@@ -164,6 +165,24 @@ def start_ranks(job, world: World | None = None):
     else:
         dist.init_process_group("gloo", timeout=timeout)
     return job, Ranks(rank=dist.get_rank(), world=dist.get_world_size(), local_rank=world.local_rank)
+
+
+# What torchrun puts in a rank's environment (TORCHELASTIC_* too).
+LAUNCHER_ENV = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK", "GROUP_WORLD_SIZE",
+                "ROLE_RANK", "ROLE_NAME", "ROLE_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
+
+
+@contextmanager
+def launcher_env_hidden():
+    """Hide torchrun's variables from processes started inside (the target process), then restore
+    them. The target's SGLang sets up its own torch.distributed world over tcp://; with torchrun's
+    TORCHELASTIC_USE_AGENT_STORE=True inherited, torch makes every rank of that world a client of
+    a store nobody serves, and the engine hangs at start."""
+    hidden = {k: os.environ.pop(k) for k in list(os.environ) if k in LAUNCHER_ENV or k.startswith("TORCHELASTIC_")}
+    try:
+        yield
+    finally:
+        os.environ.update(hidden)
 
 
 def stop_ranks() -> None:

@@ -35,7 +35,7 @@ from ..target.layers import (
     validate_capture_points,
 )
 from .checkpoint import list_checkpoints, load_checkpoint, read_state, save_checkpoint
-from .distributed import RankFailed, Ranks, World, check_layout, start_ranks, stop_ranks
+from .distributed import RankFailed, Ranks, World, check_layout, launcher_env_hidden, start_ranks, stop_ranks
 from .metrics import MetricsLogger, NullLogger, TTTStats
 from .optim import build_optimizer, build_scheduler
 from .step import DraftTrainer
@@ -398,7 +398,7 @@ def _run_training(job: JobConfig, run_dir: str | Path, engine: str) -> dict:
         return ckpt_path
 
     try:
-        with stop, stream:
+        with stop, launcher_env_hidden(), stream:  # the target process must not inherit torchrun's variables
             trainer_io_start = io().write_bytes
             # Every rank walks the whole plan (the collectives line up); it reads its stream only for
             # the items it has a share of. Token and sample counts are the global items'.
