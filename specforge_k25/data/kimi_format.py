@@ -62,6 +62,7 @@ import json
 import re
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, fields
+from pathlib import Path
 from typing import Any, Literal
 
 
@@ -159,6 +160,36 @@ def special_tokens_of(tokenizer) -> KimiSpecialTokens:
             f"{type(tokenizer).__name__} has no special-token table; pass special=KimiSpecialTokens(...)"
         )
     return KimiSpecialTokens.from_mapping(table)
+
+
+def check_remote_code_tokenizer(tokenizer) -> None:
+    """Refuse a transformers tokenizer loaded past its folder's remote code.
+
+    Kimi-K2.5's folder maps AutoTokenizer to remote code (`tokenizer_config.json` `auto_map` ->
+    `tokenization_kimi.TikTokenTokenizer`). Without trust_remote_code, transformers >= 5.13
+    does not refuse such a folder when config.json says `model_type: kimi_k25`: it builds its own
+    fast tokenizer from `tiktoken.model` with a generic pre-tokenization regex, so the special
+    ids are right but ordinary text can split differently from the served tokenizer (seen on
+    digit runs with tests/kimi_remote_tokenizer.py). Training on those ids would be silently off.
+    """
+    path = getattr(tokenizer, "name_or_path", None)
+    if not path or not hasattr(tokenizer, "get_added_vocab"):
+        return
+    config = Path(str(path)) / "tokenizer_config.json"
+    try:
+        auto_map = json.loads(config.read_text()).get("auto_map") if config.is_file() else None
+    except (OSError, ValueError):
+        return
+    entry = auto_map.get("AutoTokenizer") if isinstance(auto_map, dict) else None
+    names = [n for n in (entry if isinstance(entry, list) else [entry]) if isinstance(n, str) and n]
+    cls = type(tokenizer)
+    if names and cls.__name__ not in {n.rsplit(".", 1)[-1] for n in names}:
+        raise ValueError(
+            f"{path}: tokenizer_config.json maps AutoTokenizer to remote code {names}, but the tokenizer "
+            f"was loaded as {cls.__module__}.{cls.__name__} (transformers' own substitute, whose ordinary-text "
+            "ids may differ from the served tokenizer's); load it with trust_remote_code=True "
+            "(target.trust_remote_code=true)"
+        )
 
 
 def text_encoder(tokenizer) -> Callable[[str], list[int]]:
@@ -402,6 +433,7 @@ def kimi_renderer(tokenizer, *, mode: Mode, special: KimiSpecialTokens | None = 
     special-token table and text encoder once."""
     if mode not in MODES:
         raise ValueError(f"mode={mode!r}: expected one of {MODES}")
+    check_remote_code_tokenizer(tokenizer)
     sp = special if special is not None else special_tokens_of(tokenizer)
 
     def render(messages, max_length):
