@@ -186,20 +186,29 @@ def _max_rel_diff(a: dict, b: dict) -> float:
     return worst
 
 
-@pytest.mark.e2e
-def test_two_ranks_equal_one_rank_with_the_doubled_batch(tiny_deepseek_path, tmp_path):
-    one, two = tmp_path / "one", tmp_path / "two"
-    procs = [
-        (subprocess.Popen([sys.executable, WORKER, str(one), *COMMON, "train.batch_size=4"], env=_env(), cwd=ROOT,
-                          stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True), one),
-        (subprocess.Popen(_torchrun(2, WORKER, str(two), *COMMON, "train.batch_size=2", "hw.target_replicas=2"),
-                          env=_env(), cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True), two),
-    ]
+TWO_RANKS = [*COMMON, "train.batch_size=2", "hw.target_replicas=2"]
+
+
+@pytest.fixture(scope="module")
+def dp_runs(tiny_deepseek_path, tmp_path_factory):
+    """One rank x batch 4 (plain python) and two ranks x batch 2 (torchrun), run side by side."""
+    root = tmp_path_factory.mktemp("dp")
+    one, two = root / "one", root / "two"
+    procs = [subprocess.Popen([sys.executable, WORKER, str(one), *COMMON, "train.batch_size=4"], env=_env(), cwd=ROOT,
+                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True),
+             subprocess.Popen(_torchrun(2, WORKER, str(two), *TWO_RANKS), env=_env(), cwd=ROOT,
+                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)]
     logs = []
-    for proc, _ in procs:
+    for proc in procs:
         log, _ = proc.communicate(timeout=600)
         assert proc.returncode == 0, log[-5000:]
         logs.append(log)
+    return one, two, logs
+
+
+@pytest.mark.e2e
+def test_two_ranks_equal_one_rank_with_the_doubled_batch(dp_runs):
+    one, two, logs = dp_runs
     assert logs[1].count("run plan") == 1 and "ranks       2 data-parallel trainer ranks" in logs[1]  # rank 0 prints
 
     s1, s2 = (json.loads((d / "summary.json").read_text()) for d in (one, two))
@@ -237,6 +246,27 @@ def test_two_ranks_equal_one_rank_with_the_doubled_batch(tiny_deepseek_path, tmp
         for k in e1:
             tol = dict(abs=0.05) if k.startswith(("acc_", "tau_sim")) else dict(rel=1e-5, abs=1e-7)
             assert e2[k] == pytest.approx(e1[k], **tol), (tag, k)
+
+
+@pytest.mark.e2e
+def test_two_ranks_resume_from_rank0_checkpoint_bit_identically(dp_runs, tmp_path):
+    """The two-rank run, cut back to its step-2 checkpoint (as after a crash) and resumed with
+    train.resume=auto by both ranks, ends with exactly the weights of the uninterrupted run."""
+    import shutil
+
+    _, two, _ = dp_runs
+    run = tmp_path / "resumed"
+    (run / "checkpoints").mkdir(parents=True)
+    shutil.copytree(two / "checkpoints" / "step_00000002", run / "checkpoints" / "step_00000002")
+    out = subprocess.run(_torchrun(2, WORKER, str(run), *TWO_RANKS, "train.resume=auto"), env=_env(), cwd=ROOT,
+                         capture_output=True, text=True, timeout=600)
+    assert out.returncode == 0, (out.stdout + out.stderr)[-5000:]
+    assert out.stdout.count("resuming from") == 1  # rank 0 prints
+    summary = json.loads((run / "summary.json").read_text())
+    assert summary["steps"] == 4 and summary["resumed_from"].endswith("step_00000002")
+    a, b = load_file(two / "export" / "model.safetensors"), load_file(run / "export" / "model.safetensors")
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    assert [r["optimizer_step"] for r in _train_records(run)] == [3, 4]
 
 
 # ------------------------------------------------------------------ a hung rank does not hang the others
