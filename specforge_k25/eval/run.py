@@ -1,0 +1,177 @@
+"""The evaluation: greedy outputs, SGLang's acceptance length per head and chain, baselines,
+and our own replay of each head on the same outputs.
+
+    prompts -> SGLang greedy (no speculation) -> reference outputs
+            -> SGLang EAGLE-3, per head x chain -> AL = Σ completion / Σ verify steps (+ same output?)
+            -> prompt lookup replayed on the reference outputs -> n-gram AL
+            -> target hidden states of prompt+output (the training stream) -> our draft's proposals
+               -> replayed AL, acc_k and τ_sim on the same prompts
+"""
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+from types import SimpleNamespace
+
+import torch
+from tqdm import tqdm
+
+from ..config import EvalJobConfig
+from ..export.serving import export_draft, load_exported_draft
+from ..target.hf_config import load_embedding_and_head
+from ..train.loop import RunSetup, fresh_draft, make_target_stream, prepare
+from .acceptance import draft_predictions, draft_proposer, prompt_lookup_proposer, replay, step_counts, tau_sim
+from .prompts import load_prompt_set
+from .sglang_spec import Chain, generate
+
+
+@dataclass
+class Cell:
+    """One method x chain x prompt set."""
+
+    completion_tokens: int = 0
+    verify_steps: int = 0
+    replay_tokens: int = 0
+    replay_steps: int = 0
+    correct: list = field(default_factory=list)
+    scored: list = field(default_factory=list)
+    mismatched_outputs: int | None = None  # speculative output != greedy reference (prompts)
+
+    def as_dict(self) -> dict:
+        out = {}
+        if self.verify_steps:
+            out["al_sglang"] = self.completion_tokens / self.verify_steps
+            out["completion_tokens"], out["verify_steps"] = self.completion_tokens, self.verify_steps
+        if self.replay_steps:
+            out["al_replay"] = self.replay_tokens / self.replay_steps
+        if self.scored:
+            out["tau_sim"] = tau_sim(self.correct, self.scored)
+            out["acc"] = [c / max(s, 1) for c, s in zip(self.correct, self.scored)]
+        if self.mismatched_outputs is not None:
+            out["outputs_differ_from_greedy"] = self.mismatched_outputs
+        return out
+
+
+def _engine_kwargs(job: EvalJobConfig, setup: RunSetup) -> dict:
+    hw = job.hw
+    return dict(max_new_tokens=job.eval.max_new_tokens, device=hw.device, dtype=hw.target_dtype,
+                max_running_requests=job.eval.max_running_requests, mem_fraction_static=hw.mem_fraction_static,
+                max_total_tokens=hw.max_total_tokens, num_threads=hw.target_threads, gpu_id=hw.target_gpu,
+                tp_size=hw.target_tp, trust_remote_code=job.target.trust_remote_code)
+
+
+def _heads(job: EvalJobConfig, setup: RunSetup, out_dir: Path) -> dict[str, Path]:
+    """name -> exported head folder. The untrained head shares the trained one's config and vocab."""
+    heads = {}
+    wanted = set(job.eval.methods)
+    trained = Path(job.export_dir) if job.export_dir else None
+    if "trained" in wanted and trained is None:
+        print("eval: export_dir is unset, so there is no trained head row (pass export_dir=<train run>/export)")
+    elif "trained" in wanted:
+        if not (trained / "config.json").is_file():
+            raise FileNotFoundError(f"export_dir={trained}: no config.json (expected a `train` run's export/ folder)")
+        heads["trained"] = trained
+    if "untrained" in wanted:
+        embed, _ = load_embedding_and_head(setup.model_path)
+        if trained is not None:
+            reference = load_exported_draft(trained, embed)
+            torch.manual_seed(job.eval.untrained_seed)
+            draft = type(reference)(reference.cfg)
+            with torch.no_grad():
+                draft.embed_tokens.weight.copy_(embed.float())
+                draft.d2t.copy_(reference.d2t)
+                draft.t2d.copy_(reference.t2d)
+        else:
+            draft, _ = fresh_draft(setup, job.eval.untrained_seed)
+        bos, eos = setup.tokenizer.bos_token_id, setup.tokenizer.eos_token_id
+        heads["untrained"] = export_draft(draft, out_dir / "untrained_head", setup.eagle_layer_ids, bos, eos)
+    return heads
+
+
+def _target_hidden(job: EvalJobConfig, setup: RunSetup, sequences: list[list[int]]):
+    """Yields (index, aux [T, 3Ht]) for each sequence, from the same target process training uses."""
+    samples = [SimpleNamespace(input_ids=torch.tensor(s)) for s in sequences]
+    stream = make_target_stream(job, setup, samples, [[i] for i in range(len(samples))])
+    with stream:
+        for index, (msg, aux, _final) in enumerate(stream):
+            yield index, aux.float().clone()
+            stream.release(msg)
+
+
+def run_eval(job: EvalJobConfig, out_dir: str | Path) -> dict:
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    ev = job.eval
+    chains = [Chain(*c) for c in ev.chains]
+    setup = prepare(job)
+    heads = _heads(job, setup, out_dir)
+    sets = {name: load_prompt_set(name, ev.num_prompts, setup.tokenizer, setup.data.heldout) for name in ev.prompt_sets}
+    prompts = [p for name in sets for p in sets[name]]
+    owner = [name for name in sets for _ in sets[name]]
+    engine = _engine_kwargs(job, setup)
+    print(f"eval: {len(prompts)} prompts ({', '.join(f'{k} {len(v)}' for k, v in sets.items())}), "
+          f"{ev.max_new_tokens} new tokens each; chains {[c.label() for c in chains]}; heads {list(heads)}; "
+          f"{1 + len(heads) * len(chains)} SGLang engine runs, then one target pass for the replay", flush=True)
+
+    cells: dict[tuple[str, str, str], Cell] = {}
+    verify_steps: dict[str, dict[str, list[int]]] = {}  # "head chain" -> {"sglang": [...], "replay": [...]} per prompt
+
+    def add(method: str, chain: Chain | None, name: str, **counts) -> None:
+        """Adds counts to the prompt set's cell and to the 'all' cell."""
+        for key in (name, "all"):
+            c = cells.setdefault((method, chain.label() if chain else "-", key), Cell())
+            for attr, value in counts.items():
+                old = getattr(c, attr)
+                if isinstance(value, list):
+                    setattr(c, attr, [a + b for a, b in zip(old, value)] if old else list(value))
+                else:
+                    setattr(c, attr, (old or 0) + value)
+
+    greedy = generate(setup.model_path, prompts, **engine)
+    timings = {"nospec": {"start_s": greedy.start_s, "generate_s": greedy.generate_s,
+                          "tokens_per_s": sum(greedy.completion_tokens) / greedy.generate_s}}
+    sequences = [p + o for p, o in zip(prompts, greedy.outputs)]
+    for i, name in enumerate(owner):  # one target step per token: AL 1.0 by definition
+        add("nospec", None, name, completion_tokens=greedy.completion_tokens[i], verify_steps=greedy.completion_tokens[i])
+    for chain in chains:
+        for i, name in enumerate(owner):
+            n, steps = replay(sequences[i], len(prompts[i]),
+                              prompt_lookup_proposer(sequences[i], chain.draft_tokens - 1, ev.ngram_max, ev.ngram_min))
+            add("ngram", chain, name, replay_tokens=n, replay_steps=steps)
+
+    if heads:
+        embed, _ = load_embedding_and_head(setup.model_path)
+        drafts = {head: load_exported_draft(path, embed).eval() for head, path in heads.items()}
+        depth = max(c.steps for c in chains)
+        print("eval: target hidden states of prompt + greedy output, our heads replayed on them", flush=True)
+        for i, aux in tqdm(_target_hidden(job, setup, sequences), total=len(sequences), desc="replay",
+                            unit="prompt", disable=not job.train.progress):
+            ids = torch.tensor(sequences[i])
+            for head, draft in drafts.items():
+                predictions = draft_predictions(draft, aux, ids, depth)
+                for chain in chains:
+                    n, steps = replay(sequences[i], len(prompts[i]), draft_proposer(predictions[: chain.steps]))
+                    verify_steps.setdefault(f"{head} {chain.label()}", {}).setdefault("replay", []).append(steps)
+                    correct, scored = step_counts(predictions[: chain.steps], sequences[i], len(prompts[i]))
+                    add(head, chain, owner[i], replay_tokens=n, replay_steps=steps, correct=correct, scored=scored)
+
+    for head, path in heads.items():
+        for chain in chains:
+            print(f"eval: SGLang EAGLE-3 with the {head} head, chain {chain.label()}", flush=True)
+            spec = generate(setup.model_path, prompts, draft_path=str(path), chain=chain, **engine)
+            timings[f"{head} {chain.label()}"] = {"start_s": spec.start_s, "generate_s": spec.generate_s,
+                                                  "tokens_per_s": sum(spec.completion_tokens) / spec.generate_s}
+            verify_steps.setdefault(f"{head} {chain.label()}", {})["sglang"] = spec.verify_steps
+            for i, name in enumerate(owner):
+                add(head, chain, name, completion_tokens=spec.completion_tokens[i], verify_steps=spec.verify_steps[i],
+                    mismatched_outputs=int(spec.outputs[i] != greedy.outputs[i]))
+
+    results = {
+        "target": setup.model_path, "export_dir": job.export_dir, "prompt_sets": {k: len(v) for k, v in sets.items()},
+        "max_new_tokens": ev.max_new_tokens, "chains": [c.label() for c in chains], "timings": timings,
+        "verify_steps_per_prompt": verify_steps,
+        "rows": [{"method": m, "chain": ch, "prompt_set": s, **c.as_dict()} for (m, ch, s), c in cells.items()],
+    }
+    (out_dir / "eval.json").write_text(json.dumps(results, indent=1))
+    return results

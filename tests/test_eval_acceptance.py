@@ -1,0 +1,100 @@
+"""Acceptance-length replay (specforge_k25/eval/acceptance.py) on hand-made cases with known
+answers, and its alignment with the training metric (ttt_loss's acc_k counts)."""
+from __future__ import annotations
+
+import math
+
+import torch
+
+from specforge_k25.draft.loss import Teacher, ttt_loss
+from specforge_k25.draft.model import DraftConfig, Eagle3Draft
+from specforge_k25.draft.vocab import build_vocab_maps, target_to_draft
+from specforge_k25.eval.acceptance import (
+    draft_predictions,
+    draft_proposer,
+    prompt_lookup_proposer,
+    replay,
+    step_counts,
+    tau_sim,
+)
+
+
+def test_replay_known_answers():
+    prompt = [5, 6, 7]
+    completion = list(range(100, 110))  # n = 10: one token from the prefill, 9 left to verify
+    seq = prompt + completion
+    never = replay(seq, len(prompt), lambda root: [-1, -1, -1])
+    assert never == (10, 9)  # every verify step yields only the bonus token
+    perfect = replay(seq, len(prompt), lambda root: seq[root + 1: root + 4])
+    assert perfect == (10, math.ceil(9 / 4))  # 3 drafts + bonus per step: 4, 4, 1
+    # right first draft only: 2 tokens per step -> 9 tokens in 5 steps
+    assert replay(seq, len(prompt), lambda root: seq[root + 1: root + 2] + [-1]) == (10, 5)
+    assert replay(prompt, len(prompt), lambda root: []) == (0, 0)
+
+
+def test_prompt_lookup_proposer():
+    seq = [1, 2, 3, 4, 9, 9, 1, 2, 3]
+    propose = prompt_lookup_proposer(seq, num_tokens=3, ngram_max=3, ngram_min=1)
+    assert propose(8) == [4, 9, 9]  # trigram 1 2 3 seen at the start, followed by 4 9 9
+    assert propose(5) == [9]  # unigram 9 seen at index 4; only what is already committed follows it
+    assert propose(3) == []  # 1 2 3 4: no earlier occurrence of any suffix
+    # replayed: a completion that repeats its prompt is drafted perfectly after the first token
+    prompt = [7, 8, 9, 10, 11, 12, 13]
+    seq = prompt + [7, 8, 9, 10, 11, 12, 13]
+    n, steps = replay(seq, len(prompt), prompt_lookup_proposer(seq, 3))
+    assert (n, steps) == (7, 2)  # 6 tokens left after the prefill's: two steps of 3 drafts + bonus
+
+
+def test_draft_proposer_indexing():
+    """Row k, column t of the predictions is the proposal for x[t+k+2] when x[t+1] is the root."""
+    seq = list(range(50, 62))
+    prompt_len, steps = 4, 3
+    perfect = torch.tensor([[seq[t + k + 2] if t + k + 2 < len(seq) else -1 for t in range(len(seq))]
+                            for k in range(steps)])
+    n = len(seq) - prompt_len
+    assert replay(seq, prompt_len, draft_proposer(perfect)) == (n, math.ceil((n - 1) / (steps + 1)))
+    # break the second draft of the first verify step (root = prompt_len, column root-1)
+    broken = perfect.clone()
+    broken[1, prompt_len - 1] = -1
+    # step 1 accepts 1 draft + bonus (2 tokens), then 4 per step: 7 left -> 2 more steps
+    assert replay(seq, prompt_len, draft_proposer(broken)) == (n, 3)
+
+
+def _tiny_draft(seed=0):
+    torch.manual_seed(seed)
+    cfg = DraftConfig(hidden_size=16, intermediate_size=24, num_attention_heads=4, num_key_value_heads=2,
+                      head_dim=8, vocab_size=12, draft_vocab_size=8, target_hidden_size=16)
+    draft = Eagle3Draft(cfg).double()
+    with torch.no_grad():
+        for name, p in draft.named_parameters():
+            p.copy_(1.0 + 0.3 * torch.randn_like(p) if name.endswith("norm.weight") else 0.5 * torch.randn_like(p))
+    d2t, t2d = build_vocab_maps(torch.arange(12, 0, -1), 8)
+    draft.d2t.copy_(d2t)
+    draft.t2d.copy_(t2d)
+    return draft
+
+
+def test_step_counts_equal_the_training_metric():
+    """On a greedy output (the target's argmax IS the next token), acc_k counted by the eval
+    equals ttt_loss's `correct` / `scored` with the completion as loss mask."""
+    draft = _tiny_draft()
+    T, prompt_len, K = 14, 5, 4
+    g = torch.Generator().manual_seed(1)
+    seq = torch.randint(0, 12, (T,), generator=g)
+    aux = torch.randn(T, 48, generator=g, dtype=torch.float64)
+    # make the output partly predictable: each token after the prompt is the draft's own step-0 proposal
+    for t in range(prompt_len, T):
+        seq[t] = draft_predictions(draft, aux, seq, 1)[0, t - 2] if t >= 2 else seq[t]
+    predictions = draft_predictions(draft, aux, seq, K)
+    correct, scored = step_counts(predictions, seq.tolist(), prompt_len)
+
+    next_token = torch.cat([seq[1:], seq[:1]])  # teacher argmax at t = x[t+1]
+    teacher = Teacher(torch.zeros(1, T, 8, dtype=torch.float64), torch.zeros(1, T, dtype=torch.float64),
+                      target_to_draft(draft.d2t, 12)[next_token][None])
+    loss_mask = torch.zeros(1, T, dtype=torch.bool)
+    loss_mask[0, prompt_len + 1:] = True
+    res = ttt_loss(draft, aux[None], seq[None], loss_mask, torch.tensor([T]), teacher, ttt_length=K)
+    assert correct == res.correct.tolist() and scored == res.scored.tolist()
+    assert correct[0] > 0  # the case is not trivially all-miss
+    assert abs(tau_sim(correct, scored) - (1 + sum(math.prod(c / s for c, s in zip(correct[:k + 1], scored[:k + 1]))
+                                                   for k in range(K)))) < 1e-12
