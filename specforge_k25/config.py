@@ -129,6 +129,7 @@ class EvalConfig:
     ngram_min: int = doc(1, "prompt-lookup baseline: shortest n-gram matched")
     max_running_requests: int = doc(8, "SGLang batch size (requests decoded together)")
     untrained_seed: int = doc(0, "seed of the untrained head's random init")
+    draft_attention_backend: Optional[str] = doc(None, "SGLang speculative_draft_attention_backend (GPU; Kimi's MLA backend does not fit the GQA draft: e.g. fa3); null = SGLang's choice")
     output: Optional[str] = doc(None, "folder for eval.json / eval.md; null = the Hydra run folder")
 
 

@@ -16,7 +16,6 @@ from specforge_k25.target import sglang_cpu_compat as compat  # noqa: E402
 
 compat.apply()
 import torch  # noqa: E402
-from sglang.kernels.ops.kvcache import cache_move  # noqa: E402
 from sglang.kernels.ops.speculative import cache_locs, eagle, spec_tree  # noqa: E402
 from sglang.srt.mem_cache import allocation  # noqa: E402
 

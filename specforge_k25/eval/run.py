@@ -53,12 +53,13 @@ class Cell:
         return out
 
 
-def _engine_kwargs(job: EvalJobConfig, setup: RunSetup) -> dict:
+def _engine_kwargs(job: EvalJobConfig) -> dict:
     hw = job.hw
     return dict(max_new_tokens=job.eval.max_new_tokens, device=hw.device, dtype=hw.target_dtype,
                 max_running_requests=job.eval.max_running_requests, mem_fraction_static=hw.mem_fraction_static,
                 max_total_tokens=hw.max_total_tokens, num_threads=hw.target_threads, gpu_id=hw.target_gpu,
-                tp_size=hw.target_tp, trust_remote_code=job.target.trust_remote_code)
+                tp_size=hw.target_tp, trust_remote_code=job.target.trust_remote_code,
+                draft_attention_backend=job.eval.draft_attention_backend)
 
 
 def _heads(job: EvalJobConfig, setup: RunSetup, out_dir: Path) -> dict[str, Path]:
@@ -109,7 +110,7 @@ def run_eval(job: EvalJobConfig, out_dir: str | Path) -> dict:
     sets = {name: load_prompt_set(name, ev.num_prompts, setup.tokenizer, setup.data.heldout) for name in ev.prompt_sets}
     prompts = [p for name in sets for p in sets[name]]
     owner = [name for name in sets for _ in sets[name]]
-    engine = _engine_kwargs(job, setup)
+    engine = _engine_kwargs(job)
     print(f"eval: {len(prompts)} prompts ({', '.join(f'{k} {len(v)}' for k, v in sets.items())}), "
           f"{ev.max_new_tokens} new tokens each; chains {[c.label() for c in chains]}; heads {list(heads)}; "
           f"{1 + len(heads) * len(chains)} SGLang engine runs, then one target pass for the replay", flush=True)

@@ -49,7 +49,7 @@ def generate(model_path: str, prompts: list[list[int]], *, max_new_tokens: int, 
              dtype: str = "float32", draft_path: str | None = None, chain: Chain | None = None,
              max_running_requests: int = 8, mem_fraction_static: float = 0.05, max_total_tokens: int = 16384,
              num_threads: int = 1, gpu_id: int = 0, tp_size: int = 1, trust_remote_code: bool = False,
-             timeout_s: float = 1800) -> Generation:
+             draft_attention_backend: str | None = None, timeout_s: float = 1800) -> Generation:
     """Runs one engine over `prompts` (token ids) at temperature 0 in a worker process."""
     if (draft_path is None) != (chain is None):
         raise ValueError("speculation needs both a draft folder and a chain")
@@ -65,6 +65,8 @@ def generate(model_path: str, prompts: list[list[int]], *, max_new_tokens: int, 
         engine_args.update(speculative_algorithm="EAGLE3", speculative_draft_model_path=str(draft_path),
                            speculative_num_steps=chain.steps, speculative_eagle_topk=chain.topk,
                            speculative_num_draft_tokens=chain.draft_tokens)
+        if draft_attention_backend:
+            engine_args["speculative_draft_attention_backend"] = draft_attention_backend
     env = dict(os.environ)
     if device == "cpu":
         env.update(SPECFORGE_SGLANG_CPU="1", OMP_NUM_THREADS=str(num_threads))

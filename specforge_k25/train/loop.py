@@ -24,7 +24,7 @@ from ..draft.model import DraftConfig, Eagle3Draft
 from ..plan import check_fits, facts_from_folder, resolve_draft
 from ..draft.vocab import build_vocab_maps, count_tokens
 from ..export.serving import export_draft
-from ..stream.producer import StreamError, StreamInterrupted, TargetSpec, TargetStream
+from ..stream.producer import StreamError, StreamInterrupted, TargetStream
 from ..target.base import TargetInfo
 from ..target.hf_config import load_embedding_and_head, read_target_info
 from ..target.layers import (
