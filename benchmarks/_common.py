@@ -87,6 +87,13 @@ def write_json(path: Path, result: dict) -> None:
     print(f"wrote {path}")
 
 
+def replot(out: Path, plot) -> dict:
+    """`--replot`: redraw <out>.png from the saved <out> JSON without measuring."""
+    result = json.loads(Path(out).read_text())
+    plot(result, Path(out).with_suffix(".png"))
+    return result
+
+
 def new_figure(ncols: int = 1, width: float = 6.0, height: float = 4.0):
     import matplotlib
 

@@ -30,7 +30,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import json
 import os
 import shutil
 import tempfile
@@ -42,7 +41,7 @@ import psutil
 import torch
 from safetensors.torch import load_file, save_file
 
-from _common import RESULTS, fmt_bytes, machine_info, new_figure, print_table, save_figure, set_threads, write_json
+from _common import RESULTS, replot, fmt_bytes, machine_info, new_figure, print_table, save_figure, set_threads, write_json
 from specforge_k25.data.tokenize import Sample
 from specforge_k25.train.loop import build_plan, build_trainer, make_target_stream, prepare
 from stream import build_job, cpu_pair_speed
@@ -304,9 +303,7 @@ def print_report(result: dict) -> None:
 def main(argv=None) -> dict:
     args = parse_args(argv)
     if args.replot:
-        result = json.loads(args.out.read_text())
-        plot(result, args.out.with_suffix(".png"))
-        return result
+        return replot(args.out, plot)
     job = build_job(args)
     set_threads(args.threads)
     t0 = time.perf_counter()

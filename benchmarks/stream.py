@@ -38,6 +38,7 @@ from pathlib import Path
 
 import torch
 
+from _common import replot
 from specforge_k25.config import JobConfig
 from specforge_k25.stream.producer import TargetStream
 from specforge_k25.train.loop import RunSetup, build_plan, build_trainer, make_target_stream, prepare
@@ -280,9 +281,7 @@ def plot(result: dict, path: Path) -> None:
 def main(argv=None) -> dict:
     args = parse_args(argv)
     if args.replot:
-        result = json.loads(args.out.read_text())
-        plot(result, args.out.with_suffix(".png"))
-        return result
+        return replot(args.out, plot)
     job = build_job(args)
     torch.set_num_threads(job.hw.trainer_threads)  # the trainer (this process); the target gets hw.target_threads
     t0 = time.perf_counter()

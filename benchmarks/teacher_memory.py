@@ -32,7 +32,7 @@ import sys
 import time
 from pathlib import Path
 
-from _common import RESULTS, MiB, fmt_bytes, machine_info, new_figure, print_table, save_figure, set_threads, write_json
+from _common import RESULTS, replot, MiB, fmt_bytes, machine_info, new_figure, print_table, save_figure, set_threads, write_json
 
 DEFAULT_OUT = RESULTS / "teacher_memory.json"
 SMOLLM2_DRAFT = dict(hidden=576, heads=9, kv_heads=3, head_dim=64, intermediate=1536, vocab=49152, draft_vocab=4096)
@@ -295,9 +295,7 @@ def print_report(result: dict) -> None:
 def main(argv=None) -> dict:
     args = parse_args(argv)
     if args.replot:
-        result = json.loads(args.out.read_text())
-        plot(result, args.out.with_suffix(".png"))
-        return result
+        return replot(args.out, plot)
     if args.child:
         print("RESULT " + json.dumps(child_memory(json.loads(args.child))), flush=True)
         return {}
