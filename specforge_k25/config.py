@@ -90,6 +90,8 @@ class TrainConfig:
     epochs: int = doc(1, "passes over the training samples")
     max_steps: Optional[int] = doc(None, "stop after this many optimizer steps (null = epochs)")
     teacher_chunk: int = doc(1024, "positions per teacher logits chunk ([chunk, V] at most)")
+    activation_checkpointing: bool = doc(False, "recompute each TTT step in backward instead of keeping its activations (~1 more forward; the memory plan shows the saving)")
+    optimizer_device: Optional[str] = doc(None, "where AdamW's fp32 master weights and m/v live: null = the trainer's device | cpu (host memory) | cuda:N (another GPU)")
     stream_slots: int = doc(3, "shared-memory slots between target and trainer (backpressure bound)")
     stream_timeout_s: float = doc(600.0, "fail if the target produces no batch for this long (after the first)")
     engine_start_timeout_s: float = doc(3600.0, "fail if the engine's first batch takes longer (load + warm-up)")

@@ -61,7 +61,8 @@ def fake_loss(draft: Eagle3Draft, aux, ids) -> torch.Tensor:
     h = draft.project(aux)
     loss = 0.0
     for k in range(ids.shape[0]):
-        h = draft.step(ids[k], h, torch.arange(T).expand(B, T) + k, cache)
+        h, kv = draft.step(ids[k], h, torch.arange(T).expand(B, T) + k, cache)
+        cache.append(kv)
         loss = loss + torch.log_softmax(draft.logits(h), -1)[..., 0].sum()
     return -loss
 

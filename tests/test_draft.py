@@ -249,6 +249,47 @@ EXPECTED_VISIBILITY = {
 }
 
 
+@pytest.mark.parametrize("bf16", [False, True])
+def test_activation_checkpointing_gives_the_same_loss_and_grads(bf16):
+    K = 4
+    cfg, draft, d2t, input_ids, loss_mask, lengths, aux, final, lm_head_full = _tiny_setup(3)
+    draft = draft.float()
+    teacher = compute_teacher(final.float(), lm_head_full.float(), d2t)
+    results = []
+    for checkpoint in (False, True):
+        draft.zero_grad(set_to_none=True)
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16):
+            res = ttt_loss(draft, aux.float(), input_ids, loss_mask, lengths, teacher, K, checkpoint=checkpoint)
+        res.loss.backward()
+        grads = {n: p.grad.clone() for n, p in draft.named_parameters() if p.requires_grad}
+        results.append((res, grads))
+    (a, ga), (b, gb) = results
+    assert torch.equal(a.loss, b.loss)  # same forward, bit for bit
+    for name in ("ploss", "counted", "correct", "scored", "alpha_sum"):
+        assert torch.equal(getattr(a, name), getattr(b, name)), name
+    for n in ga:  # backward recomputes the same ops on the same inputs (each step's own: a late-bound
+        assert ga[n].abs().max() > 0, n  # closure over the loop's tensors was caught here, O(1) off)
+        torch.testing.assert_close(gb[n], ga[n], rtol=0, atol=0, msg=n)
+
+
+def test_teacher_with_a_bf16_lm_head_is_the_bf16_matmul():
+    """A bf16 target's lm_head stays bf16 on the trainer: logits within bf16 rounding of the exact
+    product of the bf16-rounded inputs (what the serving engine computes)."""
+    torch.manual_seed(4)
+    B, T, Ht, V, Vd = 2, 6, 64, 300, 40
+    d2t, _ = build_vocab_maps(torch.randint(0, 50, (V,)), Vd)
+    final = torch.randn(B, T, Ht)
+    lm_head = torch.randn(V, Ht).bfloat16()
+    got = compute_teacher(final, lm_head, d2t, chunk=5)
+    exact = final.bfloat16().double() @ lm_head.double().T  # [B, T, V]
+    used = draft_to_target(d2t)
+    assert got.draft_logits.dtype == torch.float32
+    err = (got.draft_logits.double() - exact[..., used]).abs()
+    assert (err <= exact[..., used].abs() * 2**-8 + 1e-6).all()  # one bf16 rounding of the output
+    assert err.max() > 0  # really rounded: not an fp32 product
+    torch.testing.assert_close(got.logsumexp.double(), torch.logsumexp(exact, -1), rtol=2**-8, atol=0)
+
+
 def test_ttt_attention_visibility_hand_case():
     T, hd = 3, 10  # 9 (step, position) slots + 1 unused value dim
     cfg = DraftConfig(hidden_size=20, intermediate_size=8, num_attention_heads=2, num_key_value_heads=1,
@@ -270,14 +311,14 @@ def test_ttt_attention_visibility_hand_case():
             for t in range(T):
                 attn.v_proj.weight[k * T + t, t] = 1.0  # value of (step k, pos t) = one-hot k*T+t
         positions = (torch.arange(T) + k).expand(B, T)
-        out = attn(x, positions, cache)  # [B, T, H] = both heads' outputs side by side
-        assert len(cache) == k + 1
+        out, kv = attn(x, positions, cache)  # [B, T, H] = both heads' outputs side by side
+        cache.append(kv)
         vis = torch.tensor(EXPECTED_VISIBILITY[k], dtype=torch.float64)
         expected = torch.zeros(T, hd, dtype=torch.float64)
         expected[:, :9] = vis / vis.sum(-1, keepdim=True)
         for b in range(B):
             for h in range(cfg.num_attention_heads):
-                torch.testing.assert_close(out[b, :, h * hd:(h + 1) * hd], expected, rtol=0, atol=1e-6)  # softmax runs in fp32
+                torch.testing.assert_close(out[b, :, h * hd:(h + 1) * hd], expected, rtol=0, atol=1e-12)
 
 
 # ----------------------------------------------------------------------------------------------

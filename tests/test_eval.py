@@ -102,7 +102,7 @@ def test_sglang_draft_reproduces_our_draft(smollm2_path, tmp_path):
     with torch.no_grad():
         n = len(first["input_ids"])
         hidden = ours.project(first["hidden_in"][None].float())
-        normed = ours.norm(ours.step(first["input_ids"][None], hidden, first["positions"][None], []))[0]
+        normed = ours.norm(ours.step(first["input_ids"][None], hidden, first["positions"][None], [])[0])[0]
         logits = ours.lm_head(normed)
     sglang_logits = first["normed"] @ first["lm_head"].T
     assert first["normed"].shape == (n, 576)

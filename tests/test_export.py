@@ -148,7 +148,8 @@ def _ttt_logits(draft: Eagle3Draft, aux, ids_per_step, K: int) -> list[torch.Ten
         hidden = draft.project(aux)
         for k in range(K):
             positions = torch.arange(T).expand(B, T) + k
-            hidden = draft.step(ids_per_step[k], hidden, positions, cache)
+            hidden, kv = draft.step(ids_per_step[k], hidden, positions, cache)
+            cache.append(kv)
             out.append(draft.logits(hidden))
     return out
 

@@ -32,7 +32,10 @@ class Teacher:
 
 @torch.no_grad()
 def compute_teacher(final_hidden: torch.Tensor, lm_head: torch.Tensor, d2t: torch.Tensor, chunk: int = 1024) -> Teacher:
-    """final_hidden [B, T, Ht], lm_head [V, Ht] -> Teacher, never holding more than [chunk, V] logits."""
+    """final_hidden [B, T, Ht], lm_head [V, Ht] -> Teacher, never holding more than [chunk, V] logits.
+
+    The logits are computed in lm_head's dtype (bf16 for a bf16 target: what the serving engine
+    computes, fp32 accumulation) and kept in fp32."""
     B, T, _ = final_hidden.shape
     V = lm_head.shape[0]
     draft_ids = draft_to_target(d2t)
@@ -42,7 +45,7 @@ def compute_teacher(final_hidden: torch.Tensor, lm_head: torch.Tensor, d2t: torc
     lse = torch.empty(B * T, dtype=torch.float32, device=flat.device)
     argmax = torch.empty(B * T, dtype=torch.int64, device=flat.device)
     for start in range(0, B * T, chunk):
-        logits = (flat[start:start + chunk] @ lm_head.T.to(flat.dtype)).float()  # [c, V]
+        logits = (flat[start:start + chunk].to(lm_head.dtype) @ lm_head.T).float()  # [c, V]
         lse[start:start + chunk] = torch.logsumexp(logits, -1)
         argmax[start:start + chunk] = logits.argmax(-1)
         draft_logits[start:start + chunk] = logits[:, draft_ids]
@@ -93,6 +96,7 @@ def ttt_loss(
     ttt_length: int = 7,
     decay: float = 0.8,
     normalizer: torch.Tensor | None = None,
+    checkpoint: bool = False,
 ) -> TTTResult:
     """aux_hidden [B, T, 3Ht], input_ids/loss_mask [B, T] (right-padded), lengths [B].
 
@@ -100,35 +104,53 @@ def ttt_loss(
     count of loss positions. Data-parallel ranks pass the count summed over all ranks
     (`loss_positions`), so their losses (and gradients) add up to the loss of the global batch.
     `ploss` and the counters stay this batch's own.
+
+    checkpoint: recompute each TTT step (draft layer, logits, log-softmax, soft-CE) in backward
+    instead of keeping its activations; only the steps' inputs and K/V stay saved. Same loss and
+    gradients, about one more forward of compute.
     """
     B, T = input_ids.shape
     pos = torch.arange(T, device=input_ids.device)
     hidden = draft.project(aux_hidden)  # [B, T, H]
-    cache: list = []
+    past: list = []  # (K_j, V_j) of the steps so far
     loss = hidden.new_zeros((), dtype=at_least_fp32(hidden.dtype))
     stats = {name: [] for name in ("ploss", "counted", "correct", "scored", "alpha_sum")}
     for k in range(ttt_length):
         step_ids = _shift(input_ids, k + 1, 0)  # x[t+k+1]
-        hidden = draft.step(step_ids, hidden, (pos + k).expand(B, T), cache)
-        logits = draft.logits(hidden)
-        logq = F.log_softmax(logits.to(at_least_fp32(logits.dtype)), -1)  # [B, T, Vd]
-
+        positions = (pos + k).expand(B, T)
         scored, target_draft_id, counted = _step_masks(k, loss_mask, lengths, teacher)
         z = _shift(teacher.draft_logits, k + 1, 0.0)  # [B, T, Vd]
-        p_hat = torch.softmax(z, -1)  # teacher renormalised over the draft vocab
-        ce = -(p_hat * logq).sum(-1)  # [B, T]
+        lse = _shift(teacher.logsumexp, k + 1, 0.0)  # [B, T]
+
+        # default arguments bind this step's tensors: backward re-runs the function after the loop
+        def one_step(hidden, *past_flat, step_ids=step_ids, positions=positions, z=z, lse=lse, counted=counted,
+                     scored=scored, target_draft_id=target_draft_id):
+            hidden, kv = draft.step(step_ids, hidden, positions, list(zip(past_flat[::2], past_flat[1::2])))
+            logits = draft.logits(hidden)
+            logq = F.log_softmax(logits.to(at_least_fp32(logits.dtype)), -1)  # [B, T, Vd]
+            p_hat = torch.softmax(z, -1)  # teacher renormalised over the draft vocab
+            ce_sum = (-(p_hat * logq).sum(-1) * counted).sum()
+            with torch.no_grad():
+                p_target = torch.exp(z - lse[..., None])  # target mass on draft tokens
+                alpha_sum = (torch.minimum(p_target, logq.exp()).sum(-1) * scored).sum()
+                correct = ((logq.argmax(-1) == target_draft_id) & scored & (target_draft_id >= 0)).sum()
+            return hidden, *kv, ce_sum, correct, alpha_sum
+
+        past_flat = [t for kv in past for t in kv]
+        if checkpoint and torch.is_grad_enabled():
+            out = torch.utils.checkpoint.checkpoint(one_step, hidden, *past_flat, use_reentrant=False)
+        else:
+            out = one_step(hidden, *past_flat)
+        hidden, k_new, v_new, ce_sum, correct, alpha_sum = out
+        past.append((k_new, v_new))
         n_counted = counted.sum()
-        ce_sum = (ce * counted).sum()
         ploss = ce_sum / n_counted.clamp(min=1)
         loss = loss + decay**k * (ploss if normalizer is None else ce_sum / normalizer[k].clamp(min=1))
-        with torch.no_grad():
-            p_target = torch.exp(z - _shift(teacher.logsumexp, k + 1, 0.0)[..., None])  # target mass on draft tokens
-            alpha = torch.minimum(p_target, logq.exp()).sum(-1)
-            stats["ploss"].append(ploss.detach())
-            stats["counted"].append(n_counted)
-            stats["correct"].append(((logq.argmax(-1) == target_draft_id) & scored & (target_draft_id >= 0)).sum())
-            stats["scored"].append(scored.sum())
-            stats["alpha_sum"].append((alpha * scored).sum())
+        stats["ploss"].append(ploss.detach())
+        stats["counted"].append(n_counted)
+        stats["correct"].append(correct)
+        stats["scored"].append(scored.sum())
+        stats["alpha_sum"].append(alpha_sum)
     return TTTResult(loss, *(torch.stack(stats[n]) for n in ("ploss", "counted", "correct", "scored", "alpha_sum")))
 
 

@@ -74,12 +74,16 @@ class Attention(nn.Module):
         self.v_proj = nn.Linear(in_dim, self.nkv * self.hd, bias=False)
         self.o_proj = nn.Linear(self.nh * self.hd, cfg.hidden_size, bias=False)
 
-    def forward(self, x: torch.Tensor, positions: torch.Tensor, cache: list) -> torch.Tensor:
-        """TTT attention for one unroll step k = len(cache).
+    def forward(self, x: torch.Tensor, positions: torch.Tensor, past: list) -> tuple[torch.Tensor, tuple]:
+        """TTT attention for one unroll step k = len(past).
 
-        x [B, T, 2H]; positions [B, T] (already offset by k). `cache` holds (K_j, V_j) of earlier
-        steps, each [B, nkv, T, hd]; this step's K/V are appended. Query i attends to step-0 keys
-        at positions <= i (causal) and, for each step j in 1..k, to the key of position i only.
+        x [B, T, 2H]; positions [B, T] (already offset by k); `past` holds (K_j, V_j) of the earlier
+        steps, each [B, nkv, T, hd]. Query i attends to step-0 keys at positions <= i (causal) and,
+        for each step j in 1..k, to the key of position i only. Returns (out [B, T, H], (K_k, V_k)).
+
+        One fused SDPA call over the keys of all steps side by side, [B, nh, (k+1)T, hd], with the
+        mask [causal | eye | ... | eye] ([T, (k+1)T]): no [B, nh, T, T] probabilities are kept
+        (flash / memory-efficient kernels keep q, k, v, out and a logsumexp per query).
         """
         B, T, _ = x.shape
         q = self.q_proj(x).view(B, T, self.nh, self.hd).transpose(1, 2)  # [B, nh, T, hd]
@@ -87,22 +91,19 @@ class Attention(nn.Module):
         v = self.v_proj(x).view(B, T, self.nkv, self.hd).transpose(1, 2)
         cos, sin = rope_cos_sin(positions, self.hd, self.theta, q.dtype)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-        cache.append((k, v))
+        steps = [*past, (k, v)]
         groups = self.nh // self.nkv
-        scale = 1.0 / math.sqrt(self.hd)
-        k0, v0 = (t.repeat_interleave(groups, dim=1) for t in cache[0])  # [B, nh, T, hd]
-        causal = torch.ones(T, T, dtype=torch.bool, device=x.device).tril()
-        scores = [(q @ k0.transpose(-1, -2) * scale).masked_fill(~causal, float("-inf"))]  # [B, nh, T, T]
-        values = []
-        for kj, vj in cache[1:]:
-            kj, vj = kj.repeat_interleave(groups, dim=1), vj.repeat_interleave(groups, dim=1)
-            scores.append(((q * kj).sum(-1) * scale)[..., None])  # [B, nh, T, 1] diagonal
-            values.append(vj)
-        probs = torch.softmax(torch.cat(scores, -1).to(at_least_fp32(q.dtype)), -1).to(q.dtype)  # [B, nh, T, T+k]
-        out = probs[..., :T] @ v0  # [B, nh, T, hd]
-        for j, vj in enumerate(values):
-            out = out + probs[..., T + j, None] * vj
-        return self.o_proj(out.transpose(1, 2).reshape(B, T, self.nh * self.hd))
+        keys = torch.cat([kj for kj, _ in steps], 2).repeat_interleave(groups, dim=1)  # [B, nh, (k+1)T, hd]
+        values = torch.cat([vj for _, vj in steps], 2).repeat_interleave(groups, dim=1)
+        mask = ttt_attention_mask(T, len(past), x.device)
+        out = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, scale=1.0 / math.sqrt(self.hd))
+        return self.o_proj(out.transpose(1, 2).reshape(B, T, self.nh * self.hd)), (k, v)
+
+
+def ttt_attention_mask(T: int, k: int, device) -> torch.Tensor:
+    """[T, (k+1)T] bool, True = visible: causal over step 0's keys, the diagonal of steps 1..k."""
+    eye = torch.eye(T, dtype=torch.bool, device=device)
+    return torch.cat([torch.ones(T, T, dtype=torch.bool, device=device).tril()] + [eye] * k, -1)
 
 
 class MLP(nn.Module):
@@ -125,11 +126,12 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.mlp = MLP(cfg)
 
-    def forward(self, embeds, hidden, positions, cache):
-        """embeds, hidden [B, T, H] -> pre-norm output [B, T, H]."""
+    def forward(self, embeds, hidden, positions, past):
+        """embeds, hidden [B, T, H] -> (pre-norm output [B, T, H], this step's (K, V))."""
         x = torch.cat([self.input_layernorm(embeds), self.hidden_norm(hidden)], -1)  # [B, T, 2H]
-        hidden = hidden + self.self_attn(x, positions, cache)
-        return hidden + self.mlp(self.post_attention_layernorm(hidden))
+        attn, kv = self.self_attn(x, positions, past)
+        hidden = hidden + attn
+        return hidden + self.mlp(self.post_attention_layernorm(hidden)), kv
 
 
 class Eagle3Draft(nn.Module):
@@ -157,9 +159,10 @@ class Eagle3Draft(nn.Module):
         """aux [B, T, 3Ht] -> hidden [B, T, H] (TTT step 0 input)."""
         return self.fc(aux_hidden)
 
-    def step(self, input_ids, hidden, positions, cache):
-        """One TTT step: input_ids [B, T], hidden [B, T, H] -> pre-norm hidden [B, T, H]."""
-        return self.midlayer(self.embed_tokens(input_ids).to(hidden.dtype), hidden, positions, cache)
+    def step(self, input_ids, hidden, positions, past):
+        """One TTT step k = len(past): input_ids [B, T], hidden [B, T, H], past [(K_j, V_j)] of steps < k
+        -> (pre-norm hidden [B, T, H], (K_k, V_k)). Pure: the caller keeps the list of steps."""
+        return self.midlayer(self.embed_tokens(input_ids).to(hidden.dtype), hidden, positions, past)
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden [B, T, H] -> draft-vocab logits [B, T, Vd]."""

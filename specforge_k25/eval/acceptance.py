@@ -67,7 +67,8 @@ def draft_predictions(draft, aux_hidden: torch.Tensor, input_ids: torch.Tensor, 
     to_target = draft_to_target(draft.d2t)
     rows = []
     for k in range(steps):
-        hidden = draft.step(_shift(ids, k + 1, 0), hidden, positions + k, cache)
+        hidden, kv = draft.step(_shift(ids, k + 1, 0), hidden, positions + k, cache)
+        cache.append(kv)
         rows.append(to_target[draft.logits(hidden).argmax(-1)][0])  # [T]
     return torch.stack(rows)
 

@@ -219,12 +219,15 @@ def build_trainer(job: JobConfig, setup: RunSetup, steps: int, device: torch.dev
     """A fresh draft (target embedding, vocab maps from the training split only), AdamW and schedule."""
     tr = job.train
     draft, lm_head = fresh_draft(setup, tr.seed)
+    frozen = getattr(torch, job.hw.target_dtype)  # the frozen embedding / lm_head keep the target's dtype
+    draft.embed_tokens.to(frozen)
     draft.to(device)
-    optimizer = build_optimizer(draft.trainable_parameters(), tr.lr, tr.betas, tr.weight_decay)
+    optimizer = build_optimizer(draft.trainable_parameters(), tr.lr, tr.betas, tr.weight_decay, tr.optimizer_device)
     scheduler = build_scheduler(optimizer, steps, tr.warmup_ratio)
-    return DraftTrainer(draft, lm_head.to(device, torch.float32), optimizer, scheduler, ttt_length=tr.ttt_length,
+    return DraftTrainer(draft, lm_head.to(device, frozen), optimizer, scheduler, ttt_length=tr.ttt_length,
                         loss_decay=tr.loss_decay, grad_accum=tr.grad_accum, grad_clip=tr.grad_clip,
-                        teacher_chunk=tr.teacher_chunk, autocast_bf16=job.hw.autocast == "bf16", ranks=ranks)
+                        teacher_chunk=tr.teacher_chunk, autocast_bf16=job.hw.autocast == "bf16",
+                        activation_checkpointing=tr.activation_checkpointing, ranks=ranks)
 
 
 def make_target_stream(job: JobConfig, setup: RunSetup, samples, plan: list[list[int]],

@@ -1,4 +1,4 @@
-"""AdamW with linear warmup then cosine decay to zero."""
+"""AdamW (optionally with its state on another device) and linear warmup then cosine decay to zero."""
 from __future__ import annotations
 
 import math
@@ -6,8 +6,70 @@ import math
 import torch
 
 
-def build_optimizer(params, lr: float, betas, weight_decay: float) -> torch.optim.AdamW:
-    return torch.optim.AdamW(params, lr=lr, betas=tuple(betas), weight_decay=weight_decay, eps=1e-8)
+class OffloadedAdamW(torch.optim.AdamW):
+    """AdamW whose fp32 master weights, gradient copies and m/v state live on `device` (host
+    memory or another GPU), for a trainer GPU that cannot hold them.
+
+    The model keeps its fp32 weights and gradients (clipped and all-reduced there as usual);
+    `step` copies the gradients to `device`, updates the master weights there and copies them
+    back. The update is torch's AdamW on the same numbers (tests/test_optim.py). The master
+    copies are allocated here, once; m and v on the first step, as in torch.
+    """
+
+    def __init__(self, params, device, **adamw_kwargs):
+        self.model_params = [p for p in params]
+        on_host = torch.device(device).type == "cpu"
+        pin = on_host and torch.cuda.is_available()
+        masters = []
+        for p in self.model_params:
+            m = p.detach().to(device, torch.float32, copy=True)
+            m.grad = torch.zeros_like(m)
+            if pin:  # page-locked: the copies to and from the GPU run at full PCIe speed
+                m, m.grad = m.pin_memory(), m.grad.pin_memory()
+            masters.append(m)
+        # on the host: torch's fused CPU AdamW (one vectorised, multi-threaded pass per tensor)
+        super().__init__(masters, **({"fused": True} if on_host else {}), **adamw_kwargs)
+
+    @property
+    def masters(self) -> list[torch.Tensor]:
+        return self.param_groups[0]["params"]
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        for p, m in zip(self.model_params, self.masters):
+            if p.grad is None:
+                m.grad = None  # AdamW skips a parameter without a gradient, as it would on the model
+            else:
+                if m.grad is None:
+                    m.grad = torch.empty_like(m)
+                m.grad.copy_(p.grad)
+        loss = super().step(closure)
+        for p, m in zip(self.model_params, self.masters):
+            p.copy_(m)
+        return loss
+
+    def zero_grad(self, set_to_none: bool = True):
+        for p in self.model_params:
+            if set_to_none:
+                p.grad = None
+            elif p.grad is not None:
+                p.grad.zero_()
+
+    def load_state_dict(self, state_dict):
+        """m, v and step counts from a checkpoint; the master weights from the model (restored first)."""
+        super().load_state_dict(state_dict)
+        with torch.no_grad():
+            for p, m in zip(self.model_params, self.masters):
+                m.copy_(p)
+
+
+def build_optimizer(params, lr: float, betas, weight_decay: float, device: str | None = None) -> torch.optim.AdamW:
+    """AdamW on the parameters' device, or with its state on `device` (cpu | cuda:N; OffloadedAdamW)."""
+    kwargs = dict(lr=lr, betas=tuple(betas), weight_decay=weight_decay, eps=1e-8)
+    params = list(params)
+    if device in (None, "", "none") or (params and torch.device(device) == params[0].device):
+        return torch.optim.AdamW(params, **kwargs)
+    return OffloadedAdamW(params, device, **kwargs)
 
 
 def warmup_cosine(total_steps: int, warmup_ratio: float):

@@ -35,7 +35,7 @@ def pad_packed(packed: torch.Tensor, lengths: list[int]) -> torch.Tensor:
 
 
 class DraftTrainer:
-    """Owns the draft, the frozen target lm_head, the optimizer and the schedule.
+    """Owns the draft, the frozen target lm_head (in the target's dtype), the optimizer and the schedule.
 
     With data-parallel `ranks` (train/distributed.py) each rank trains on its slice of every
     micro-batch: the loss is divided by the micro-batch's loss positions summed over all ranks and
@@ -45,11 +45,12 @@ class DraftTrainer:
 
     def __init__(self, draft: Eagle3Draft, lm_head: torch.Tensor, optimizer, scheduler, *, ttt_length: int,
                  loss_decay: float, grad_accum: int, grad_clip: float, teacher_chunk: int, autocast_bf16: bool,
-                 ranks: Ranks | None = None):
+                 activation_checkpointing: bool = False, ranks: Ranks | None = None):
         self.draft, self.lm_head, self.optimizer, self.scheduler = draft, lm_head, optimizer, scheduler
         self.ranks = ranks or Ranks()
         self.ttt_length, self.loss_decay, self.grad_accum = ttt_length, loss_decay, grad_accum
         self.grad_clip, self.teacher_chunk = grad_clip, teacher_chunk
+        self.activation_checkpointing = activation_checkpointing
         self.device = lm_head.device
         self.autocast = lambda: torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=autocast_bf16)
 
@@ -68,7 +69,8 @@ class DraftTrainer:
     def _loss(self, batch: DraftBatch, normalizer: torch.Tensor | None = None) -> TTTResult:
         with self.autocast():
             return ttt_loss(self.draft, batch.aux_hidden, batch.input_ids, batch.loss_mask, batch.lengths,
-                            batch.teacher, self.ttt_length, self.loss_decay, normalizer)
+                            batch.teacher, self.ttt_length, self.loss_decay, normalizer,
+                            checkpoint=self.activation_checkpointing)
 
     def train_micro(self, batch: DraftBatch | None) -> TTTResult | None:
         """Forward + backward of this rank's part of a micro-batch. None: this rank has no sample in
