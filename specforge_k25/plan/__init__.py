@@ -10,13 +10,17 @@ Everything here is plain arithmetic on plain numbers. Sources:
   min(profiled, hw.max_total_tokens) tokens, profiled = pre * f - weights - mm_reservation where
   `pre` is the smallest free memory over the TP ranks before the weights load and f is
   `mem_fraction_static`; startup fails when `pre` on one rank is below 0.9x another rank's free
-  memory (SGLANG_ENABLE_TP_MEMORY_INBALANCE_CHECK, on by default);
-- the trainer as it stands (train/loop.py, train/step.py, draft/model.py, draft/loss.py): the draft
-  and its optimizer live in fp32 (the fp32 weights ARE the master copy; `hw.autocast=bf16` computes
-  in bf16 and caches bf16 weight copies until backward), the frozen embedding [V, H] and the
-  target's lm_head [V, Ht] are fp32 on the trainer GPU, the teacher holds [B, T, Vd] fp32 draft
-  logits, and the TTT unroll keeps, per step, [B, T, Vd] fp32 log-probs and teacher probs and the
-  [B, nh, T, T+k] attention probabilities (fp32, plus a bf16 copy under autocast) for backward.
+  memory (SGLANG_ENABLE_TP_MEMORY_INBALANCE_CHECK: our engine turns it off for CUDA TP > 1, the
+  trainer and the ring share rank 0's GPU by design);
+- the trainer as it stands (train/loop.py, train/step.py, train/optim.py, draft/model.py,
+  draft/loss.py): the draft lives in fp32 with fp32 grads (`hw.autocast=bf16` computes in bf16 and
+  caches bf16 weight copies until backward); AdamW's m/v sit next to it (the fp32 weights are the
+  master copy) or, with `train.optimizer_device`, on the host or another GPU with their own fp32
+  master and gradient copies; the frozen embedding [V, H] and the target's lm_head [V, Ht] keep
+  the target's dtype; the teacher holds [B, T, Vd] fp32 draft logits; each TTT step keeps its
+  activations ([B, T, Vd] fp32 log-probs and teacher probs, the fused attention's q/K/V/out and
+  logsumexp, its [T, (k+1)T] mask; never [B, nh, T, T] probabilities) or, with
+  `train.activation_checkpointing`, only its inputs and recomputes one step at a time in backward.
   `ttt_saved_bytes` counts those tensors exactly (tests/test_plan.py measures them with
   saved-tensor hooks); the backward working set and the runtime reserves are estimates.
 """
@@ -24,7 +28,6 @@ from __future__ import annotations
 
 import json
 import math
-import os
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Optional
@@ -186,46 +189,61 @@ def trainable_params(cfg: DraftConfig) -> int:
 
 
 # ------------------------------------------------------------------------- TTT activations
-def ttt_saved_bytes(cfg: DraftConfig, batch: int, seq_len: int, ttt_length: int, bf16: bool) -> dict[str, int]:
-    """Bytes the TTT forward (draft/loss.py::ttt_loss) leaves saved for backward, all K steps.
+def ttt_step_bytes(cfg: DraftConfig, batch: int, seq_len: int, k: int, bf16: bool) -> tuple[int, int]:
+    """(per-token bytes, mask bytes) TTT step k saves for backward (draft/loss.py::ttt_loss, one step).
 
-    Per token and step k (a = 2 under bf16 autocast, 4 in fp32; nh*hd = q width):
+    Per token (a = 2 under bf16 autocast, 4 in fp32; qw = nh*hd):
       bf16: 38H (norm inputs fp32 + outputs bf16, per-linear bf16 input casts) | fp32: 40H
-      + a*nh*hd for q (copy made by the QK^T matmul) + a*nh*hd for q again when k > 0 (q*k_j)
-      + 2a*nh*hd for the step-0 K/V repeated to nh heads (rebuilt every step)
-      + 2a*nh*hd*k for the K/V of steps 1..k repeated to nh heads
-      + a*nh*hd o_proj input + 4a*I MLP (gate, silu, up, product) + 2a*hd cos/sin
+      + a*qw q + 2a*qw*(k+1) the K/V of steps 0..k repeated to nh heads + a*qw attention output
+      (= o_proj input) + 4*nh logsumexp (fp32) of the fused attention
+      + 4a*I MLP (gate, silu, up, product) + 2a*hd cos/sin
       + 8*Vd (log-probs and renormalised teacher probs, both fp32) + 12 (rsqrt) + 1 (counted mask)
-    Per sequence and step: nh*T*(T+k) attention probabilities, fp32 (+ bf16 copy under autocast: 6
-    bytes, fp32 alone: 4); per step T*T bytes of causal mask.
-    Once: bf16: the fc input cast [T, 3Ht] (6Ht per token); fp32: fc's output (4H per token).
-    Returns {"per_token": linear bytes, "attention_probs": quadratic bytes, "total": both}.
+    Per step: the [T, (k+1)T] attention mask, as SDPA's additive float mask (a bytes), shared by
+    the batch. No [B, nh, T, T] probabilities: the fused kernel recomputes them in backward.
     """
     H, I, hd, Vd = cfg.hidden_size, cfg.intermediate_size, cfg.head_dim, cfg.draft_vocab_size
-    qw = cfg.num_attention_heads * cfg.head_dim
-    nh = cfg.num_attention_heads
+    qw, nh = cfg.num_attention_heads * cfg.head_dim, cfg.num_attention_heads
     a = 2 if bf16 else 4
-    N, T = batch * seq_len, seq_len
-    linear = (6 * cfg.target_hidden_size if bf16 else 4 * H) * N
+    per_token = ((38 if bf16 else 40) * H + a * qw + 2 * a * qw * (k + 1) + a * qw + 4 * nh
+                 + 4 * a * I + 2 * a * hd + 8 * Vd + 12 + 1)
+    return per_token * batch * seq_len, a * seq_len * seq_len * (k + 1)
+
+
+def ttt_saved_bytes(cfg: DraftConfig, batch: int, seq_len: int, ttt_length: int, bf16: bool,
+                    checkpoint: bool = False) -> dict[str, int]:
+    """Bytes the TTT forward leaves saved for backward, all K steps (`ttt_step_bytes` each).
+
+    Once: bf16: the fc input cast [T, 3Ht] (6Ht per token); fp32: fc's output (4H per token).
+    checkpoint=True (train.activation_checkpointing): a step keeps only its inputs: the hidden
+    [B, T, H] entering every step (a bytes; step 0's is fc's output) and the K/V [B, nkv, T, hd]
+    of steps 0..K-2 (a bytes each); backward then recomputes one step at a time
+    (`ttt_step_bytes`, counted by the plan as a transient of the TTT phase).
+    Returns {"per_token": linear bytes, "attention_mask": quadratic bytes, "total": both}.
+    """
+    a = 2 if bf16 else 4
+    N = batch * seq_len
     quadratic = 0
-    for k in range(ttt_length):
-        per_token = ((38 if bf16 else 40) * H + a * qw * (1 + (k > 0)) + 2 * a * qw * (1 + k) + a * qw
-                     + 4 * a * I + 2 * a * hd + 8 * Vd + 12 + 1)
-        linear += per_token * N
-        quadratic += (6 if bf16 else 4) * batch * nh * T * (T + k) + T * T
-    return {"per_token": linear, "attention_probs": quadratic, "total": linear + quadratic}
+    if checkpoint:
+        kv = 2 * a * cfg.num_key_value_heads * cfg.head_dim
+        linear = ((6 * cfg.target_hidden_size if bf16 else 0) + ttt_length * a * cfg.hidden_size
+                  + (ttt_length - 1) * kv) * N
+    else:
+        linear = (6 * cfg.target_hidden_size if bf16 else 4 * cfg.hidden_size) * N
+        for k in range(ttt_length):
+            per_token, mask = ttt_step_bytes(cfg, batch, seq_len, k, bf16)
+            linear += per_token
+            quadratic += mask
+    return {"per_token": linear, "attention_mask": quadratic, "total": linear + quadratic}
 
 
 def ttt_backward_working_bytes(cfg: DraftConfig, batch: int, seq_len: int, ttt_length: int, bf16: bool) -> int:
-    """Estimate (not measured) of the transient memory on top of the saved tensors: the backward
-    of the last step's attention softmax holds ~10 bytes (bf16 autocast; 12 in fp32) per element of
-    [B, nh, T, T+K-1] (grad of the bf16 probs, its fp32 cast, the softmax grad), plus the grads of
-    one step's [B, T, Vd] log-softmax (8 bytes) and MLP activations (3 bf16/fp32 [B, T, I])."""
+    """Estimate (not measured) of the transient memory on top of the saved tensors, in the last
+    step's backward: the grads of its attention inputs (q and the K/V of all K steps at nh heads),
+    of its [B, T, Vd] log-softmax (8 bytes) and of its MLP activations (3 [B, T, I])."""
     a = 2 if bf16 else 4
-    N, T = batch * seq_len, seq_len
-    k = ttt_length - 1
-    return ((10 if bf16 else 12) * batch * cfg.num_attention_heads * T * (T + k)
-            + 8 * cfg.draft_vocab_size * N + 3 * a * cfg.intermediate_size * N)
+    N = batch * seq_len
+    qw = cfg.num_attention_heads * cfg.head_dim
+    return (a * qw * (1 + 2 * ttt_length) + 8 * cfg.draft_vocab_size + 3 * a * cfg.intermediate_size) * N
 
 
 # ----------------------------------------------------------------------------- the budget
@@ -294,47 +312,80 @@ ROLE_TARGET = "target TP rank"
 PHASE_TEACHER, PHASE_TTT, PHASE_OPT = "teacher", "TTT fwd+bwd", "optimizer step"
 
 
+def optimizer_items(P: int, on_gpu: bool) -> list[Item]:
+    """train.optimizer_device: what OffloadedAdamW (train/optim.py) holds on its own device. The
+    master copies and gradient copies are allocated when the trainer is built; m, v on the first
+    step. On a GPU torch's foreach AdamW adds temporaries; on the host the fused kernel does not."""
+    items = [
+        Item("AdamW master weights fp32", 4 * P),
+        Item("AdamW gradient copies fp32", 4 * P),
+        Item("AdamW m, v fp32", 8 * P),
+    ]
+    if on_gpu:
+        items.append(Item("AdamW foreach temporaries fp32", 4 * P, PHASE_OPT))
+    return items
+
+
 def trainer_items(cfg: DraftConfig, *, batch: int, seq_len: int, ttt_length: int, teacher_chunk: int, bf16: bool,
-                  data_parallel: bool, context_bytes: int) -> list[Item]:
+                  data_parallel: bool, context_bytes: int, frozen_bytes: int = 4, checkpoint: bool = False,
+                  optimizer_offloaded: bool = False) -> list[Item]:
     """One trainer rank's memory on its GPU. Resident items are allocated before the target starts
     (weights, frozen tensors) or persist across steps (grads, AdamW state); phase items are peaks of
-    the three phases of a micro-batch, which do not overlap."""
+    the three phases of a micro-batch, which do not overlap.
+
+    frozen_bytes: element size of the frozen embedding and lm_head (the target's dtype);
+    checkpoint: train.activation_checkpointing; optimizer_offloaded: AdamW state elsewhere
+    (`optimizer_items` on train.optimizer_device)."""
     P = trainable_params(cfg)
     V, H, Ht, Vd = cfg.vocab_size, cfg.hidden_size, cfg.target_hidden_size, cfg.draft_vocab_size
     N = batch * seq_len
     # DraftBatch: aux fp32 [N, 3Ht], input_ids int64, loss_mask bool, teacher: draft logits fp32
-    # [N, Vd], logsumexp fp32, argmax int64
+    # [N, Vd], logsumexp fp32, argmax int64; plus lengths (negligible)
     batch_bytes = N * (12 * Ht + 8 + 1 + 4 * Vd + 4 + 8)
-    saved = ttt_saved_bytes(cfg, batch, seq_len, ttt_length, bf16)
+    saved = ttt_saved_bytes(cfg, batch, seq_len, ttt_length, bf16, checkpoint)
     chunk = min(teacher_chunk, N)
+    dtype = {2: "bf16", 4: "fp32"}.get(frozen_bytes, f"{frozen_bytes} B")
     items = [
         Item("CUDA context (trainer process)", context_bytes),
-        Item("draft weights fp32 (= master; no extra copy)", 4 * P, note=f"{P:,} trainable params"),
+        Item("draft weights fp32", 4 * P, note=f"{P:,} trainable params" + ("" if optimizer_offloaded else
+                                                                            " (= AdamW's master copy)")),
         Item("draft grads fp32", 4 * P),
-        Item("AdamW m, v fp32", 8 * P),
-        Item("frozen embedding [V, H] fp32", 4 * V * H),
-        Item("target lm_head [V, Ht] fp32 (teacher)", 4 * V * Ht),
+    ]
+    if not optimizer_offloaded:
+        items.append(Item("AdamW m, v fp32", 8 * P))
+    items += [
+        Item(f"frozen embedding [V, H] {dtype}", frozen_bytes * V * H),
+        Item(f"target lm_head [V, Ht] {dtype} (teacher)", frozen_bytes * V * Ht),
         Item("vocab maps d2t int64 + t2d bool", 8 * Vd + V),
     ]
     if data_parallel:
         items.append(Item("DP gradient buckets fp32 (DDP, assumed)", 4 * P,
                           note="upper bound: train/step.py all-reduces each grad in place"))
+    # teacher logits: [chunk, V] in the lm_head's dtype, its fp32 copy (not made for fp32) and logsumexp's exp
+    chunk_elem = frozen_bytes + (4 if frozen_bytes != 4 else 0) + 4
     items += [
         Item("batch: aux fp32 [B,T,3Ht] + teacher [B,T,Vd] fp32", batch_bytes, PHASE_TEACHER),
         Item("next batch + its final hidden fp32 [B,T,Ht]", batch_bytes + 4 * N * Ht, PHASE_TEACHER,
              note="built while the previous batch is still referenced"),
-        Item("teacher chunk [chunk, V] fp32 x2 (logits, logsumexp)", 2 * 4 * chunk * V + 8 * V, PHASE_TEACHER),
+        Item("teacher chunk [chunk, V]: logits, fp32 copy, logsumexp", chunk_elem * chunk * V + 8 * V, PHASE_TEACHER),
         Item("batch: aux fp32 [B,T,3Ht] + teacher [B,T,Vd] fp32", batch_bytes, PHASE_TTT),
         Item("bf16 autocast weight copies", 2 * P if bf16 else 0, PHASE_TTT),
         Item("TTT saved: per-token tensors (K steps)", saved["per_token"], PHASE_TTT,
-             note="incl. [B,T,Vd] fp32 log-probs + teacher probs per step"),
-        Item("TTT saved: attention probs [B,nh,T,T+k] (K steps)", saved["attention_probs"], PHASE_TTT,
-             note="fp32 + bf16 copy" if bf16 else "fp32"),
+             note=("checkpointed: each step's hidden input + K/V" if checkpoint else
+                   "incl. [B,T,Vd] fp32 log-probs + teacher probs per step")),
+        Item("TTT saved: attention masks [T,(k+1)T] (K steps)", saved["attention_mask"], PHASE_TTT),
+    ]
+    if checkpoint:  # backward recomputes one step at a time: the last (largest) one at most
+        per_token, mask = ttt_step_bytes(cfg, batch, seq_len, ttt_length - 1, bf16)
+        items.append(Item("TTT one step recomputed in backward", per_token + mask, PHASE_TTT,
+                          note="activation checkpointing: the largest step's saved tensors"))
+    items += [
         Item("TTT backward working set (estimate)", ttt_backward_working_bytes(cfg, batch, seq_len, ttt_length, bf16),
              PHASE_TTT),
         Item("batch: aux fp32 [B,T,3Ht] + teacher [B,T,Vd] fp32", batch_bytes, PHASE_OPT),
-        Item("AdamW foreach temporaries fp32", 4 * P, PHASE_OPT),
     ]
+    if not optimizer_offloaded:
+        items.append(Item("AdamW foreach temporaries fp32", 4 * P, PHASE_OPT))
     return [i for i in items if i.bytes]
 
 
@@ -348,6 +399,18 @@ def _gpu_layout(hw) -> tuple[list[list[int]], list[int]]:
     groups = [[hw.target_gpu + r * tp + i for i in range(tp)] for r in range(replicas)]
     trainers = list(hw.trainer_gpus) if hw.trainer_gpus else [hw.trainer_gpu]
     return groups, trainers
+
+
+def optimizer_device(value: Optional[str], device: str, trainer_gpus: list[int]) -> str | int | None:
+    """train.optimizer_device as the plan sees it: None (the trainer's own device), "cpu" or a GPU id."""
+    if value in (None, "", "none") or device != "cuda":
+        return None
+    if value == "cpu":
+        return "cpu"
+    if not value.startswith("cuda:") or not value[5:].isdigit():
+        raise PlanError(f"train.optimizer_device={value!r}: expected null, cpu or cuda:N")
+    gpu = int(value[5:])
+    return None if trainer_gpus == [gpu] else gpu
 
 
 def plan_memory(job, facts: TargetFacts, *, max_length: int | None = None, batch_size: int | None = None,
@@ -369,8 +432,18 @@ def plan_memory(job, facts: TargetFacts, *, max_length: int | None = None, batch
     problems: list[str] = []
     notes: list[str] = []
     capacity = hw.gpu_memory_mib * MiB
+    elem = 2 if hw.target_dtype in ("bfloat16", "float16") else 4  # the target's dtype: ring, frozen tensors
+    opt_dev = optimizer_device(tr.optimizer_device, hw.device, trainers)
     t_items = trainer_items(cfg, batch=B, seq_len=L, ttt_length=tr.ttt_length, teacher_chunk=tr.teacher_chunk,
-                            bf16=bf16, data_parallel=ranks > 1, context_bytes=ctx)
+                            bf16=bf16, data_parallel=ranks > 1, context_bytes=ctx, frozen_bytes=elem,
+                            checkpoint=tr.activation_checkpointing, optimizer_offloaded=opt_dev is not None)
+    P = trainable_params(cfg)
+    if opt_dev == "cpu":
+        host = sum(i.bytes for i in optimizer_items(P, on_gpu=False)) * ranks
+        notes.append(f"optimizer on the host (train.optimizer_device=cpu): {_gib(host)} of pinned host memory for "
+                     f"{ranks} rank(s) (fp32 master, gradient copies, m, v); each optimizer step copies "
+                     f"{_gib(8 * P)} over PCIe (grads in, weights out) and runs fused AdamW on the CPU: raise "
+                     f"train.grad_accum to amortise it, or put it on a GPU with room (train.optimizer_device=cuda:N)")
     if hw.device != "cuda":
         g = GpuBudget(-1, "trainer rank (host memory, not checked)", 0, t_items)
         return MemoryPlan(facts, cfg, [g], kv_tokens, tokens_per_step, None, None, problems, notes)
@@ -385,6 +458,8 @@ def plan_memory(job, facts: TargetFacts, *, max_length: int | None = None, batch
     for t in trainers:
         if not 0 <= t < hw.num_gpus:
             problems.append(f"trainer GPU {t} is not one of the {hw.num_gpus} GPUs")
+    if isinstance(opt_dev, int) and not 0 <= opt_dev < hw.num_gpus:
+        problems.append(f"train.optimizer_device=cuda:{opt_dev} is not one of the {hw.num_gpus} GPUs")
     if len(set(trainers)) != ranks:
         problems.append(f"hw.trainer_gpus={trainers}: one trainer rank per GPU")
     if hw.trainer_gpus and trainers[0] != hw.trainer_gpu:
@@ -396,7 +471,6 @@ def plan_memory(job, facts: TargetFacts, *, max_length: int | None = None, batch
     kv = kv_tokens * facts.kv_bytes_per_token(hw.target_tp)
     mm = 100 * MiB if facts.multimodal else 0  # SGLANG_VLM_CACHE_SIZE_MB default
     runtime = int(hw.target_runtime_gib * GiB) + batch_tokens * 4 * facts.hidden_size * 2
-    elem = 2 if hw.target_dtype in ("bfloat16", "float16") else 4
     ring = tr.stream_slots * batch_tokens * 4 * facts.hidden_size * elem
 
     budgets: dict[int, GpuBudget] = {}
@@ -436,6 +510,12 @@ def plan_memory(job, facts: TargetFacts, *, max_length: int | None = None, batch
         # allocated by build_trainer before the target process starts
         preloaded[gpu] = preloaded.get(gpu, 0) + sum(
             i.bytes for i in t_items if i.phase is None and not i.name.startswith(("draft grads", "AdamW")))
+        if isinstance(opt_dev, int):  # OffloadedAdamW on another GPU: the trainer process opens a context there too
+            o_items = [Item("CUDA context (trainer process, for AdamW)", ctx)] + optimizer_items(P, on_gpu=True)
+            budget(opt_dev).items += o_items
+            roles.setdefault(opt_dev, []).append("AdamW state")
+            preloaded[opt_dev] = preloaded.get(opt_dev, 0) + sum(
+                i.bytes for i in o_items if i.phase is None and "m, v" not in i.name)
     for gpu, b in budgets.items():
         b.role = " + ".join(dict.fromkeys(roles.get(gpu, [])))
 
@@ -449,13 +529,13 @@ def plan_memory(job, facts: TargetFacts, *, max_length: int | None = None, batch
             pre = min(free)
             need = (weights + kv + mm) / pre if pre > 0 else math.inf
             frac_min = need if frac_min is None else max(frac_min, need)
-            if hw.target_tp > 1 and pre < 0.9 * max(free) and os.environ.get(
-                    "SGLANG_ENABLE_TP_MEMORY_INBALANCE_CHECK", "1").lower() not in ("0", "false", "no"):
+            if hw.target_tp > 1 and pre < 0.9 * max(free):
                 worst = group[free.index(pre)]
-                problems.append(
-                    f"SGLang refuses to start: GPU {worst} has {_gib(capacity - ctx - pre)} taken by the trainer/ring "
-                    f"before the engine loads, more than 10% of the other TP ranks' free memory ({_gib(max(free))}); "
-                    f"run with SGLANG_ENABLE_TP_MEMORY_INBALANCE_CHECK=0 (the plan accounts for the imbalance)")
+                notes.append(
+                    f"GPU {worst} has {_gib(capacity - ctx - pre)} taken by the trainer/ring before the engine loads, "
+                    f"more than SGLang's 10% TP memory-balance check allows; the target runs with "
+                    f"SGLANG_ENABLE_TP_MEMORY_INBALANCE_CHECK=0 (set by target/sglang_engine.py for every CUDA TP>1 "
+                    f"target) and this plan sizes the KV pool from the fullest rank")
         frac = math.ceil(frac_min * 100) / 100 if math.isfinite(frac_min) else math.inf
         if frac_min >= 1:
             capacity_ok = False
@@ -475,7 +555,7 @@ def plan_memory(job, facts: TargetFacts, *, max_length: int | None = None, batch
     if L > facts.max_position_embeddings:
         problems.append(f"data.max_length={L} exceeds the target's context ({facts.max_position_embeddings})")
 
-    notes.append(attention_note(cfg, B, L, tr.ttt_length, bf16))
+    notes.append(activation_note(cfg, B, L, tr.ttt_length, bf16, tr.activation_checkpointing))
     if ranks > 1 or hw.target_replicas > 1:
         notes.append(f"data-parallel: launch with torchrun --nproc-per-node {hw.target_replicas} (one trainer rank "
                      f"per replica)")
@@ -483,16 +563,15 @@ def plan_memory(job, facts: TargetFacts, *, max_length: int | None = None, batch
                       frac, frac_min, problems, notes, capacity_ok)
 
 
-def attention_note(cfg: DraftConfig, batch: int, seq_len: int, ttt_length: int, bf16: bool) -> str:
-    """Where the quadratic [B, nh, T, T+k] attention probabilities overtake the per-token tensors."""
-    saved = ttt_saved_bytes(cfg, batch, seq_len, ttt_length, bf16)
-    cross = next((t for t in range(256, 1 << 20, 256) if (lambda s: s["attention_probs"] > s["per_token"])(
-        ttt_saved_bytes(cfg, batch, t, ttt_length, bf16))), None)
-    at8k = ttt_saved_bytes(cfg, batch, 8192, ttt_length, bf16)
-    dominate = "they dominate" if saved["attention_probs"] > saved["per_token"] else "they do not dominate yet"
-    return (f"TTT activations at T={seq_len}: attention probs [B,nh,T,T+k] {_gib(saved['attention_probs'])} vs "
-            f"per-token tensors {_gib(saved['per_token'])}: {dominate}; the probs grow with T^2 and dominate from "
-            f"T~{cross} (T=8192: {_gib(at8k['attention_probs'])} vs {_gib(at8k['per_token'])})")
+def activation_note(cfg: DraftConfig, batch: int, seq_len: int, ttt_length: int, bf16: bool, checkpoint: bool) -> str:
+    """The TTT activations with and without train.activation_checkpointing at this length."""
+    plain = ttt_saved_bytes(cfg, batch, seq_len, ttt_length, bf16)["total"]
+    kept = ttt_saved_bytes(cfg, batch, seq_len, ttt_length, bf16, checkpoint=True)["total"]
+    one = sum(ttt_step_bytes(cfg, batch, seq_len, ttt_length - 1, bf16))
+    state = "on" if checkpoint else "off"
+    return (f"TTT activations at T={seq_len}, K={ttt_length}: {_gib(plain)} kept for backward without activation "
+            f"checkpointing; {_gib(kept)} kept + {_gib(one)} for the one step recomputed with it "
+            f"(train.activation_checkpointing, {state}; ~1 more forward)")
 
 
 def _fits(job, facts, **kw) -> bool:
@@ -500,11 +579,23 @@ def _fits(job, facts, **kw) -> bool:
 
 
 def suggest_override(job, facts: TargetFacts) -> Optional[str]:
-    """One override (or one pair) that makes the plan fit, or None."""
+    """One override (or one pair) that makes the plan fit, or None. Switches that keep the tokens
+    per step come first (batch split into accumulation, activation checkpointing, AdamW state on
+    the host), then a shorter max_length, then a smaller draft MLP."""
     tr, L = job.train, job.data.max_length
     step = 256
     if tr.batch_size > 1 and _fits(job, facts, batch_size=1):
         return f"train.batch_size=1 train.grad_accum={tr.grad_accum * tr.batch_size} (same tokens per step)"
+    switches = []
+    if not tr.activation_checkpointing:
+        switches.append(("train.activation_checkpointing=true", {"activation_checkpointing": True}))
+    if optimizer_device(tr.optimizer_device, job.hw.device, _gpu_layout(job.hw)[1]) is None:
+        switches.append(("train.optimizer_device=cpu", {"optimizer_device": "cpu"}))
+    for n in range(1, len(switches) + 1):
+        names = " ".join(name for name, _ in switches[:n])
+        changes = {k: v for _, c in switches[:n] for k, v in c.items()}
+        if _fits(replace(job, train=replace(tr, **changes)), facts):
+            return f"{names} (same tokens per step)"
     for B in ([tr.batch_size] + ([1] if tr.batch_size > 1 else [])):
         best = None
         lo, hi = 1, (L - 1) // step  # multiples of 256 below L; memory grows with L: bisect
@@ -554,6 +645,7 @@ def check_fits(job, target_facts: TargetFacts | None = None) -> MemoryPlan:
                 f"  no single override fits: GPU {worst.gpu} holds {_gib(worst.resident())} of {_gib(worst.capacity)} "
                 f"before any activation (target {_gib(sum(i.bytes for i in worst.items if i.owner == 'target'))}, "
                 f"trainer {_gib(sum(i.bytes for i in worst.items if i.owner == 'trainer' and i.phase is None))}"
-                f"), so no data.max_length, batch size or draft.intermediate_size >= 256 fits; the trainer's "
-                f"fp32 state must shrink or leave this GPU (see `python -m specforge_k25.plan` with the same overrides)")
+                f"), so no data.max_length, batch size or draft.intermediate_size >= 256 fits, even with "
+                f"train.activation_checkpointing=true train.optimizer_device=cpu; the trainer must move to a GPU "
+                f"of its own (hw.trainer_gpu) or the target to more GPUs (see `python -m specforge_k25.plan`)")
     raise PlanError("\n".join(lines))

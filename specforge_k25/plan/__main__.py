@@ -53,9 +53,12 @@ def render(job, plan: MemoryPlan) -> None:
                   f"{job.train.grad_accum}, TTT K={job.train.ttt_length}, teacher chunk {job.train.teacher_chunk}, "
                   f"autocast {hw.autocast}, {job.train.stream_slots} stream slots")
 
+    tr = job.train
+    opt = f"on {tr.optimizer_device} with its own fp32 master" if tr.optimizer_device else "next to the weights"
     console.print(f"draft: H {d.hidden_size}, heads {d.num_attention_heads}/{d.num_key_value_heads} x {d.head_dim}, "
-                  f"I {d.intermediate_size}, Vd {d.draft_vocab_size}; fp32 weights (the master copy), fp32 grads, "
-                  f"fp32 AdamW m/v; frozen embedding and the target lm_head in fp32 on the trainer GPU")
+                  f"I {d.intermediate_size}, Vd {d.draft_vocab_size}; fp32 weights and grads, AdamW m/v {opt}; "
+                  f"frozen embedding and target lm_head in {hw.target_dtype} on the trainer GPU; activation "
+                  f"checkpointing {'on' if tr.activation_checkpointing else 'off'}")
     params = Table()
     params.add_column("module")
     params.add_column("params", justify="right")
@@ -118,7 +121,8 @@ def main(argv: list[str]) -> int:
     if "--help" in argv or "-h" in argv:
         print(__doc__)
         print("Overrides as for `python -m specforge_k25.train` (see its --help); the plan uses hw.*, target.*, "
-              "draft.*, data.max_length and train.{batch_size,grad_accum,ttt_length,teacher_chunk,stream_slots}.")
+              "draft.*, data.max_length and train.{batch_size,grad_accum,ttt_length,teacher_chunk,stream_slots,"
+              "activation_checkpointing,optimizer_device}.")
         return 0
     job = compose_job(argv)
     try:

@@ -95,6 +95,12 @@ class SGLangTarget:
 
         self._one_batch = one_batch
         self.tp_size, self.tp_rank = tp_size, tp_rank
+        if device == "cuda" and tp_size > 1:
+            # The trainer process puts the stream ring (and, when it shares the GPU, its own state) on
+            # TP rank 0's GPU before the engine loads: SGLang's start-up check refuses a rank with
+            # under 90% of another's free memory. The memory plan (plan/__init__.py) sizes the KV
+            # pool from the fullest rank instead.
+            os.environ["SGLANG_ENABLE_TP_MEMORY_INBALANCE_CHECK"] = "0"
         if device == "cpu" and tp_size > 1 and not os.environ.get("SGLANG_CPU_OMP_THREADS_BIND"):
             os.environ["SGLANG_CPU_OMP_THREADS_BIND"] = cpu_bind_groups(tp_size // nnodes)
         self.layer_ids = sglang_layer_ids(capture_points, layer_id_rule(architecture))
