@@ -3,7 +3,11 @@
 The step is the trainer's own (train/step.py `DraftTrainer`): make_batch (pad + chunked teacher
 over the full 163840-token vocab) -> train_micro (TTT forward + backward, bf16 autocast) ->
 optimizer_step (grad clip + AdamW + LR schedule). Random tensors stand in for the target's hidden
-states (aux [N, 3*7168], final [N, 7168], bf16 as the stream carries them on GPU).
+states (aux [N, 3*7168], final [N, 7168], bf16 as the stream carries them on GPU). The frozen
+embedding and lm_head are kept in bf16 under bf16 autocast (fp32 with --no-bf16), as
+train/loop.py keeps them in hw.target_dtype. --activation-checkpointing and --optimizer-device
+(e.g. cpu: OffloadedAdamW with master weights and m/v in host memory) measure the settings of
+conf/hw/rtxpro6000x8.yaml (train.activation_checkpointing, train.optimizer_device).
 
 Shapes: the draft of conf/draft/kimi.yaml (read from the file) on the Kimi-K2.5 target facts of
 specforge_k25.plan (hidden 7168, vocab 163840): 56 heads / 8 KV heads, head_dim 128, I 18432,
@@ -12,23 +16,33 @@ Vd 32000; ttt_length 7; T 2048, 4096, 8192 (one sequence per step).
 Reported per T: median step time after warm-up and its phases (teacher / fwd+bwd / optimizer,
 CUDA-synchronised between phases), torch.cuda.max_memory_allocated over the shape (setup
 included: weights, AdamW state, step transients) beside the memory planner's figure for the
-same step, and achieved TFLOP/s = analytic FLOPs / median step time, against the bf16 (and
-fp32) matmul rate measured in the same process. A shape that runs out of memory is reported
-as OOM. The table is printed last.
+same step and settings (frozen dtype, checkpointing, optimizer offload), and achieved TFLOP/s =
+analytic FLOPs / median step time, against the bf16 (and fp32) matmul rate measured in the same
+process. A shape that runs out of memory is reported as OOM. The table is printed last.
 
     python benchmarks/gpu_kimi_shapes.py                      # CUDA, Kimi shapes (<= ~5 min on one H200)
+    python benchmarks/gpu_kimi_shapes.py --activation-checkpointing --optimizer-device cpu  # RTX PRO 6000 profile
     python benchmarks/gpu_kimi_shapes.py --device cpu --small # tiny shapes, seconds (smoke test)
 
-FLOP count (executed multiply-adds x2, per step of N = B*T tokens, K TTT steps):
+FLOP count (executed multiply-adds x2, per step of N = B*T tokens, K TTT steps, S_k = (k+1)*T):
   forward  = N*2*(3Ht*H)                                  fc, once
            + K*N*2*(2H*(nh+2nkv)*hd + nh*hd*H + 3H*I + H*Vd)   q,k,v (input 2H), o, SwiGLU, lm_head
-           + sum_k B*4*nh*T*T*hd + N*4*nh*hd*k            QK^T and PV over the full [T, T] (the
-                                                          masked upper half is computed, so counted)
-                                                          + the diagonal keys of steps 1..k
-  backward = 2 x forward, except fc: weight grad only (aux needs no grad) = 1 x
-  teacher  = 2*N*V*Ht (fp32 matmul, no backward)
-Element-wise work (norms, softmax, RoPE, AdamW) is not counted. Without the diagonal terms this
-equals torch.utils.flop_counter's count of the same step exactly (tests/test_benchmarks.py).
+           + sum_k B*4*nh*T*S_k*hd                         QK^T and PV of the fused SDPA of step k:
+             = 2*B*nh*T^2*hd*K(K+1)                        every query against the keys of steps
+                                                          0..k ([T, (k+1)T]; K/V repeated to nh
+                                                          heads); the masked kernel computes every
+                                                          block, so the masked-out ones are counted
+  backward = fc: weight grad only (aux needs no grad) = 1 x its forward
+           + linears: 2 x forward (input and weight grads)
+           + attention: 2.5 x forward (the fused backward recomputes QK^T, then dP = dO V^T,
+             dV = P^T dO, dQ = dS K, dK = dS^T Q: 5 matmuls of the forward's 2)
+  recompute (--activation-checkpointing only) = one more forward of every TTT step (linears +
+             attention, not fc), run inside backward
+  teacher  = 2*N*V*Ht (matmul in lm_head's dtype: bf16 under bf16 autocast, fp32 with --no-bf16;
+             no backward)
+Element-wise work (norms, softmax, RoPE, AdamW) is not counted. This equals torch.utils.flop_counter's
+count of the same step exactly, its SDPA formulas included (tests/test_benchmarks.py; on CPU the
+flash kernel for CPU is counted with torch's flash-attention formulas).
 """
 from __future__ import annotations
 
@@ -60,7 +74,13 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--batch", type=int, default=1, help="sequences per step")
     p.add_argument("--ttt-length", type=int, default=7)
     p.add_argument("--teacher-chunk", type=int, default=1024, help="positions per teacher chunk (train.teacher_chunk)")
-    p.add_argument("--no-bf16", action="store_true", help="fp32 compute instead of bf16 autocast")
+    p.add_argument("--no-bf16", action="store_true",
+                   help="fp32 compute instead of bf16 autocast (and fp32 frozen embedding / lm_head instead of bf16)")
+    p.add_argument("--activation-checkpointing", action="store_true",
+                   help="recompute each TTT step in backward (train.activation_checkpointing)")
+    p.add_argument("--optimizer-device", default=None,
+                   help="AdamW master weights and m/v on this device, e.g. cpu or cuda:1 (train.optimizer_device); "
+                        "default: on --device")
     p.add_argument("--warmup", type=int, default=2, help="untimed steps per shape")
     p.add_argument("--iters", type=int, default=5, help="timed steps per shape")
     p.add_argument("--matmul-size", type=int, default=None, help="n of the n x n x n rate check (default 8192; --small: 256)")
@@ -88,29 +108,36 @@ def draft_config(small: bool):
     return resolve_draft(spec, KIMI_K25)
 
 
-def step_flops(cfg, batch: int, seq_len: int, ttt_length: int) -> dict:
-    """Analytic FLOPs of one training step (see the module docstring)."""
+def step_flops(cfg, batch: int, seq_len: int, ttt_length: int, checkpoint: bool = False) -> dict:
+    """Analytic FLOPs of one training step (see the module docstring). checkpoint: activation
+    checkpointing, one more forward of every TTT step (`recompute`, run inside backward)."""
     H, Ht, I, Vd, V = (cfg.hidden_size, cfg.target_hidden_size, cfg.intermediate_size, cfg.draft_vocab_size,
                        cfg.vocab_size)
     nh, nkv, hd = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
-    N, T = batch * seq_len, seq_len
+    N, T, K = batch * seq_len, seq_len, ttt_length
     fc = 2 * N * 3 * Ht * H
     linear_per_step = 2 * N * (2 * H * (nh + 2 * nkv) * hd + nh * hd * H + 3 * H * I + H * Vd)
-    attention_mm = ttt_length * batch * 4 * nh * T * T * hd  # QK^T and PV (matmuls)
-    diagonal = sum(N * 4 * nh * hd * k for k in range(ttt_length))  # q.k_j and p_j*v_j (element-wise)
-    fwd = fc + ttt_length * linear_per_step + attention_mm + diagonal
-    bwd = fc + 2 * (ttt_length * linear_per_step + attention_mm + diagonal)
+    # step k: QK^T and PV, [T, hd] x [hd, (k+1)T] and [T, (k+1)T] x [(k+1)T, hd] per batch row and head
+    attention_fwd = sum(batch * 4 * nh * T * (k + 1) * T * hd for k in range(K))
+    attention_bwd = sum(batch * 10 * nh * T * (k + 1) * T * hd for k in range(K))  # 5 matmuls of the same size
+    fwd = fc + K * linear_per_step + attention_fwd
+    bwd = fc + 2 * K * linear_per_step + attention_bwd
+    recompute = K * linear_per_step + attention_fwd if checkpoint else 0
     teacher = 2 * N * V * Ht
-    return {"teacher": teacher, "draft_fwd": fwd, "draft_bwd": bwd, "attention_fwd": attention_mm + diagonal,
-            "diagonal_fwd": diagonal, "total": teacher + fwd + bwd}
+    return {"teacher": teacher, "draft_fwd": fwd, "draft_bwd": bwd, "draft_recompute": recompute,
+            "attention_fwd": attention_fwd, "attention_bwd": attention_bwd,
+            "total": teacher + fwd + bwd + recompute}
 
 
-def planned_bytes(cfg, batch: int, seq_len: int, ttt_length: int, chunk: int, bf16: bool) -> int:
-    """The memory planner's trainer figure for this step, without the CUDA context."""
+def planned_bytes(cfg, batch: int, seq_len: int, ttt_length: int, chunk: int, bf16: bool, *, checkpoint: bool,
+                  optimizer_offloaded: bool) -> int:
+    """The memory planner's trainer figure for this step (same settings as `build_trainer`: frozen
+    embedding / lm_head in bf16 under bf16 autocast, else fp32), without the CUDA context."""
     from specforge_k25.plan import trainer_items
 
     items = trainer_items(cfg, batch=batch, seq_len=seq_len, ttt_length=ttt_length, teacher_chunk=chunk, bf16=bf16,
-                          data_parallel=False, context_bytes=0)
+                          data_parallel=False, context_bytes=0, frozen_bytes=frozen_dtype(bf16).itemsize,
+                          checkpoint=checkpoint, optimizer_offloaded=optimizer_offloaded)
     resident = sum(i.bytes for i in items if i.phase is None)
     phases: dict[str, int] = {}
     for i in items:
@@ -169,20 +196,43 @@ def is_oom(err: BaseException) -> bool:
 
 
 # -------------------------------------------------------------------------------------- step
+def frozen_dtype(bf16: bool) -> torch.dtype:
+    """dtype of the frozen embedding and lm_head: the target's (train/loop.py build_trainer keeps
+    them in hw.target_dtype, bfloat16 for the bf16-autocast profiles); fp32 with --no-bf16."""
+    return torch.bfloat16 if bf16 else torch.float32
+
+
+def optimizer_device(args, device: torch.device) -> str | None:
+    """--optimizer-device as build_optimizer's `device`: None when it names the trainer's own device."""
+    name = args.optimizer_device
+    if name in (None, "", "none"):
+        return None
+    want = torch.device(name)
+
+    def index(d: torch.device):
+        return d.index if d.index is not None or d.type != "cuda" else torch.cuda.current_device()
+
+    return None if (want.type, index(want)) == (device.type, index(device)) else name
+
+
 def build_trainer(cfg, device: torch.device, args):
     from specforge_k25.draft.model import Eagle3Draft
     from specforge_k25.train.optim import build_optimizer, build_scheduler
     from specforge_k25.train.step import DraftTrainer
 
+    frozen = frozen_dtype(not args.no_bf16)
     torch.manual_seed(0)
     with torch.device(device):  # initialise the 2B-parameter module where it lives
         draft = Eagle3Draft(cfg)
-        lm_head = torch.randn(cfg.vocab_size, cfg.target_hidden_size) * cfg.target_hidden_size**-0.5
+        draft.embed_tokens.to(frozen)  # before the lm_head exists: the fp32 -> bf16 transient stays small
+        lm_head = torch.randn(cfg.vocab_size, cfg.target_hidden_size, dtype=frozen).mul_(cfg.target_hidden_size**-0.5)
     # d2t = 0: draft ids 0..Vd-1 are target ids 0..Vd-1 (which ids does not change the cost)
-    optimizer = build_optimizer(draft.trainable_parameters(), 5e-5, (0.9, 0.95), 0.0)
+    optimizer = build_optimizer(draft.trainable_parameters(), 5e-5, (0.9, 0.95), 0.0,
+                                device=optimizer_device(args, device))
     scheduler = build_scheduler(optimizer, 1000, 0.015)
     return DraftTrainer(draft, lm_head, optimizer, scheduler, ttt_length=args.ttt_length, loss_decay=0.8,
-                        grad_accum=1, grad_clip=0.5, teacher_chunk=args.teacher_chunk, autocast_bf16=not args.no_bf16)
+                        grad_accum=1, grad_clip=0.5, teacher_chunk=args.teacher_chunk, autocast_bf16=not args.no_bf16,
+                        activation_checkpointing=args.activation_checkpointing)
 
 
 def random_inputs(cfg, batch: int, seq_len: int, device: torch.device):
@@ -247,15 +297,18 @@ def measure_shape(cfg, seq_len: int, device: torch.device, args) -> dict:
 
 
 # ------------------------------------------------------------------------------------ report
-def add_rates(row: dict, flops: dict, bf16_rate: float, fp32_rate: float) -> None:
+def add_rates(row: dict, flops: dict, bf16_rate: float, fp32_rate: float, teacher_bf16: bool) -> None:
+    """teacher_bf16: the teacher matmul runs in bf16 (lm_head's dtype), else fp32."""
     if row["status"] != "ok":
         return
     row["tflop_per_step"] = flops["total"] / 1e12
     row["tflops"] = flops["total"] / row["step_s"] / 1e12
     row["frac_of_bf16_matmul"] = flops["total"] / row["step_s"] / bf16_rate
-    row["draft_tflops"] = (flops["draft_fwd"] + flops["draft_bwd"]) / row["fwd_bwd_s"] / 1e12
+    draft = flops["draft_fwd"] + flops["draft_bwd"] + flops["draft_recompute"]
+    row["draft_tflops"] = draft / row["fwd_bwd_s"] / 1e12
     row["teacher_tflops"] = flops["teacher"] / row["teacher_s"] / 1e12
-    row["teacher_frac_of_fp32_matmul"] = flops["teacher"] / row["teacher_s"] / fp32_rate
+    # against the matmul rate of the dtype the teacher runs in
+    row["teacher_frac_of_matmul"] = flops["teacher"] / row["teacher_s"] / (bf16_rate if teacher_bf16 else fp32_rate)
 
 
 def plot(result: dict, path: Path) -> None:
@@ -263,7 +316,9 @@ def plot(result: dict, path: Path) -> None:
     rows = [r for r in result["shapes"] if r["status"] == "ok"]
     labels = [str(r["seq_len"]) for r in rows]
     bottom = [0.0] * len(rows)
-    for key, name in (("teacher_s", "teacher (fp32)"), ("fwd_bwd_s", "TTT fwd+bwd"), ("optim_s", "optimizer")):
+    teacher = "teacher (fp32)" if result["args"]["no_bf16"] else "teacher (bf16)"
+    ttt = "TTT fwd+bwd (checkpointed)" if result["args"]["activation_checkpointing"] else "TTT fwd+bwd"
+    for key, name in (("teacher_s", teacher), ("fwd_bwd_s", ttt), ("optim_s", "optimizer")):
         vals = [r[key] for r in rows]
         ax_t.bar(labels, vals, bottom=bottom, label=name)
         bottom = [b + v for b, v in zip(bottom, vals)]
@@ -316,7 +371,9 @@ def print_report(result: dict) -> None:
           f"I {c['intermediate_size']}, Vd {c['draft_vocab_size']}, V {c['vocab_size']}; "
           f"{result['trainable_params'] / 1e6:.0f}M trainable; batch {result['args']['batch']}, "
           f"K {result['args']['ttt_length']}, bf16 autocast {not result['args']['no_bf16']}, "
-          f"teacher chunk {result['args']['teacher_chunk']}")
+          f"teacher chunk {result['args']['teacher_chunk']}; frozen embedding / lm_head {result['frozen_dtype']}; "
+          f"activation checkpointing {result['args']['activation_checkpointing']}; "
+          f"AdamW state on {result['optimizer_device'] or 'the trainer device'}")
     print_table(
         f"{result['device_name']}: one draft training step (median of {result['args']['iters']} after "
         f"{result['args']['warmup']} warm-up)",
@@ -345,17 +402,20 @@ def main(argv=None) -> dict:
 
     from specforge_k25.plan import trainable_params
 
+    bf16 = not args.no_bf16
+    opt_device = optimizer_device(args, device)
     shapes = []
     for T in seq_lens:
-        flops = step_flops(cfg, args.batch, T, args.ttt_length)
-        planned = planned_bytes(cfg, args.batch, T, args.ttt_length, args.teacher_chunk, not args.no_bf16)
+        flops = step_flops(cfg, args.batch, T, args.ttt_length, checkpoint=args.activation_checkpointing)
+        planned = planned_bytes(cfg, args.batch, T, args.ttt_length, args.teacher_chunk, bf16,
+                                checkpoint=args.activation_checkpointing, optimizer_offloaded=opt_device is not None)
         if time.perf_counter() - t_start > args.time_budget_s:
             row = {"status": "skipped (time budget)"}
         else:
             print(f"T={T}: planner says {planned / GiB:.1f} GiB ...", flush=True)
             row = measure_shape(cfg, T, device, args)
         row.update(seq_len=T, flops=flops, planned_bytes=planned)
-        add_rates(row, flops, bf16_rate, fp32_rate)
+        add_rates(row, flops, bf16_rate, fp32_rate, teacher_bf16=bf16)
         print(f"T={T}: {row['status']}" + (f", {row['step_s']:.3f} s/step" if row["status"] == "ok" else ""),
               flush=True)
         shapes.append(row)
@@ -368,7 +428,9 @@ def main(argv=None) -> dict:
                    "fp32_allow_tf32": torch.backends.cuda.matmul.allow_tf32},
         "memory_method": ("torch.cuda.max_memory_allocated over the shape (setup + warm-up + timed steps)"
                           if device.type == "cuda" else "not measured on CPU"),
-        "flop_method": "analytic, see the module docstring (attention counts the full [T, T])",
+        "flop_method": ("analytic, see the module docstring (fused masked SDPA per TTT step over (k+1)T keys, "
+                        "all blocks counted; backward 2.5x its forward)"),
+        "frozen_dtype": str(frozen_dtype(bf16)).removeprefix("torch."), "optimizer_device": opt_device,
         "shapes": shapes, "args": vars(args), "machine": machine_info(threads=args.threads),
         "total_wall_s": time.perf_counter() - t_start,
     }
