@@ -49,6 +49,7 @@ def test_cli_trains_through_sglang_and_exports(tmp_path):
     cmd = [sys.executable, "-m", "specforge_k25.train", "target=tiny_deepseek", "data.num_samples=12",
            "data.heldout_samples=4", "data.max_length=96", "draft.vocab_size=2048", "train.batch_size=2",
            "train.ttt_length=3", "train.checkpoint_every=2", "train.progress=false", "train.logger=wandb",
+           "train.activation_checkpointing=true",  # the RTX PRO 6000 profile's setting, through the real loop
            f"train.out_dir={run_dir}", f"hydra.run.dir={tmp_path / 'hydra'}"]
     env = {**os.environ, "WANDB_MODE": "offline", "WANDB_SILENT": "true", "PYTHONWARNINGS": "ignore"}
     out = subprocess.run(cmd, capture_output=True, text=True, timeout=900, env=env)
