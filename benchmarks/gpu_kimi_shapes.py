@@ -93,8 +93,10 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 # ------------------------------------------------------------------------------------ shapes
 def draft_config(small: bool):
-    """The Kimi draft exactly as a run with `target=kimi_k25 draft=kimi` builds it (or a tiny one)."""
-    from omegaconf import OmegaConf
+    """The Kimi draft exactly as a run with `target=kimi_k25 draft=kimi` builds it (or a tiny one).
+    Plain YAML (no OmegaConf): the GPU machines' images lack it, and conf/draft/kimi.yaml has no
+    interpolation."""
+    import yaml
 
     from specforge_k25.config import DraftConfigSpec
     from specforge_k25.draft.model import DraftConfig
@@ -103,7 +105,7 @@ def draft_config(small: bool):
     if small:
         return DraftConfig(**SMALL_SHAPE, max_position_embeddings=4096)
     spec = DraftConfigSpec()
-    for key, value in OmegaConf.to_container(OmegaConf.load(KIMI_DRAFT_YAML)).items():
+    for key, value in yaml.safe_load(Path(KIMI_DRAFT_YAML).read_text()).items():
         setattr(spec, key, value)
     return resolve_draft(spec, KIMI_K25)
 
