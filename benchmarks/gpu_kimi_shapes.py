@@ -387,6 +387,8 @@ def main(argv=None) -> dict:
     args = parse_args(argv)
     set_threads(args.threads)
     device = torch.device(args.device)
+    if device.type == "cuda" and device.index is None:  # torch.cuda.set_device wants an index (torch 2.11)
+        device = torch.device("cuda", 0)
     if device.type == "cuda" and not torch.cuda.is_available():
         raise SystemExit("no CUDA device: run with --device cpu --small for the smoke mode")
     seq_lens = [int(t) for t in (args.seq_lens or ("32,64" if args.small else "2048,4096,8192")).split(",")]

@@ -307,6 +307,24 @@ def test_prepare_uses_remote_code_tokenizer_and_kimi_renderer(kimi_target_dir, l
     assert "was loaded as transformers." in str(err.value) and "target.trust_remote_code=true" in str(err.value)
 
 
+def test_prepare_refuses_token_ids_outside_the_target_vocab(kimi_target_dir, tmp_path, monkeypatch):
+    """A tokenizer that does not belong to the weights (here: a config reporting 163584 tokens, below
+    Kimi's special ids) is refused before any process starts, not discovered by the engine."""
+    import dataclasses
+
+    from specforge_k25.train import loop
+
+    real = loop.read_target_info
+    monkeypatch.setattr(loop, "read_target_info", lambda path: dataclasses.replace(real(path), vocab_size=163584))
+    data = tmp_path / "rows.jsonl"
+    data.write_text("".join(json.dumps(r) + "\n" for r in _rows()[1:]))
+    job = _compose(["+hw=cpu", "target=kimi_k25", f"target.path={kimi_target_dir}", "data.source=jsonl",
+                    f"data.path={data}", "data.num_samples=3", "data.heldout_samples=1", "data.max_length=128",
+                    "draft.vocab_size=64", "train.progress=false"])
+    with pytest.raises(ValueError, match=r"token id 163\d{3}, outside the target's vocab \(163584\)"):
+        loop.prepare(job)
+
+
 def test_check_remote_code_tokenizer(tok, local, remote_dir):
     """A tokenizer whose folder maps AutoTokenizer to remote code must be that class; tokenizers
     without a folder (tiktoken Encoding) or without auto_map pass."""

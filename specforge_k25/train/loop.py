@@ -112,6 +112,10 @@ def prepare(job: JobConfig) -> RunSetup:
         num_samples=job.data.num_samples, heldout_samples=job.data.heldout_samples, end_of_turn_id=end_of_turn_id,
         seed=job.data.seed, split=job.data.split, show_progress=job.train.progress, render=render,
     )
+    top = max((int(s.input_ids.max()) for s in [*data.train, *data.heldout] if len(s.input_ids)), default=-1)
+    if top >= info.vocab_size:  # the engine would index past its embedding
+        raise ValueError(f"the tokenizer produced token id {top}, outside the target's vocab ({info.vocab_size}): "
+                         f"tokenizer and target weights in {model_path} do not match")
     draft_cfg = resolve_draft(job.draft, facts)
     return RunSetup(model_path, info, points, eagle_ids, tokenizer, data, draft_cfg)
 
