@@ -5,7 +5,7 @@ over the full 163840-token vocab) -> train_micro (TTT forward + backward, bf16 a
 optimizer_step (grad clip + AdamW + LR schedule). Random tensors stand in for the target's hidden
 states (aux [N, 3*7168], final [N, 7168], bf16 as the stream carries them on GPU). The frozen
 embedding and lm_head are kept in bf16 under bf16 autocast (fp32 with --no-bf16), as
-train/loop.py keeps them in hw.target_dtype. --activation-checkpointing and --optimizer-device
+train/trainer.py keeps them in hw.target_dtype. --activation-checkpointing and --optimizer-device
 (e.g. cpu: OffloadedAdamW with master weights and m/v in host memory) measure the settings of
 conf/hw/rtxpro6000x8.yaml (train.activation_checkpointing, train.optimizer_device).
 
@@ -41,7 +41,7 @@ FLOP count (executed multiply-adds x2, per step of N = B*T tokens, K TTT steps, 
   teacher  = 2*N*V*Ht (matmul in lm_head's dtype: bf16 under bf16 autocast, fp32 with --no-bf16;
              no backward)
 Element-wise work (norms, softmax, RoPE, AdamW) is not counted. This equals torch.utils.flop_counter's
-count of the same step exactly, its SDPA formulas included (tests/test_benchmarks.py; on CPU the
+count of the same step exactly, its SDPA formulas included (tests/benchmarks/test_benchmarks.py; on CPU the
 flash kernel for CPU is counted with torch's flash-attention formulas).
 """
 from __future__ import annotations
@@ -199,7 +199,7 @@ def is_oom(err: BaseException) -> bool:
 
 # -------------------------------------------------------------------------------------- step
 def frozen_dtype(bf16: bool) -> torch.dtype:
-    """dtype of the frozen embedding and lm_head: the target's (train/loop.py build_trainer keeps
+    """dtype of the frozen embedding and lm_head: the target's (train/trainer.py build_trainer keeps
     them in hw.target_dtype, bfloat16 for the bf16-autocast profiles); fp32 with --no-bf16."""
     return torch.bfloat16 if bf16 else torch.float32
 

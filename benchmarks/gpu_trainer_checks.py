@@ -2,7 +2,7 @@
 
 1. fused TTT attention on CUDA: `ttt_loss` (loss and every gradient) in fp32 on the GPU against the
    same function in float64 on the CPU (itself checked against a float64 loop reference in
-   tests/test_draft.py), and bf16 autocast against float64 within bf16 tolerance;
+   tests/draft/test_draft.py), and bf16 autocast against float64 within bf16 tolerance;
 2. activation checkpointing on CUDA: same loss and gradients as without;
 3. which SDPA kernel the masked TTT attention gets on CUDA for the Kimi draft's heads in bf16:
    forward + backward of step K-1 at T under each backend alone (error = not applicable), with

@@ -3,7 +3,7 @@
 Same samples, same plan of batches, same trainer (`build_trainer`, same seed) in every run:
 
   online   the SGLang target in its own process streams hidden states through shared memory
-           while the trainer trains on them, pipelined as train/loop.py does (target and
+           while the trainer trains on them, pipelined as train/trainer.py does (target and
            trainer get --threads each, at the same time).
   offline  two passes, as offline EAGLE pipelines work:
            1. dump: the same target process runs over every batch; the trainer process writes
@@ -43,7 +43,9 @@ from safetensors.torch import load_file, save_file
 
 from _common import RESULTS, replot, fmt_bytes, machine_info, new_figure, print_table, save_figure, set_threads, write_json
 from specforge_k25.data.tokenize import Sample
-from specforge_k25.train.loop import build_plan, build_trainer, make_target_stream, prepare
+from specforge_k25.setup.run import make_target_stream, prepare
+from specforge_k25.train.schedule import build_schedule
+from specforge_k25.train.trainer import build_trainer
 from stream import build_job, cpu_pair_speed
 
 DEFAULT_OUT = RESULTS / "online_vs_offline.json"
@@ -308,7 +310,7 @@ def main(argv=None) -> dict:
     set_threads(args.threads)
     t0 = time.perf_counter()
     setup = prepare(job)
-    plan_items, steps = build_plan(len(setup.data.train), 0, batch_size=job.train.batch_size, grad_accum=1,
+    plan_items, steps = build_schedule(len(setup.data.train), 0, batch_size=job.train.batch_size, grad_accum=1,
                                    epochs=1, max_steps=None, eval_every=None, seed=job.train.seed)
     plan = [p.sample_ids for p in plan_items]
     tokens = sum(len(setup.data.train[i].input_ids) for b in plan for i in b)

@@ -41,7 +41,9 @@ import torch
 from _common import replot
 from specforge_k25.config import JobConfig
 from specforge_k25.stream.producer import TargetStream
-from specforge_k25.train.loop import RunSetup, build_plan, build_trainer, make_target_stream, prepare
+from specforge_k25.setup.run import RunSetup, make_target_stream, prepare
+from specforge_k25.train.schedule import build_schedule
+from specforge_k25.train.trainer import build_trainer
 from specforge_k25.train.step import DraftTrainer
 
 GOAL = 0.95
@@ -286,7 +288,7 @@ def main(argv=None) -> dict:
     torch.set_num_threads(job.hw.trainer_threads)  # the trainer (this process); the target gets hw.target_threads
     t0 = time.perf_counter()
     setup = prepare(job)
-    plan_items, steps = build_plan(len(setup.data.train), 0, batch_size=job.train.batch_size, grad_accum=1,
+    plan_items, steps = build_schedule(len(setup.data.train), 0, batch_size=job.train.batch_size, grad_accum=1,
                                    epochs=1, max_steps=None, eval_every=None, seed=job.train.seed)
     plan = [p.sample_ids for p in plan_items]
     factory = TrainerFactory(job, setup, steps)

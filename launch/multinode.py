@@ -13,7 +13,7 @@ Two layouts:
   rank and TP ranks 0..tp/N-1; every other node runs only its TP ranks:
       node 0:  torchrun --nnodes 1 ... -m specforge_k25.train OVERRIDES hw.target_nnodes=N
                hw.target_node_rank=0 hw.target_dist_init_addr=MASTER:TARGET_PORT
-      node I:  python -m specforge_k25.stream.tp_node OVERRIDES hw.target_nnodes=N hw.target_node_rank=I
+      node I:  python -m specforge_k25.train.tp_node OVERRIDES hw.target_nnodes=N hw.target_node_rank=I
                hw.target_dist_init_addr=MASTER:TARGET_PORT
 
 Example (print every node's command):
@@ -76,10 +76,10 @@ def hw_layout(overrides: list[str]) -> tuple[int, int]:
     """(hw.target_tp, hw.target_replicas) of the config the overrides compose (the same config the
     nodes will run: a bad override fails here, before any node starts)."""
     sys.path.insert(0, str(REPO))
-    from specforge_k25.stream.tp_node import load_job
+    from specforge_k25.config import compose_job
 
     try:
-        job = load_job(overrides)
+        job = compose_job(overrides)
     except Exception as err:  # hydra's errors (unknown key, wrong type, missing group)
         raise LaunchError(f"the overrides do not compose: {err}") from None
     return job.hw.target_tp, job.hw.target_replicas
@@ -135,7 +135,7 @@ def node_commands(args: argparse.Namespace, target_tp: int, target_replicas: int
     for i in range(1, n):
         commands.append(NodeCommand(
             i, f"target TP ranks {i * per_node}..{(i + 1) * per_node - 1} of {target_tp} (no trainer)",
-            [args.python, "-m", "specforge_k25.stream.tp_node", *args.overrides,
+            [args.python, "-m", "specforge_k25.train.tp_node", *args.overrides,
              tp_args[0], f"hw.target_node_rank={i}", tp_args[1]]))
     return commands
 

@@ -6,7 +6,10 @@ Library code receives these plain objects, never Hydra.
 from __future__ import annotations
 
 from dataclasses import dataclass, field, fields, is_dataclass
+from pathlib import Path
 from typing import Optional
+
+CONF_DIR = str(Path(__file__).resolve().parents[1] / "conf")
 
 
 def doc(default, help: str, **kw):
@@ -38,6 +41,10 @@ class HwConfig:
     cuda_context_gib: float = doc(0.75, "memory plan: CUDA context per process per GPU (GiB)")
     target_runtime_gib: float = doc(2.0, "memory plan: SGLang non-static memory per TP rank: activations, workspaces (GiB)")
     target_weight_gb: Optional[float] = doc(None, "memory plan: target weight size in GB (all ranks); null = its safetensors files / known default")
+
+    def trainer_gpu_ids(self) -> list[int]:
+        """The GPU of each trainer rank on a node (rank r reads the replica starting there)."""
+        return list(self.trainer_gpus) if self.trainer_gpus else [self.trainer_gpu]
 
 
 @dataclass
@@ -151,3 +158,23 @@ def describe(cls=JobConfig, prefix: str = "") -> list[str]:
         else:
             lines.append(f"  {prefix + f.name:<30} {str(default):<14} {f.metadata.get('help', '')}")
     return lines
+
+
+def compose_job(overrides: list[str], config_name: str = "config"):
+    """The JobConfig `python -m specforge_k25.train` composes from the same overrides, without a
+    Hydra output folder (the plan and TP-node CLIs, tests)."""
+    from hydra import compose, initialize_config_dir
+    from omegaconf import OmegaConf
+
+    register_schemas()
+    with initialize_config_dir(config_dir=CONF_DIR, version_base="1.3"):
+        return OmegaConf.to_object(compose(config_name=config_name, overrides=overrides))
+
+
+def register_schemas() -> None:
+    """The typed schemas the YAML files extend (`defaults: [job_schema, ...]`): unknown keys and
+    wrong types fail at composition."""
+    from hydra.core.config_store import ConfigStore
+
+    ConfigStore.instance().store(name="job_schema", node=JobConfig)
+    ConfigStore.instance().store(name="eval_schema", node=EvalJobConfig)

@@ -2,10 +2,13 @@
 from __future__ import annotations
 
 import os
+import sys
+from pathlib import Path
 
 import pytest
 
 os.environ.setdefault("WANDB_SILENT", "true")
+sys.path.insert(0, str(Path(__file__).resolve().parent / "fixtures"))  # helper modules and scripts
 
 
 @pytest.fixture(scope="module")
@@ -37,7 +40,8 @@ def _sglang_capture(model_path: str, points: list[int], seqs, **spec_fields):
     """Run the real SGLang engine in its own process through the stream, as the trainer does; two
     batches (several packed sequences, then one). Returns [(lengths, aux, final)] per batch.
     `spec_fields` go to TargetSpec (e.g. tp_size=2)."""
-    from specforge_k25.stream.producer import TargetSpec, TargetStream
+    from specforge_k25.stream.producer import TargetStream
+    from specforge_k25.target.factory import TargetSpec
     from specforge_k25.target.hf_config import read_target_info
 
     info = read_target_info(model_path)

@@ -1,6 +1,6 @@
 """Render a conversation in the Kimi-K2.5 chat format directly as token ids + loss mask.
 
-No Jinja template is involved: the turn layout of `shared/reference/kimi_k25.md` is written
+No Jinja template is involved: the turn layout of docs/KIMI_K25.md §5.1 is written
 out here piece by piece (special-token ids and ordinary text), and every piece carries its
 own mask bit, so the mask never depends on finding markers in a rendered string.
 
@@ -80,7 +80,7 @@ MODES = ("thinking", "instant")
 
 @dataclass(frozen=True)
 class KimiSpecialTokens:
-    """Ids of Kimi-K2.5's special tokens (defaults: kimi_k25.md, Tokenizer section)."""
+    """Ids of Kimi-K2.5's special tokens (defaults: docs/KIMI_K25.md §4)."""
 
     bos: int = 163584
     eos: int = 163585

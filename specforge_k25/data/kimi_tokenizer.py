@@ -3,7 +3,7 @@
 Kimi's `tiktoken.model` is not available offline. This builds a small byte-level BPE
 (`tokenizers` trainer, a few MB of the packaged ShareGPT text), exports it as tiktoken
 mergeable ranks and wraps it in `tiktoken.Encoding` with Kimi's special tokens at their real
-ids (kimi_k25.md). Ordinary ids are < `vocab_size`; special tokens sit at 163584..163839 (the
+ids (docs/KIMI_K25.md §4). Ordinary ids are < `vocab_size`; special tokens sit at 163584..163839 (the
 ids without a documented name are filled with `<|reserved_token_{id}|>`), so `n_vocab` is the
 target's 163840. The merges are cached under `cache_root()/kimi_local_tokenizer/`.
 
@@ -120,7 +120,7 @@ def build_kimi_local_tokenizer(vocab_size: int = 8192, corpus_chars: int = 4_000
     ranks = None
     path = None
     if cache:
-        from ..target.models import cache_root
+        from ..paths import cache_root
 
         path = cache_root() / "kimi_local_tokenizer" / f"v{FORMAT_VERSION}-bpe{vocab_size}-chars{corpus_chars}.tiktoken"
         if path.is_file():

@@ -1,4 +1,4 @@
-"""Training-time-test (TTT) objective of EAGLE-3 (eagle3.md §3) and its metrics.
+"""Training-time-test (TTT) objective of EAGLE-3 (docs/EAGLE3.md §3) and its metrics.
 
 Indices for one sequence x[0..T-1]: at step k, position t, the draft reads token x[t+k+1],
 predicts x[t+k+2], and is taught by the target's logits z[t+k+1]. A position counts toward

@@ -2,7 +2,7 @@
 
 One decoder layer whose attention input is cat(norm(token embedding), norm(hidden)) [2H];
 the hidden input is fc(aux) at TTT step 0 and the layer's own pre-norm output afterwards.
-Parameter names follow the serving checkpoint (eagle3.md §1) so export is a rename-free copy.
+Parameter names follow the serving checkpoint (docs/EAGLE3.md §1) so export is a rename-free copy.
 
 Shapes: B batch, T positions, H hidden, Ht target hidden, nh/nkv heads, hd head dim,
 V target vocab, Vd draft vocab.
@@ -167,3 +167,9 @@ class Eagle3Draft(nn.Module):
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden [B, T, H] -> draft-vocab logits [B, T, Vd]."""
         return self.lm_head(self.norm(hidden))
+
+
+def draft_state(draft: Eagle3Draft) -> dict[str, torch.Tensor]:
+    """What a checkpoint and the serving export hold: trainable weights + vocab maps; the frozen
+    target embedding is left out (the target's own is used)."""
+    return {k: v.detach().contiguous() for k, v in draft.state_dict().items() if not k.startswith("embed_tokens.")}

@@ -10,14 +10,12 @@ import sys
 from pathlib import Path
 
 import hydra
-from hydra.core.config_store import ConfigStore
 from omegaconf import OmegaConf
 
-from ..config import EvalJobConfig, describe
+from ..config import CONF_DIR, EvalJobConfig, describe, register_schemas
 from .report import markdown_table, plot, print_table
 
-CONF_DIR = str(Path(__file__).resolve().parents[2] / "conf")
-ConfigStore.instance().store(name="eval_schema", node=EvalJobConfig)
+register_schemas()
 
 
 @hydra.main(config_path=CONF_DIR, config_name="eval", version_base="1.3")

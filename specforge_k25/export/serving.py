@@ -1,5 +1,5 @@
 """Write a trained draft as a `LlamaForCausalLMEagle3` folder that SGLang and vLLM load as is
-(eagle3.md §5), check such a folder, and load it back into our draft class.
+(docs/EAGLE3.md §5), check such a folder, and load it back into our draft class.
 """
 from __future__ import annotations
 
@@ -11,8 +11,7 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file, save_file
 
-from ..draft.model import DraftConfig, Eagle3Draft
-from ..train.checkpoint import draft_state
+from ..draft.model import DraftConfig, Eagle3Draft, draft_state
 
 
 def serving_config(cfg: DraftConfig, eagle_layer_ids: list[int], bos_token_id, eos_token_id, dtype: str) -> dict:

@@ -9,18 +9,9 @@ from __future__ import annotations
 
 import sys
 
-from . import (PHASE_OPT, PHASE_TEACHER, PHASE_TTT, GiB, MemoryPlan, PlanError, check_fits, draft_param_counts, plan_memory, target_facts_for,
-               with_hw_overrides)
-
-
-def compose_job(overrides: list[str]):
-    from hydra import compose, initialize_config_dir
-    from omegaconf import OmegaConf
-
-    from ..train.__main__ import CONF_DIR  # registers the JobConfig schema as `job_schema`
-
-    with initialize_config_dir(config_dir=CONF_DIR, version_base="1.3"):
-        return OmegaConf.to_object(compose(config_name="config", overrides=overrides))
+from ..config import compose_job
+from . import (PHASE_OPT, PHASE_TEACHER, PHASE_TTT, GiB, MemoryPlan, PlanError, check_fits, draft_param_counts,
+               plan_memory, target_facts_for, with_hw_overrides)
 
 
 def _g(n: int) -> str:
@@ -48,7 +39,7 @@ def render(job, plan: MemoryPlan) -> None:
     console.print(f"[bold]memory plan[/bold]  hw={hw.name} ({hw.num_gpus} GPUs x {hw.gpu_memory_mib} MiB = "
                   f"{_g(hw.gpu_memory_mib << 20)} GiB)  target={f.name} ({f.num_layers} layers, Ht {f.hidden_size}, "
                   f"V {f.vocab_size}, weights {f.weight_bytes / 1e9:.1f} GB)  TP {hw.target_tp} x {hw.target_replicas} "
-                  f"replica(s), trainer GPU(s) {list(hw.trainer_gpus or [hw.trainer_gpu])}")
+                  f"replica(s), trainer GPU(s) {hw.trainer_gpu_ids()}")
     console.print(f"run: batch {job.train.batch_size} x max_length {job.data.max_length} x grad_accum "
                   f"{job.train.grad_accum}, TTT K={job.train.ttt_length}, teacher chunk {job.train.teacher_chunk}, "
                   f"autocast {hw.autocast}, {job.train.stream_slots} stream slots")
@@ -111,7 +102,7 @@ def render(job, plan: MemoryPlan) -> None:
                       f"{plan.mem_fraction_min:.4f}; configured hw.mem_fraction_static={hw.mem_fraction_static}); "
                       f"KV pool {plan.kv_pool_tokens} tokens (hw.max_total_tokens={hw.max_total_tokens})")
     console.print(f"tokens per optimizer step: {plan.tokens_per_step:,} = batch {job.train.batch_size} x max_length "
-                  f"{job.data.max_length} x grad_accum {job.train.grad_accum} x {len(hw.trainer_gpus or [0])} "
+                  f"{job.data.max_length} x grad_accum {job.train.grad_accum} x {len(hw.trainer_gpu_ids())} "
                   f"trainer rank(s) (upper bound: shorter samples give fewer)")
     for note in plan.notes:
         console.print(f"note: {escape(note)}")

@@ -1,13 +1,13 @@
-"""The target process: runs the frozen target over a fixed plan of batches and streams the
+"""The target process: runs the frozen target over a fixed list of batches and streams the
 hidden states into a `SlotRing`. The trainer side (`TargetStream`) starts it, iterates the
 batches, and notices within `poll_s` + `timeout_s` if the process dies or stalls.
 
 Tensor parallelism (tp_size > 1): one process per TP rank, as SGLang's own one_batch benchmark
-runs them. TP rank 0 (`_producer_main`) walks the plan and broadcasts each batch's token ids to
+runs them. TP rank 0 (`_producer_main`) walks the batches and broadcasts each batch's token ids to
 the other ranks (`_tp_rank_main`), which run the same forward and discard its output; only rank 0
 writes into the ring. The TP group may span nodes (SGLang's nnodes / node_rank / dist_init_addr):
 the trainer's node starts its local ranks here, every other node runs only its own ranks
-(`run_tp_node`, `python -m specforge_k25.stream.tp_node`).
+(`run_tp_node`, `python -m specforge_k25.train.tp_node`).
 """
 from __future__ import annotations
 
@@ -17,90 +17,12 @@ import signal
 import sys
 import time
 import traceback
-from dataclasses import dataclass
 
 import psutil
 import torch
 
+from ..target.factory import TargetSpec, build_target, check_tp_layout
 from .ring import EndOfStream, ProducerFailed, SlotMessage, SlotRing
-
-
-@dataclass
-class TargetSpec:
-    """Everything the target process needs to build its engine (picklable, no weights)."""
-
-    engine: str  # "sglang" | "hf" (the HF reference, for tests and comparisons)
-    model_path: str
-    architecture: str
-    capture_points: list
-    device: str = "cpu"
-    dtype: str = "float32"
-    tp_size: int = 1
-    gpu_id: int = 0  # GPU of this node's first TP rank; the others use the next ones
-    max_total_tokens: int = 16384
-    mem_fraction_static: float = 0.05
-    num_threads: int = 1
-    trust_remote_code: bool = False
-    nnodes: int = 1  # nodes the TP group spans (each holds tp_size // nnodes consecutive ranks)
-    node_rank: int = 0  # this node's index among them; node 0 holds TP rank 0 (and the trainer)
-    dist_init_addr: str | None = None  # host:port of the TP group's rendezvous; required when nnodes > 1
-    nccl_port: int | None = None  # one node: 127.0.0.1 port of the rendezvous (TargetStream picks a free one)
-
-    def local_tp_ranks(self) -> list[int]:
-        """The TP ranks this node runs."""
-        per_node = self.tp_size // self.nnodes
-        return list(range(self.node_rank * per_node, (self.node_rank + 1) * per_node))
-
-
-def target_spec(job, model_path: str, architecture: str, capture_points: list, engine: str = "sglang") -> TargetSpec:
-    """The TargetSpec of a run (`job`: a config.JobConfig). The trainer's node and the nodes that
-    only run TP ranks (stream/tp_node.py) build it the same way, so every rank loads the same engine."""
-    hw = job.hw
-    if hw.target_nnodes > 1 and hw.target_replicas != 1:
-        raise ValueError(f"hw.target_nnodes={hw.target_nnodes}: a target spanning nodes runs as one replica with "
-                         f"one trainer rank (hw.target_replicas=1), not {hw.target_replicas}")
-    spec = TargetSpec(engine=engine, model_path=model_path, architecture=architecture,
-                      capture_points=list(capture_points), device=hw.device, dtype=hw.target_dtype,
-                      tp_size=hw.target_tp, gpu_id=hw.target_gpu, max_total_tokens=hw.max_total_tokens,
-                      mem_fraction_static=hw.mem_fraction_static, num_threads=hw.target_threads,
-                      trust_remote_code=job.target.trust_remote_code, nnodes=hw.target_nnodes,
-                      node_rank=hw.target_node_rank, dist_init_addr=hw.target_dist_init_addr)
-    check_tp_layout(spec)
-    return spec
-
-
-def check_tp_layout(spec: TargetSpec) -> None:
-    """Refuse a TP layout SGLang cannot form, before any process starts."""
-    if spec.tp_size < 1 or spec.nnodes < 1:
-        raise ValueError(f"target TP size {spec.tp_size} and nodes {spec.nnodes} must be >= 1")
-    if spec.tp_size % spec.nnodes:
-        raise ValueError(f"target TP size {spec.tp_size} does not split evenly over {spec.nnodes} nodes")
-    if not 0 <= spec.node_rank < spec.nnodes:
-        raise ValueError(f"target node rank {spec.node_rank} is out of range for {spec.nnodes} node(s)")
-    if spec.nnodes > 1 and not spec.dist_init_addr:
-        raise ValueError(f"a target TP group over {spec.nnodes} nodes needs the rendezvous address "
-                         f"(hw.target_dist_init_addr=HOST:PORT of node 0, reachable from every node)")
-    if spec.engine != "sglang" and spec.tp_size > 1:
-        raise ValueError(f"target engine {spec.engine!r} runs TP 1 only (tp_size={spec.tp_size})")
-
-
-def build_target(spec: TargetSpec, tp_rank: int = 0):
-    if spec.engine == "sglang":
-        from ..target.sglang_engine import SGLangTarget
-
-        local_index = tp_rank - spec.local_tp_ranks()[0]  # CPU: SGLang's NUMA/thread-group index
-        return SGLangTarget(
-            spec.model_path, spec.architecture, spec.capture_points, device=spec.device, dtype=spec.dtype,
-            tp_size=spec.tp_size, tp_rank=tp_rank, gpu_id=spec.gpu_id + local_index,
-            max_total_tokens=spec.max_total_tokens, mem_fraction_static=spec.mem_fraction_static,
-            num_threads=spec.num_threads, trust_remote_code=spec.trust_remote_code, nccl_port=spec.nccl_port,
-            nnodes=spec.nnodes, node_rank=spec.node_rank, dist_init_addr=spec.dist_init_addr,
-        )
-    if spec.engine == "hf":
-        from ..target.hf_reference import HFTarget
-
-        return HFTarget(spec.model_path, spec.capture_points, getattr(torch, spec.dtype))
-    raise ValueError(f"target engine {spec.engine!r}: expected sglang or hf")
 
 
 def _die_with_parent() -> None:
@@ -112,7 +34,7 @@ def _die_with_parent() -> None:
         ctypes.CDLL("libc.so.6", use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
 
 
-def _producer_main(spec: TargetSpec, tokens: torch.Tensor, offsets: torch.Tensor, plan: list, ring: SlotRing,
+def _producer_main(spec: TargetSpec, tokens: torch.Tensor, offsets: torch.Tensor, batches: list, ring: SlotRing,
                    parent_pid: int):
     """Entry point of the target process (TP rank 0). tokens: all sequences concatenated; offsets [N+1]."""
     _die_with_parent()
@@ -124,8 +46,8 @@ def _producer_main(spec: TargetSpec, tokens: torch.Tensor, offsets: torch.Tensor
     try:
         target = build_target(spec, tp_rank=0)
         torch.set_num_threads(spec.num_threads)
-        pool = getattr(target, "max_total_tokens", None)  # SGLang sizes its KV pool from free memory at start
-        largest = max((int(sum(offsets[i + 1] - offsets[i] for i in b)) for b in plan), default=0)
+        pool = target.max_total_tokens  # SGLang sizes its KV pool from free memory at start
+        largest = max((int(sum(offsets[i + 1] - offsets[i] for i in b)) for b in batches), default=0)
         if pool is not None and largest > pool:
             raise ValueError(f"the largest batch has {largest} tokens but the engine's KV pool holds {pool}: "
                              f"lower train.batch_size or data.max_length, or raise hw.mem_fraction_static")
@@ -133,18 +55,18 @@ def _producer_main(spec: TargetSpec, tokens: torch.Tensor, offsets: torch.Tensor
         target.warmup()
         io = psutil.Process().io_counters
         ready_bytes = io().write_bytes
-        for item, batch in enumerate(plan):
-            stage = f"target forward of plan item {item}"
+        for item, batch in enumerate(batches):
+            stage = f"target forward of batch {item}"
             seqs = [tokens[offsets[i]:offsets[i + 1]] for i in batch]
             if spec.tp_size > 1:
                 target.share_batch(seqs)  # the other TP ranks run the same forward
             out = target.forward(seqs)
             ring.put(item, out.aux_hidden, out.final_hidden, out.lengths)
         if spec.tp_size > 1:
-            stage = "end of plan (telling the other TP ranks)"
+            stage = "end of the batches (telling the other TP ranks)"
             target.share_batch(None)
         target.close()
-        ring.ready.put(EndOfStream(len(plan), ready_bytes, io().write_bytes - ready_bytes))
+        ring.ready.put(EndOfStream(len(batches), ready_bytes, io().write_bytes - ready_bytes))
     except BaseException as err:  # report, never hang the trainer
         ring.ready.put(ProducerFailed(stage, f"{type(err).__name__}: {err}\n{traceback.format_exc()}"))
         raise
@@ -152,7 +74,7 @@ def _producer_main(spec: TargetSpec, tokens: torch.Tensor, offsets: torch.Tensor
 
 def _tp_rank_main(spec: TargetSpec, tp_rank: int, report, parent_pid: int):
     """Entry point of a TP rank other than 0: the same engine start, warm-up and forwards as rank 0,
-    batch by batch as rank 0 broadcasts them, until rank 0 says the plan is done. Its outputs are
+    batch by batch as rank 0 broadcasts them, until rank 0 says the batches are done. Its outputs are
     dropped (rank 0 holds the full hidden states). A failure goes to `report` (the trainer's ready
     queue on the trainer's node; None elsewhere: the traceback and exit code tell)."""
     _die_with_parent()
@@ -168,7 +90,7 @@ def _tp_rank_main(spec: TargetSpec, tp_rank: int, report, parent_pid: int):
         target.warmup()
         item = 0
         while True:
-            stage = f"target forward of plan item {item}"
+            stage = f"target forward of batch {item}"
             seqs = target.share_batch(None)
             if seqs is None:
                 break
@@ -228,7 +150,7 @@ def _stop(processes) -> None:
 
 def run_tp_node(spec: TargetSpec, poll_s: float = 1.0) -> int:
     """A node of a multi-node target that does not hold TP rank 0: run this node's TP ranks until
-    rank 0 ends the plan. Returns 0, or raises RuntimeError naming the first rank that failed
+    rank 0 ends the batches. Returns 0, or raises RuntimeError naming the first rank that failed
     (the others are stopped). The ranks die with this process."""
     check_tp_layout(spec)
     ranks = spec.local_tp_ranks()
@@ -264,25 +186,25 @@ class StreamInterrupted(RuntimeError):
 
 
 class TargetStream:
-    """Trainer-side handle: starts the target process and yields its batches in plan order.
+    """Trainer-side handle: starts the target process and yields its batches in order.
 
-    with TargetStream(spec, sequences, plan, ...) as stream:
+    with TargetStream(spec, sequences, batches, ...) as stream:
         for msg, aux, final in stream:   # aux [N, 3Ht], final [N, Ht] views into shared memory
             ...use them...
             stream.release(msg)          # hand the slot back (do this as early as possible)
     """
 
-    def __init__(self, spec: TargetSpec, sequences: list[torch.Tensor], plan: list[list[int]], *,
+    def __init__(self, spec: TargetSpec, sequences: list[torch.Tensor], batches: list[list[int]], *,
                  hidden_size: int, slots: int = 3, timeout_s: float = 600.0, start_timeout_s: float = 3600.0,
                  poll_s: float = 1.0,
                  dtype: torch.dtype = torch.float32, device: str = "cpu"):
-        self.spec, self.plan, self.poll_s = spec, plan, poll_s
+        self.spec, self.batches, self.poll_s = spec, batches, poll_s
         self.timeout_s, self.start_timeout_s = timeout_s, start_timeout_s  # between batches / until the first
         self._received_any = False
         lengths = torch.tensor([len(s) for s in sequences], dtype=torch.int64)
         self.offsets = torch.cat([torch.zeros(1, dtype=torch.int64), lengths.cumsum(0)])
         self.tokens = torch.cat(sequences) if sequences else torch.zeros(0, dtype=torch.int64)
-        max_tokens = max((int(lengths[b].sum()) for b in plan), default=1)
+        max_tokens = max((int(lengths[b].sum()) for b in batches), default=1)
         self.ctx = torch.multiprocessing.get_context("spawn")
         self.ring = SlotRing(self.ctx, slots, max_tokens, hidden_size, dtype, device)
         self.process = None  # TP rank 0: the one that fills the ring
@@ -298,13 +220,13 @@ class TargetStream:
         ranks = spec.local_tp_ranks()
         if 0 not in ranks:
             raise ValueError(f"target node rank {spec.node_rank} does not hold TP rank 0: the trainer runs on "
-                             f"node 0; this node runs `python -m specforge_k25.stream.tp_node` instead")
+                             f"node 0; this node runs `python -m specforge_k25.train.tp_node` instead")
         if spec.tp_size > 1 and spec.nnodes == 1 and spec.nccl_port is None:
             spec = self.spec = dataclasses.replace(spec, nccl_port=_free_port())  # the ranks' rendezvous
         for rank in ranks:
             if rank == 0:
                 process = self.ctx.Process(
-                    target=_producer_main, args=(spec, self.tokens, self.offsets, self.plan, self.ring, os.getpid()),
+                    target=_producer_main, args=(spec, self.tokens, self.offsets, self.batches, self.ring, os.getpid()),
                     name="specforge-target", daemon=True)
                 self.process = process
             else:
@@ -321,7 +243,7 @@ class TargetStream:
 
     def _dead_ranks(self) -> list[str]:
         """Ranks that are gone before their time: rank 0 ends only after its end message, the others
-        end with exit code 0 once rank 0 has told them the plan is done."""
+        end with exit code 0 once rank 0 has told them the batches are done."""
         return [f"{self._describe(rank)} died with exit code {p.exitcode}"
                 for rank, p in self.tp_processes.items() if not p.is_alive() and (rank == 0 or p.exitcode != 0)]
 
@@ -332,10 +254,10 @@ class TargetStream:
         self.close()
 
     def __iter__(self):
-        for expected in range(len(self.plan)):
+        for expected in range(len(self.batches)):
             msg = self._next()
             if isinstance(msg, EndOfStream):
-                raise StreamError(f"target process ended after {msg.produced} of {len(self.plan)} batches")
+                raise StreamError(f"target process ended after {msg.produced} of {len(self.batches)} batches")
             if msg.item != expected:
                 raise StreamError(f"stream out of order: got item {msg.item}, expected {expected}")
             aux, final = self.ring.view(msg)

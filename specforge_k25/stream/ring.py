@@ -20,7 +20,7 @@ class SlotMessage:
     """What travels on the ready queue (no tensors)."""
 
     slot: int
-    item: int  # index into the producer's plan
+    item: int  # index into the producer's list of batches
     lengths: list[int] = field(default_factory=list)
 
 

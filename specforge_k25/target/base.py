@@ -34,6 +34,14 @@ class TargetInfo:
 
 
 class TargetEngine(Protocol):
+    """One TP rank of a frozen target, as the target process (stream/producer.py) drives it."""
+
+    max_total_tokens: int | None  # tokens the engine's KV pool holds (None: unbounded)
+
+    def share_batch(self, sequences: list[torch.Tensor] | None) -> list[torch.Tensor] | None:
+        """TP > 1: every rank gets TP rank 0's batch (None = the plan is done); TP 1: identity."""
+        ...
+
     def forward(self, sequences: list[torch.Tensor]) -> TargetOutput:
         """sequences: list of [T_i] int64 token ids -> packed hidden states."""
         ...

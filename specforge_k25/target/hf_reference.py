@@ -57,6 +57,7 @@ def load_text_model(model_path: str, dtype: torch.dtype = torch.float32):
 
 
 class HFTarget:
+    max_total_tokens = None  # no KV pool: any batch fits
     def __init__(self, model_path: str, capture_points: list[int], dtype: torch.dtype = torch.float32):
         self.model = load_text_model(model_path, dtype)
         self.capture_points = list(capture_points)
@@ -69,6 +70,10 @@ class HFTarget:
             aux.append(torch.cat([out.hidden_states[p][0] for p in self.capture_points], -1))  # [T, 3Ht]
             final.append(out.last_hidden_state[0])  # [T, Ht], post-norm
         return TargetOutput(torch.cat(aux), torch.cat(final), [len(s) for s in sequences])
+
+    def share_batch(self, sequences: list[torch.Tensor] | None) -> list[torch.Tensor] | None:
+        """TP 1 only: nothing to share."""
+        return sequences
 
     def warmup(self) -> None:
         pass

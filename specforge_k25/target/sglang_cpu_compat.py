@@ -2,7 +2,7 @@
 
 Applies to **sglang==0.5.23** with torch 2.13.0 (CPU build), `attention_backend="torch_native"`.
 Nothing here is used on GPU machines. Each workaround states why it exists; the test
-`tests/test_sglang_cpu_compat.py` fails if one stops being needed or stops working, so a
+`tests/target/test_sglang_cpu_compat.py` fails if one stops being needed or stops working, so a
 version bump forces a review of this file.
 
 1. `sgl_kernel` stand-in. CPU mode (`SGLANG_USE_CPU_ENGINE=1`) imports `sgl_kernel`, whose

@@ -4,7 +4,7 @@ We drive SGLang's `ModelRunner` in-process, the way SGLang's own `sglang.benchma
 does (`load_model` + `extend`), instead of going through `Engine.generate`, whose hidden
 states come back as nested Python lists (~21.5k floats per token for Kimi: far too slow).
 
-SGLang internals touched (all in this file, covered by tests/test_target.py):
+SGLang internals touched (all in this file, covered by tests/target/test_target.py):
 - `sglang.benchmark.one_batch.{load_model, extend, publish, SpawnRanks, spawn_world_rank,
   _init_process_global_configs}` and `entrypoints.engine._set_envs_and_config`;
 - `ServerArgs(enable_return_aux_hidden_states, speculative_algorithm="EAGLE3",
@@ -25,8 +25,7 @@ import torch
 
 from .base import TargetOutput
 from .layers import layer_id_rule, sglang_layer_ids
-
-SGLANG_VERSION = "0.5.23"
+from .sglang_cpu_compat import SGLANG_VERSION
 
 
 def _text_model(model: torch.nn.Module) -> torch.nn.Module:
@@ -98,7 +97,7 @@ class SGLangTarget:
         if device == "cuda" and tp_size > 1:
             # The trainer process puts the stream ring (and, when it shares the GPU, its own state) on
             # TP rank 0's GPU before the engine loads: SGLang's start-up check refuses a rank with
-            # under 90% of another's free memory. The memory plan (plan/__init__.py) sizes the KV
+            # under 90% of another's free memory. The memory plan (plan/budget.py) sizes the KV
             # pool from the fullest rank instead.
             os.environ["SGLANG_ENABLE_TP_MEMORY_INBALANCE_CHECK"] = "0"
         if device == "cpu" and tp_size > 1 and not os.environ.get("SGLANG_CPU_OMP_THREADS_BIND"):

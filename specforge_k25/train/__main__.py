@@ -10,13 +10,11 @@ import sys
 from pathlib import Path
 
 import hydra
-from hydra.core.config_store import ConfigStore
 from omegaconf import OmegaConf
 
-from ..config import JobConfig, describe
+from ..config import CONF_DIR, JobConfig, describe, register_schemas
 
-CONF_DIR = str(Path(__file__).resolve().parents[2] / "conf")
-ConfigStore.instance().store(name="job_schema", node=JobConfig)
+register_schemas()
 
 
 def print_summary(summary: dict, ttt_length: int) -> None:
@@ -57,9 +55,10 @@ def print_summary(summary: dict, ttt_length: int) -> None:
 def main(cfg) -> None:
     from hydra.core.hydra_config import HydraConfig
 
+    from ..setup.layout import World
     from ..stream.producer import StreamError
-    from .distributed import RankFailed, World
-    from .loop import TrainingInterrupted, run_training
+    from .distributed import RankFailed
+    from .trainer import TrainingInterrupted, run_training
 
     job: JobConfig = OmegaConf.to_object(cfg)
     run_dir = job.train.out_dir or HydraConfig.get().runtime.output_dir

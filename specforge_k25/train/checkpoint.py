@@ -14,6 +14,8 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file, save_file
 
+from ..draft.model import draft_state
+
 PREFIX = "step_"
 
 
@@ -23,11 +25,6 @@ def _fsync_dir(path: Path) -> None:
         os.fsync(fd)
     finally:
         os.close(fd)
-
-
-def draft_state(draft) -> dict[str, torch.Tensor]:
-    """Trainable weights + vocab maps; the frozen target embedding is not saved."""
-    return {k: v.detach().contiguous() for k, v in draft.state_dict().items() if not k.startswith("embed_tokens.")}
 
 
 def optimizer_tensors(optimizer: torch.optim.Optimizer) -> tuple[dict[str, torch.Tensor], dict]:

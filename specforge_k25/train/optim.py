@@ -12,7 +12,7 @@ class OffloadedAdamW(torch.optim.AdamW):
 
     The model keeps its fp32 weights and gradients (clipped and all-reduced there as usual);
     `step` copies the gradients to `device`, updates the master weights there and copies them
-    back. The update is torch's AdamW on the same numbers (tests/test_optim.py). The master
+    back. The update is torch's AdamW on the same numbers (tests/train/test_optim.py). The master
     copies are allocated here, once; m and v on the first step, as in torch.
     """
 

@@ -64,6 +64,9 @@ class DraftTrainer:
         aux = pad_packed(aux_packed, lengths).to(dev, torch.float32)
         final = pad_packed(final_packed, lengths).to(dev, torch.float32)
         teacher = compute_teacher(final, self.lm_head, self.draft.d2t, self.teacher_chunk)
+        if aux_packed.is_cuda:  # CUDA copies are asynchronous: finish them before the caller hands the slot back
+            torch.cuda.current_stream(aux_packed.device).synchronize()
+            torch.cuda.current_stream(dev).synchronize()
         return DraftBatch(input_ids, loss_mask, torch.tensor(lengths, device=dev), aux, teacher)
 
     def _loss(self, batch: DraftBatch, normalizer: torch.Tensor | None = None) -> TTTResult:

@@ -1,0 +1,344 @@
+"""Per-GPU memory plan of a run, checked before any process starts.
+
+`python -m specforge_k25.plan +hw=rtxpro6000x8 target=kimi_k25 draft=kimi` prints it;
+`check_fits(job)` returns the `MemoryPlan` or raises `PlanError` naming an override that fits.
+
+Everything here is plain arithmetic on plain numbers: the target's facts (plan/facts.py), the
+trainer's items (plan/memory.py) and SGLang 0.5.23's sizing rules: the MLA KV cache holds
+(kv_lora_rank + qk_rope_head_dim) values per token per layer on EVERY TP rank (the latent is not
+sharded); the KV pool is min(profiled, hw.max_total_tokens) tokens, profiled = pre * f - weights -
+mm_reservation where `pre` is the smallest free memory over the TP ranks before the weights load
+and f is `mem_fraction_static`; startup fails when `pre` on one rank is below 0.9x another rank's
+free memory (SGLANG_ENABLE_TP_MEMORY_INBALANCE_CHECK: our engine turns it off for CUDA TP > 1, the
+trainer and the ring share rank 0's GPU by design).
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field, replace
+from typing import Optional
+
+from ..draft.model import DraftConfig
+from .facts import GiB, MiB, PlanError, TargetFacts, resolve_draft, target_facts_for, trainable_params, with_hw_overrides
+from .memory import Item, activation_note, gib, optimizer_items, trainer_items
+
+ROLE_TARGET = "target TP rank"
+
+
+@dataclass
+class GpuBudget:
+    gpu: int
+    role: str
+    capacity: int
+    items: list[Item] = field(default_factory=list)
+
+    def resident(self) -> int:
+        return sum(i.bytes for i in self.items if i.phase is None)
+
+    def phases(self) -> dict[str, int]:
+        out: dict[str, int] = {}
+        for i in self.items:
+            if i.phase is not None:
+                out[i.phase] = out.get(i.phase, 0) + i.bytes
+        return out
+
+    def peak_phase(self) -> Optional[str]:
+        phases = self.phases()
+        return max(phases, key=phases.get) if phases else None
+
+    def total(self) -> int:
+        return self.resident() + max(self.phases().values(), default=0)
+
+    def headroom(self) -> int:
+        return self.capacity - self.total()
+
+    def get(self, name: str) -> int:
+        return sum(i.bytes for i in self.items if i.name == name)
+
+
+@dataclass
+class MemoryPlan:
+    facts: TargetFacts
+    draft: DraftConfig
+    gpus: list[GpuBudget]
+    kv_pool_tokens: int
+    tokens_per_step: int
+    mem_fraction_static: Optional[float]  # derived for SGLang (rounded up to 0.01); None on cpu
+    mem_fraction_min: Optional[float]  # the smallest value SGLang accepts for this plan
+    problems: list[str] = field(default_factory=list)
+    notes: list[str] = field(default_factory=list)
+    capacity_ok: bool = True  # every GPU's peak fits and the target loads (what an override of sizes can fix)
+
+    @property
+    def fits(self) -> bool:
+        return not self.problems
+
+    def gpu(self, gpu_id: int) -> GpuBudget:
+        return next(g for g in self.gpus if g.gpu == gpu_id)
+
+
+def _gpu_layout(hw) -> tuple[list[list[int]], list[int]]:
+    # a target spanning nodes (hw.target_nnodes) holds target_tp / target_nnodes ranks per node; this plans node 0
+    tp, replicas = hw.target_tp // hw.target_nnodes, hw.target_replicas
+    groups = [[hw.target_gpu + r * tp + i for i in range(tp)] for r in range(replicas)]
+    trainers = list(hw.trainer_gpus) if hw.trainer_gpus else [hw.trainer_gpu]
+    return groups, trainers
+
+
+def optimizer_device(value: Optional[str], device: str, trainer_gpus: list[int]) -> str | int | None:
+    """train.optimizer_device as the plan sees it: None (the trainer's own device), "cpu" or a GPU id."""
+    if value in (None, "", "none") or device != "cuda":
+        return None
+    if value == "cpu":
+        return "cpu"
+    if not value.startswith("cuda:") or not value[5:].isdigit():
+        raise PlanError(f"train.optimizer_device={value!r}: expected null, cpu or cuda:N")
+    gpu = int(value[5:])
+    return None if trainer_gpus == [gpu] else gpu
+
+
+def plan_memory(job, facts: TargetFacts, *, max_length: int | None = None, batch_size: int | None = None,
+                intermediate_size: int | None = None) -> MemoryPlan:
+    """The budget of every GPU (no exception for a plan that does not fit: see `problems`).
+    The keyword arguments replace the job's value (used to search for an override that fits)."""
+    hw, tr = job.hw, job.train
+    L = max_length or job.data.max_length
+    B = batch_size or tr.batch_size
+    spec = job.draft if intermediate_size is None else replace(job.draft, intermediate_size=intermediate_size)
+    cfg = resolve_draft(spec, facts)
+    bf16 = hw.autocast == "bf16"
+    groups, trainers = _gpu_layout(hw)
+    ranks = len(trainers)
+    tokens_per_step = B * L * tr.grad_accum * ranks
+    kv_tokens = max(hw.max_total_tokens, B * L)
+    ctx = int(hw.cuda_context_gib * GiB) if hw.device == "cuda" else 0
+    elem = 2 if hw.target_dtype in ("bfloat16", "float16") else 4  # the target's dtype: ring, frozen tensors
+    opt_dev = optimizer_device(tr.optimizer_device, hw.device, trainers)
+    t_items = trainer_items(cfg, batch=B, seq_len=L, ttt_length=tr.ttt_length, teacher_chunk=tr.teacher_chunk,
+                            bf16=bf16, data_parallel=ranks > 1, context_bytes=ctx, frozen_bytes=elem,
+                            checkpoint=tr.activation_checkpointing, optimizer_offloaded=opt_dev is not None)
+    notes = [_host_optimizer_note(trainable_params(cfg), ranks)] if opt_dev == "cpu" else []
+    if hw.device != "cuda":
+        g = GpuBudget(-1, "trainer rank (host memory, not checked)", 0, t_items)
+        return MemoryPlan(facts, cfg, [g], kv_tokens, tokens_per_step, None, None,
+                          length_problems(hw, facts, B, L, fits=None), notes)
+
+    problems = _layout_problems(hw, facts, groups, trainers, opt_dev)
+    target_items = _target_items(hw, facts, B * L, kv_tokens, ctx)
+    ring = Item("stream ring slots (aux + final)", tr.stream_slots * B * L * 4 * facts.hidden_size * elem,
+                owner="stream", note=f"{tr.stream_slots} x {B * L} tokens x 4Ht x {elem} B")
+    budgets, preloaded = _place_items(hw, ring, groups, trainers, target_items, t_items, opt_dev,
+                                      trainable_params(cfg), ctx)
+    capacity = hw.gpu_memory_mib * MiB
+    frac = frac_min = None
+    capacity_ok = capacity > 0 and facts.weight_bytes > 0
+    if capacity > 0:
+        # SGLang loads weights + KV pool + multimodal reservation out of f x (free memory before loading)
+        static = sum(i.bytes for i in target_items if i.name in STATIC_ITEMS)
+        frac_min, balance_notes = _static_fraction(hw, groups, preloaded, static, capacity, ctx)
+        notes += balance_notes
+        frac = math.ceil(frac_min * 100) / 100 if math.isfinite(frac_min) else math.inf
+        if frac_min >= 1:
+            capacity_ok = False
+            problems.append(f"the target does not load: weights + KV need {frac_min:.3f} of the free memory")
+        elif hw.mem_fraction_static < frac_min:
+            problems.append(f"hw.mem_fraction_static={hw.mem_fraction_static} is below what SGLang needs for the "
+                            f"weights and a {kv_tokens}-token KV pool ({frac_min:.4f}): set hw.mem_fraction_static={frac}")
+        for b in budgets:
+            if b.total() > capacity:
+                capacity_ok = False
+                problems.append(f"GPU {b.gpu} ({b.role}) needs {gib(b.total())} of {gib(capacity)} "
+                                f"(peak phase: {b.peak_phase() or '-'})")
+    problems += length_problems(hw, facts, B, L, capacity_ok)
+    notes.append(activation_note(cfg, B, L, tr.ttt_length, bf16, tr.activation_checkpointing))
+    if ranks > 1 or hw.target_replicas > 1:
+        notes.append(f"data-parallel: launch with torchrun --nproc-per-node {hw.target_replicas} (one trainer rank "
+                     f"per replica)")
+    return MemoryPlan(facts, cfg, budgets, kv_tokens, tokens_per_step, frac, frac_min, problems, notes, capacity_ok)
+
+
+def length_problems(hw, facts: TargetFacts, batch_size: int, max_length: int, fits: bool | None) -> list[str]:
+    """The length limits of a run, on every device: a batch must fit the engine's KV pool cap and a
+    sample the target's context. `fits`: whether the memory plan holds that pool (None: unplanned)."""
+    memory = {True: " (it fits)", False: " (the memory above counts that pool)", None: ""}[fits]
+    problems = []
+    if batch_size * max_length > hw.max_total_tokens:
+        problems.append(f"a batch holds up to {batch_size * max_length} tokens but the KV pool is capped at "
+                        f"hw.max_total_tokens={hw.max_total_tokens}: set hw.max_total_tokens={batch_size * max_length}"
+                        + memory)
+    if max_length > facts.max_position_embeddings:
+        problems.append(f"data.max_length={max_length} exceeds the target's context ({facts.max_position_embeddings}): "
+                        f"lower data.max_length")
+    return problems
+
+
+def _host_optimizer_note(P: int, ranks: int) -> str:
+    host = sum(i.bytes for i in optimizer_items(P, on_gpu=False)) * ranks
+    return (f"optimizer on the host (train.optimizer_device=cpu): {gib(host)} of pinned host memory for "
+            f"{ranks} rank(s) (fp32 master, gradient copies, m, v); each optimizer step copies "
+            f"{gib(8 * P)} over PCIe (grads in, weights out) and runs fused AdamW on the CPU: raise "
+            f"train.grad_accum to amortise it, or put it on a GPU with room (train.optimizer_device=cuda:N)")
+
+
+def _layout_problems(hw, facts: TargetFacts, groups, trainers, opt_dev) -> list[str]:
+    """What no size override can fix: unknown sizes, GPUs that do not exist or overlap."""
+    problems = []
+    ranks = len(trainers)
+    if hw.gpu_memory_mib <= 0:
+        problems.append("hw.gpu_memory_mib is not set: the plan needs the GPU size (MiB, as nvidia-smi shows)")
+    if facts.weight_bytes <= 0:
+        problems.append("the target's weight size is unknown (no *.safetensors in target.path): set hw.target_weight_gb")
+    used = sorted(g for group in groups for g in group)
+    if len(set(used)) != len(used) or (used and (used[0] < 0 or used[-1] >= hw.num_gpus)):
+        problems.append(f"target GPUs {used} do not fit on hw.num_gpus={hw.num_gpus} GPUs without overlap")
+    for t in trainers:
+        if not 0 <= t < hw.num_gpus:
+            problems.append(f"trainer GPU {t} is not one of the {hw.num_gpus} GPUs")
+    if isinstance(opt_dev, int) and not 0 <= opt_dev < hw.num_gpus:
+        problems.append(f"train.optimizer_device=cuda:{opt_dev} is not one of the {hw.num_gpus} GPUs")
+    if len(set(trainers)) != ranks:
+        problems.append(f"hw.trainer_gpus={trainers}: one trainer rank per GPU")
+    if hw.trainer_gpus and trainers[0] != hw.trainer_gpu:
+        problems.append(f"hw.trainer_gpu={hw.trainer_gpu} must equal hw.trainer_gpus[0]={trainers[0]} (rank 0)")
+    if ranks != hw.target_replicas:
+        problems.append(f"{ranks} trainer rank(s) but hw.target_replicas={hw.target_replicas}: each rank reads one replica's stream")
+    return problems
+
+
+STATIC_ITEMS = ("target weights (TP shard + replicated)", "KV cache pool", "SGLang multimodal reservation")
+
+
+def _target_items(hw, facts: TargetFacts, batch_tokens: int, kv_tokens: int, ctx: int) -> list[Item]:
+    """One SGLang TP rank's items on its GPU."""
+    return [
+        Item("CUDA context (SGLang TP rank)", ctx, owner="target"),
+        Item("target weights (TP shard + replicated)", facts.weight_bytes_per_gpu(hw.target_tp), owner="target",
+             note=f"({gib(facts.weight_bytes)} - {gib(facts.replicated_weight_bytes())}) / {hw.target_tp} + replicated"),
+        Item("KV cache pool", kv_tokens * facts.kv_bytes_per_token(hw.target_tp), owner="target",
+             note=f"{kv_tokens} tokens x {facts.kv_bytes_per_token(hw.target_tp)} B"),
+        Item("SGLang multimodal reservation", 100 * MiB if facts.multimodal else 0, owner="target"),  # SGLANG_VLM_CACHE_SIZE_MB
+        Item("SGLang runtime (activations, workspaces)",
+             int(hw.target_runtime_gib * GiB) + batch_tokens * 4 * facts.hidden_size * 2, owner="target",
+             note="estimate: hw.target_runtime_gib + captured states"),
+    ]
+
+
+def _place_items(hw, ring: Item, groups, trainers, target: list[Item], t_items: list[Item], opt_dev,
+                 P: int, ctx: int) -> tuple[list[GpuBudget], dict[int, int]]:
+    """Every GPU's items (target TP ranks, stream rings, trainer ranks, AdamW elsewhere), sorted by
+    GPU, and the bytes other processes hold on each GPU when SGLang measures its free memory."""
+    budgets: dict[int, GpuBudget] = {}
+    roles: dict[int, list[str]] = {}
+    preloaded: dict[int, int] = {}
+
+    def add(gpu: int, role: str, items: list[Item], before_engine: int = 0) -> None:
+        budgets.setdefault(gpu, GpuBudget(gpu, "", hw.gpu_memory_mib * MiB)).items.extend(items)
+        roles.setdefault(gpu, []).append(role)
+        preloaded[gpu] = preloaded.get(gpu, 0) + before_engine
+
+    for r, group in enumerate(groups):
+        for gpu in group:
+            add(gpu, ROLE_TARGET, list(target))
+        ring_gpu = group[0]  # TargetStream puts the slots on cuda:{target_gpu}, allocated by the trainer process
+        add(ring_gpu, "stream ring", [ring], ring.bytes)
+        if r < len(trainers) and trainers[r] != ring_gpu:  # the trainer process also opens a context there
+            add(ring_gpu, "stream ring", [Item("CUDA context (trainer process, for the ring)", ctx, owner="stream")], ctx)
+    for gpu in trainers:
+        # allocated by build_trainer before the target process starts
+        add(gpu, "trainer rank", list(t_items), sum(i.bytes for i in t_items if i.phase is None
+                                                    and not i.name.startswith(("draft grads", "AdamW"))))
+        if isinstance(opt_dev, int):  # OffloadedAdamW on another GPU: the trainer process opens a context there too
+            o_items = [Item("CUDA context (trainer process, for AdamW)", ctx)] + optimizer_items(P, on_gpu=True)
+            add(opt_dev, "AdamW state", o_items, sum(i.bytes for i in o_items if i.phase is None and "m, v" not in i.name))
+    for gpu, b in budgets.items():
+        b.role = " + ".join(dict.fromkeys(roles[gpu]))
+    return sorted(budgets.values(), key=lambda b: b.gpu), preloaded
+
+
+def _static_fraction(hw, groups, preloaded: dict[int, int], static_bytes: int, capacity: int,
+                     ctx: int) -> tuple[float, list[str]]:
+    """SGLang's smallest mem_fraction_static for this layout, and notes on its TP balance check:
+    pre = min over a replica's TP ranks of the free memory before loading (its own context
+    counted); pre x f must hold the weights, the KV pool and the multimodal reservation."""
+    frac_min, notes = 0.0, []
+    for group in groups:
+        free = [capacity - ctx - preloaded.get(g, 0) for g in group]
+        pre = min(free)
+        frac_min = max(frac_min, static_bytes / pre if pre > 0 else math.inf)
+        if hw.target_tp > 1 and pre < 0.9 * max(free):
+            worst = group[free.index(pre)]
+            notes.append(
+                f"GPU {worst} has {gib(capacity - ctx - pre)} taken by the trainer/ring before the engine loads, "
+                f"more than SGLang's 10% TP memory-balance check allows; the target runs with "
+                f"SGLANG_ENABLE_TP_MEMORY_INBALANCE_CHECK=0 (set by target/sglang_engine.py for every CUDA TP>1 "
+                f"target) and this plan sizes the KV pool from the fullest rank")
+    return frac_min, notes
+
+
+def _fits(job, facts, **kw) -> bool:
+    return plan_memory(job, facts, **kw).capacity_ok
+
+
+def _largest_fitting(fits, upper: int, step: int = 256) -> Optional[int]:
+    """The largest multiple of `step` below `upper` for which `fits(value)` holds (memory grows
+    with the value: bisect), or None."""
+    best, lo, hi = None, 1, (upper - 1) // step
+    while lo <= hi:
+        mid = (lo + hi) // 2
+        if fits(mid * step):
+            best, lo = mid * step, mid + 1
+        else:
+            hi = mid - 1
+    return best
+
+
+def suggest_override(job, facts: TargetFacts) -> Optional[str]:
+    """One override (or one pair) that makes the plan fit, or None. Switches that keep the tokens
+    per step come first (batch split into accumulation, activation checkpointing, AdamW state on
+    the host), then a shorter max_length, then a smaller draft MLP."""
+    tr, L = job.train, job.data.max_length
+    if tr.batch_size > 1 and _fits(job, facts, batch_size=1):
+        return f"train.batch_size=1 train.grad_accum={tr.grad_accum * tr.batch_size} (same tokens per step)"
+    switches = []
+    if not tr.activation_checkpointing:
+        switches.append(("train.activation_checkpointing=true", {"activation_checkpointing": True}))
+    if optimizer_device(tr.optimizer_device, job.hw.device, _gpu_layout(job.hw)[1]) is None:
+        switches.append(("train.optimizer_device=cpu", {"optimizer_device": "cpu"}))
+    for n in range(1, len(switches) + 1):
+        names = " ".join(name for name, _ in switches[:n])
+        changes = {k: v for _, c in switches[:n] for k, v in c.items()}
+        if _fits(replace(job, train=replace(tr, **changes)), facts):
+            return f"{names} (same tokens per step)"
+    for B in ([tr.batch_size] + ([1] if tr.batch_size > 1 else [])):
+        best = _largest_fitting(lambda length: _fits(job, facts, max_length=length, batch_size=B), L)
+        if best:
+            batch = "" if B == tr.batch_size else f"train.batch_size=1 train.grad_accum={tr.grad_accum * tr.batch_size} "
+            return f"{batch}lower data.max_length to {best} (data.max_length={best})"
+    best = _largest_fitting(lambda width: _fits(job, facts, intermediate_size=width),
+                            resolve_draft(job.draft, facts).intermediate_size)
+    if best:
+        return f"a smaller draft MLP: draft.intermediate_size={best} (at data.max_length={L})"
+    return None
+
+
+def check_fits(job, target_facts: TargetFacts | None = None) -> MemoryPlan:
+    """The plan of `job`, or PlanError (a ValueError) naming an override that fits."""
+    facts = with_hw_overrides(job, target_facts or target_facts_for(job))
+    plan = plan_memory(job, facts)
+    if plan.fits:
+        return plan
+    lines = ["the run does not fit:"] + [f"  - {p}" for p in plan.problems]
+    if not plan.capacity_ok and job.hw.gpu_memory_mib > 0 and facts.weight_bytes > 0:
+        fix = suggest_override(job, facts)
+        if fix:
+            lines.append(f"  fits with: {fix}")
+        else:
+            worst = max(plan.gpus, key=lambda g: g.resident() - g.capacity)
+            lines.append(
+                f"  no single override fits: GPU {worst.gpu} holds {gib(worst.resident())} of {gib(worst.capacity)} "
+                f"before any activation (target {gib(sum(i.bytes for i in worst.items if i.owner == 'target'))}, "
+                f"trainer {gib(sum(i.bytes for i in worst.items if i.owner == 'trainer' and i.phase is None))}"
+                f"), so no data.max_length, batch size or draft.intermediate_size >= 256 fits, even with "
+                f"train.activation_checkpointing=true train.optimizer_device=cpu; the trainer must move to a GPU "
+                f"of its own (hw.trainer_gpu) or the target to more GPUs (see `python -m specforge_k25.plan`)")
+    raise PlanError("\n".join(lines))

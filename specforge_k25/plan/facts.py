@@ -1,0 +1,174 @@
+"""What the plans know about a run before anything starts: the target's facts (`TargetFacts`,
+from its folder or known defaults) and the draft those facts imply (`resolve_draft`, its
+parameter counts). Plain arithmetic inputs; nothing here allocates.
+
+Kimi-K2.5's defaults are summarised in docs/KIMI_K25.md §2.
+"""
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import dataclass, replace
+from pathlib import Path
+from typing import Optional
+
+from ..draft.model import DraftConfig
+
+GiB = 1 << 30
+MiB = 1 << 20
+
+
+class PlanError(ValueError):
+    """The configuration does not fit (or cannot start); the message names an override that fits."""
+
+
+@dataclass(frozen=True)
+class TargetFacts:
+    """What the memory plan needs to know about a target (text backbone)."""
+
+    name: str
+    num_layers: int
+    hidden_size: int  # Ht
+    vocab_size: int  # V
+    num_attention_heads: int
+    num_key_value_heads: int
+    intermediate_size: int  # dense MLP width (the draft's default I)
+    head_dim: int  # GQA/MHA KV head dim (unused for MLA)
+    weight_bytes: int  # all weights, all ranks together (what SGLang loads)
+    kv_lora_rank: Optional[int] = None  # MLA latent width; None = GQA/MHA KV cache
+    qk_rope_head_dim: Optional[int] = None
+    q_lora_rank: Optional[int] = None
+    n_routed_experts: int = 0
+    num_moe_layers: int = 0
+    kv_dtype_bytes: int = 2  # KV cache element (bf16)
+    weight_dtype_bytes: int = 2  # element of the replicated (unquantized) weights
+    multimodal: bool = False  # SGLang reserves SGLANG_VLM_CACHE_SIZE_MB out of the KV budget
+    max_position_embeddings: int = 4096
+    rms_norm_eps: float = 1e-6
+
+    @property
+    def is_mla(self) -> bool:
+        return self.kv_lora_rank is not None
+
+    def kv_bytes_per_token(self, tp: int) -> int:
+        """KV cache bytes per token on ONE TP rank."""
+        if self.is_mla:  # the latent (+ rope key) is shared by all heads: every rank holds all of it
+            return self.num_layers * (self.kv_lora_rank + self.qk_rope_head_dim) * self.kv_dtype_bytes
+        heads_per_rank = max(1, math.ceil(self.num_key_value_heads / tp))  # SGLang replicates KV heads when nkv < tp
+        return 2 * self.num_layers * heads_per_rank * self.head_dim * self.kv_dtype_bytes
+
+    def replicated_weight_bytes(self) -> int:
+        """Weights every TP rank holds in full under SGLang's TP (not divided by tp).
+
+        MLA: the fused q_a/kv_a down-projection [(q_lora + kv_lora + rope), Ht] of every layer;
+        MoE: the router gate [n_experts, Ht] of every MoE layer. Norms (< 3 MB) are left out.
+        """
+        if not self.is_mla:
+            return 0
+        down = (self.q_lora_rank or 0) + self.kv_lora_rank + self.qk_rope_head_dim
+        mla = self.num_layers * down * self.hidden_size * self.weight_dtype_bytes
+        router = self.num_moe_layers * self.n_routed_experts * self.hidden_size * self.weight_dtype_bytes
+        return mla + router
+
+    def weight_bytes_per_gpu(self, tp: int) -> int:
+        rep = min(self.replicated_weight_bytes(), self.weight_bytes)
+        return math.ceil((self.weight_bytes - rep) / tp) + rep
+
+
+# Kimi-K2.5 (docs/KIMI_K25.md §2): 61 layers (1 dense + 60 MoE), hidden 7168, 64 heads,
+# MLA q_lora 1536 / kv_lora 512 / rope 64, dense I 18432, 384 routed experts, vocab 163840,
+# INT4 (group 32) experts ~595 GB on disk. A real `target.path` replaces all of these.
+KIMI_K25 = TargetFacts(
+    name="kimi_k25", num_layers=61, hidden_size=7168, vocab_size=163840, num_attention_heads=64,
+    num_key_value_heads=64, intermediate_size=18432, head_dim=112, weight_bytes=595_000_000_000,
+    kv_lora_rank=512, qk_rope_head_dim=64, q_lora_rank=1536, n_routed_experts=384, num_moe_layers=60,
+    multimodal=True, max_position_embeddings=262144,
+)
+KNOWN_TARGETS = {"kimi_k25": KIMI_K25}
+
+
+def facts_from_folder(path: str | Path, name: str | None = None) -> TargetFacts:
+    """Facts from an HF folder: config.json (text_config for multimodal models) and the sizes of
+    its *.safetensors files (0 when it has none: `check_fits` then asks for hw.target_weight_gb)."""
+    from ..target.hf_config import read_target_info
+
+    path = Path(path)
+    info = read_target_info(path)
+    config = json.loads((path / "config.json").read_text())
+    text = config.get("text_config", config)
+    heads = int(text.get("num_attention_heads") or 1)
+    first_dense = int(text.get("first_k_dense_replace") or 0)
+    experts = int(text.get("n_routed_experts") or 0)
+    freq = int(text.get("moe_layer_freq") or 1)
+    moe_layers = sum(1 for i in range(first_dense, info.num_layers) if i % freq == 0) if experts else 0
+    return TargetFacts(
+        name=name or path.name, num_layers=info.num_layers, hidden_size=info.hidden_size, vocab_size=info.vocab_size,
+        num_attention_heads=heads, num_key_value_heads=int(text.get("num_key_value_heads") or heads),
+        intermediate_size=int(text.get("intermediate_size") or 4 * info.hidden_size),
+        head_dim=int(text.get("head_dim") or info.hidden_size // heads),
+        weight_bytes=sum(f.stat().st_size for f in path.glob("*.safetensors")),
+        kv_lora_rank=text.get("kv_lora_rank"), qk_rope_head_dim=text.get("qk_rope_head_dim"),
+        q_lora_rank=text.get("q_lora_rank"), n_routed_experts=experts, num_moe_layers=moe_layers,
+        multimodal="text_config" in config, max_position_embeddings=info.max_position_embeddings,
+        rms_norm_eps=float(text.get("rms_norm_eps") or 1e-6),
+    )
+
+
+def target_facts_for(job) -> TargetFacts:
+    """target.path (a real folder) > a known target by name when there is no builtin > the builtin's folder."""
+    t = job.target
+    if t.path:
+        return facts_from_folder(t.path, t.name)
+    if t.builtin in (None, "", "none"):
+        if t.name not in KNOWN_TARGETS:
+            raise PlanError(f"target {t.name!r} has no builtin and no target.path: set target.path=/path/to/model")
+        return KNOWN_TARGETS[t.name]
+    from ..target.models import resolve_target_path  # builds the embedded target once (cached)
+
+    return facts_from_folder(resolve_target_path(t), t.name)
+
+
+def with_hw_overrides(job, facts: TargetFacts) -> TargetFacts:
+    """`hw.target_weight_gb` (when set) replaces the facts' weight size."""
+    if job.hw.target_weight_gb is not None:
+        facts = replace(facts, weight_bytes=int(job.hw.target_weight_gb * 1e9))
+    return facts
+
+
+# ----------------------------------------------------------------------------------- draft
+def resolve_draft(spec, facts: TargetFacts) -> DraftConfig:
+    """The draft the trainer builds from `draft.*` (DraftConfigSpec); unset sizes follow the target.
+
+    H = Ht (the draft embeds tokens with the target's frozen embedding)."""
+    heads = spec.num_attention_heads or facts.num_attention_heads
+    kv_heads = spec.num_key_value_heads or facts.num_key_value_heads or heads
+    if heads % kv_heads:  # e.g. MLA targets report as many KV heads as heads: fall back to MHA
+        kv_heads = heads
+    return DraftConfig(
+        hidden_size=facts.hidden_size, intermediate_size=spec.intermediate_size or facts.intermediate_size,
+        num_attention_heads=heads, num_key_value_heads=kv_heads, head_dim=spec.head_dim or facts.hidden_size // heads,
+        vocab_size=facts.vocab_size, draft_vocab_size=spec.vocab_size, target_hidden_size=facts.hidden_size,
+        rms_norm_eps=facts.rms_norm_eps, rope_theta=spec.rope_theta,
+        max_position_embeddings=spec.max_position_embeddings or facts.max_position_embeddings,
+    )
+
+
+def draft_param_counts(cfg: DraftConfig) -> dict[str, int]:
+    """Parameters per module of `Eagle3Draft` (draft/model.py); `embed_tokens` is frozen."""
+    H, Ht, I = cfg.hidden_size, cfg.target_hidden_size, cfg.intermediate_size
+    q_out, kv_out = cfg.num_attention_heads * cfg.head_dim, cfg.num_key_value_heads * cfg.head_dim
+    return {
+        "fc": 3 * Ht * H,
+        "q_proj": 2 * H * q_out,
+        "k_proj": 2 * H * kv_out,
+        "v_proj": 2 * H * kv_out,
+        "o_proj": q_out * H,
+        "mlp (gate, up, down)": 3 * H * I,
+        "norms (4 RMSNorm)": 4 * H,
+        "lm_head": cfg.draft_vocab_size * H,
+        "embed_tokens (frozen)": cfg.vocab_size * H,
+    }
+
+
+def trainable_params(cfg: DraftConfig) -> int:
+    return sum(n for name, n in draft_param_counts(cfg).items() if name != "embed_tokens (frozen)")

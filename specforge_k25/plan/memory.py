@@ -1,0 +1,182 @@
+"""The memory items of one trainer rank: what the draft, its optimizer and the TTT objective
+hold on a GPU, phase by phase, for a batch of B sequences of T tokens.
+
+Sources: the trainer as it stands (train/step.py, train/optim.py, draft/model.py, draft/loss.py):
+the draft lives in fp32 with fp32 grads (`hw.autocast=bf16` computes in bf16 and caches bf16
+weight copies until backward); AdamW's m/v sit next to it (the fp32 weights are the master copy)
+or, with `train.optimizer_device`, on the host or another GPU with their own fp32 master and
+gradient copies; the frozen embedding [V, H] and the target's lm_head [V, Ht] keep the target's
+dtype; the teacher holds [B, T, Vd] fp32 draft logits; each TTT step keeps its activations
+([B, T, Vd] fp32 log-probs and teacher probs, the fused attention's q/K/V/out and logsumexp, its
+[T, (k+1)T] mask; never [B, nh, T, T] probabilities) or, with `train.activation_checkpointing`,
+only its inputs and recomputes one step at a time in backward. `ttt_saved_bytes` counts those
+tensors exactly (tests/plan/test_memory_plan.py measures them with saved-tensor hooks); the
+backward working set and the runtime reserves are estimates.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional
+
+from ..draft.model import DraftConfig
+from .facts import GiB, trainable_params
+
+PHASE_TEACHER, PHASE_TTT, PHASE_OPT = "teacher", "TTT fwd+bwd", "optimizer step"
+
+
+@dataclass
+class Item:
+    name: str
+    bytes: int
+    phase: Optional[str] = None  # None: resident; else only the largest phase of a GPU counts
+    note: str = ""
+    owner: str = "trainer"  # trainer | target | stream
+
+
+def gib(n: float) -> str:
+    return f"{n / GiB:.2f} GiB"
+
+
+def ttt_step_bytes(cfg: DraftConfig, batch: int, seq_len: int, k: int, bf16: bool) -> tuple[int, int]:
+    """(per-token bytes, mask bytes) TTT step k saves for backward (draft/loss.py::ttt_loss, one step).
+
+    Per token (a = 2 under bf16 autocast, 4 in fp32; qw = nh*hd):
+      bf16: 38H (norm inputs fp32 + outputs bf16, per-linear bf16 input casts) | fp32: 40H
+      + a*qw q + 2a*qw*(k+1) the K/V of steps 0..k repeated to nh heads + a*qw attention output
+      (= o_proj input) + 4*nh logsumexp (fp32) of the fused attention
+      + 4a*I MLP (gate, silu, up, product) + 2a*hd cos/sin
+      + 8*Vd (log-probs and renormalised teacher probs, both fp32) + 12 (rsqrt) + 1 (counted mask)
+    Per step: the [T, (k+1)T] attention mask, as SDPA's additive float mask (a bytes), shared by
+    the batch. No [B, nh, T, T] probabilities: the fused kernel recomputes them in backward.
+    """
+    H, I, hd, Vd = cfg.hidden_size, cfg.intermediate_size, cfg.head_dim, cfg.draft_vocab_size
+    qw, nh = cfg.num_attention_heads * cfg.head_dim, cfg.num_attention_heads
+    a = 2 if bf16 else 4
+    per_token = ((38 if bf16 else 40) * H + a * qw + 2 * a * qw * (k + 1) + a * qw + 4 * nh
+                 + 4 * a * I + 2 * a * hd + 8 * Vd + 12 + 1)
+    return per_token * batch * seq_len, a * seq_len * seq_len * (k + 1)
+
+
+def ttt_saved_bytes(cfg: DraftConfig, batch: int, seq_len: int, ttt_length: int, bf16: bool,
+                    checkpoint: bool = False) -> dict[str, int]:
+    """Bytes the TTT forward leaves saved for backward, all K steps (`ttt_step_bytes` each).
+
+    Once: bf16: the fc input cast [T, 3Ht] (6Ht per token); fp32: fc's output (4H per token).
+    checkpoint=True (train.activation_checkpointing): a step keeps only its inputs: the hidden
+    [B, T, H] entering every step (a bytes; step 0's is fc's output) and the K/V [B, nkv, T, hd]
+    of steps 0..K-2 (a bytes each); backward then recomputes one step at a time
+    (`ttt_step_bytes`, counted by the plan as a transient of the TTT phase).
+    Returns {"per_token": linear bytes, "attention_mask": quadratic bytes, "total": both}.
+    """
+    a = 2 if bf16 else 4
+    N = batch * seq_len
+    quadratic = 0
+    if checkpoint:
+        kv = 2 * a * cfg.num_key_value_heads * cfg.head_dim
+        linear = ((6 * cfg.target_hidden_size if bf16 else 0) + ttt_length * a * cfg.hidden_size
+                  + (ttt_length - 1) * kv) * N
+    else:
+        linear = (6 * cfg.target_hidden_size if bf16 else 4 * cfg.hidden_size) * N
+        for k in range(ttt_length):
+            per_token, mask = ttt_step_bytes(cfg, batch, seq_len, k, bf16)
+            linear += per_token
+            quadratic += mask
+    return {"per_token": linear, "attention_mask": quadratic, "total": linear + quadratic}
+
+
+def ttt_backward_working_bytes(cfg: DraftConfig, batch: int, seq_len: int, ttt_length: int, bf16: bool) -> int:
+    """Estimate (not measured) of the transient memory on top of the saved tensors, in the last
+    step's backward: the grads of its attention inputs (q and the K/V of all K steps at nh heads),
+    of its [B, T, Vd] log-softmax (8 bytes) and of its MLP activations (3 [B, T, I])."""
+    a = 2 if bf16 else 4
+    N = batch * seq_len
+    qw = cfg.num_attention_heads * cfg.head_dim
+    return (a * qw * (1 + 2 * ttt_length) + 8 * cfg.draft_vocab_size + 3 * a * cfg.intermediate_size) * N
+
+
+def optimizer_items(P: int, on_gpu: bool) -> list[Item]:
+    """train.optimizer_device: what OffloadedAdamW (train/optim.py) holds on its own device. The
+    master copies and gradient copies are allocated when the trainer is built; m, v on the first
+    step. On a GPU torch's foreach AdamW adds temporaries; on the host the fused kernel does not."""
+    items = [
+        Item("AdamW master weights fp32", 4 * P),
+        Item("AdamW gradient copies fp32", 4 * P),
+        Item("AdamW m, v fp32", 8 * P),
+    ]
+    if on_gpu:
+        items.append(Item("AdamW foreach temporaries fp32", 4 * P, PHASE_OPT))
+    return items
+
+
+def trainer_items(cfg: DraftConfig, *, batch: int, seq_len: int, ttt_length: int, teacher_chunk: int, bf16: bool,
+                  data_parallel: bool, context_bytes: int, frozen_bytes: int = 4, checkpoint: bool = False,
+                  optimizer_offloaded: bool = False) -> list[Item]:
+    """One trainer rank's memory on its GPU. Resident items are allocated before the target starts
+    (weights, frozen tensors) or persist across steps (grads, AdamW state); phase items are peaks of
+    the three phases of a micro-batch, which do not overlap.
+
+    frozen_bytes: element size of the frozen embedding and lm_head (the target's dtype);
+    checkpoint: train.activation_checkpointing; optimizer_offloaded: AdamW state elsewhere
+    (`optimizer_items` on train.optimizer_device)."""
+    P = trainable_params(cfg)
+    V, H, Ht, Vd = cfg.vocab_size, cfg.hidden_size, cfg.target_hidden_size, cfg.draft_vocab_size
+    N = batch * seq_len
+    # DraftBatch: aux fp32 [N, 3Ht], input_ids int64, loss_mask bool, teacher: draft logits fp32
+    # [N, Vd], logsumexp fp32, argmax int64; plus lengths (negligible)
+    batch_bytes = N * (12 * Ht + 8 + 1 + 4 * Vd + 4 + 8)
+    saved = ttt_saved_bytes(cfg, batch, seq_len, ttt_length, bf16, checkpoint)
+    chunk = min(teacher_chunk, N)
+    dtype = {2: "bf16", 4: "fp32"}.get(frozen_bytes, f"{frozen_bytes} B")
+    items = [
+        Item("CUDA context (trainer process)", context_bytes),
+        Item("draft weights fp32", 4 * P, note=f"{P:,} trainable params" + ("" if optimizer_offloaded else
+                                                                            " (= AdamW's master copy)")),
+        Item("draft grads fp32", 4 * P),
+    ]
+    if not optimizer_offloaded:
+        items.append(Item("AdamW m, v fp32", 8 * P))
+    items += [
+        Item(f"frozen embedding [V, H] {dtype}", frozen_bytes * V * H),
+        Item(f"target lm_head [V, Ht] {dtype} (teacher)", frozen_bytes * V * Ht),
+        Item("vocab maps d2t int64 + t2d bool", 8 * Vd + V),
+    ]
+    if data_parallel:
+        items.append(Item("DP gradient buckets fp32 (DDP, assumed)", 4 * P,
+                          note="upper bound: train/step.py all-reduces each grad in place"))
+    # teacher logits: [chunk, V] in the lm_head's dtype, its fp32 copy (not made for fp32) and logsumexp's exp
+    chunk_elem = frozen_bytes + (4 if frozen_bytes != 4 else 0) + 4
+    items += [
+        Item("batch: aux fp32 [B,T,3Ht] + teacher [B,T,Vd] fp32", batch_bytes, PHASE_TEACHER),
+        Item("next batch + its final hidden fp32 [B,T,Ht]", batch_bytes + 4 * N * Ht, PHASE_TEACHER,
+             note="built while the previous batch is still referenced"),
+        Item("teacher chunk [chunk, V]: logits, fp32 copy, logsumexp", chunk_elem * chunk * V + 8 * V, PHASE_TEACHER),
+        Item("batch: aux fp32 [B,T,3Ht] + teacher [B,T,Vd] fp32", batch_bytes, PHASE_TTT),
+        Item("bf16 autocast weight copies", 2 * P if bf16 else 0, PHASE_TTT),
+        Item("TTT saved: per-token tensors (K steps)", saved["per_token"], PHASE_TTT,
+             note=("checkpointed: each step's hidden input + K/V" if checkpoint else
+                   "incl. [B,T,Vd] fp32 log-probs + teacher probs per step")),
+        Item("TTT saved: attention masks [T,(k+1)T] (K steps)", saved["attention_mask"], PHASE_TTT),
+    ]
+    if checkpoint:  # backward recomputes one step at a time: the last (largest) one at most
+        per_token, mask = ttt_step_bytes(cfg, batch, seq_len, ttt_length - 1, bf16)
+        items.append(Item("TTT one step recomputed in backward", per_token + mask, PHASE_TTT,
+                          note="activation checkpointing: the largest step's saved tensors"))
+    items += [
+        Item("TTT backward working set (estimate)", ttt_backward_working_bytes(cfg, batch, seq_len, ttt_length, bf16),
+             PHASE_TTT),
+        Item("batch: aux fp32 [B,T,3Ht] + teacher [B,T,Vd] fp32", batch_bytes, PHASE_OPT),
+    ]
+    if not optimizer_offloaded:
+        items.append(Item("AdamW foreach temporaries fp32", 4 * P, PHASE_OPT))
+    return [i for i in items if i.bytes]
+
+
+def activation_note(cfg: DraftConfig, batch: int, seq_len: int, ttt_length: int, bf16: bool, checkpoint: bool) -> str:
+    """The TTT activations with and without train.activation_checkpointing at this length."""
+    plain = ttt_saved_bytes(cfg, batch, seq_len, ttt_length, bf16)["total"]
+    kept = ttt_saved_bytes(cfg, batch, seq_len, ttt_length, bf16, checkpoint=True)["total"]
+    one = sum(ttt_step_bytes(cfg, batch, seq_len, ttt_length - 1, bf16))
+    state = "on" if checkpoint else "off"
+    return (f"TTT activations at T={seq_len}, K={ttt_length}: {gib(plain)} kept for backward without activation "
+            f"checkpointing; {gib(kept)} kept + {gib(one)} for the one step recomputed with it "
+            f"(train.activation_checkpointing, {state}; ~1 more forward)")

@@ -1,0 +1,64 @@
+"""Which trainer ranks and target replicas a launch has on a node, checked against the hw profile
+before any process starts (torchrun: one trainer rank per target replica)."""
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class World:
+    """What torchrun says about this process (RANK, WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE)."""
+
+    rank: int = 0
+    size: int = 1
+    local_rank: int = 0
+    local_size: int = 1
+
+    @classmethod
+    def from_env(cls) -> "World":
+        env = os.environ
+        size = int(env.get("WORLD_SIZE", 1))
+        return cls(rank=int(env.get("RANK", 0)), size=size, local_rank=int(env.get("LOCAL_RANK", 0)),
+                   local_size=int(env.get("LOCAL_WORLD_SIZE", size)))
+
+
+def rank_gpus(hw, local_rank: int) -> tuple[int, int]:
+    """(trainer GPU, first GPU of the target replica) of a rank on its node.
+
+    The trainer GPU is hw.trainer_gpus[local_rank]; its replica is the one whose first GPU that is
+    (b300x8: trainer_gpus [0, 4], TP 4 -> rank 0 reads GPUs 0-3, rank 1 GPUs 4-7), else replica
+    number local_rank (a trainer on a GPU of its own).
+    """
+    firsts = [hw.target_gpu + r * hw.target_tp for r in range(hw.target_replicas)]
+    gpu = hw.trainer_gpu_ids()[local_rank]
+    return gpu, (gpu if gpu in firsts else firsts[local_rank])
+
+
+def check_layout(hw, world: World) -> None:
+    """Refuse a launch whose ranks do not match the hw profile, before any process starts.
+
+    The profile describes one node: hw.target_replicas replicas, one trainer rank each (on GPU,
+    hw.trainer_gpus lists their GPUs). torchrun must start exactly that many ranks per node.
+    """
+    replicas = hw.target_replicas
+    if replicas < 1:
+        raise ValueError(f"hw.target_replicas={replicas}: need at least one target replica")
+    if hw.trainer_gpus is not None and len(hw.trainer_gpus) != replicas:
+        raise ValueError(f"hw.trainer_gpus={list(hw.trainer_gpus)} lists {len(hw.trainer_gpus)} trainer rank(s) but "
+                         f"hw.target_replicas={replicas}: one trainer rank per target replica")
+    if hw.device == "cuda" and hw.trainer_gpus is None and replicas > 1:
+        raise ValueError(f"hw.target_replicas={replicas}: set hw.trainer_gpus to the GPU of each trainer rank")
+    if world.local_size != replicas:
+        launch = (f"torchrun --nproc-per-node {replicas} -m specforge_k25.train ..." if replicas > 1
+                  else "python -m specforge_k25.train ... (or torchrun --nproc-per-node 1)")
+        raise ValueError(f"{world.local_size} trainer rank(s) were started on this node but the hw profile "
+                         f"{hw.name!r} has {replicas} target replica(s) (hw.target_replicas, hw.trainer_gpus), one "
+                         f"rank each: start `{launch}` or change hw.target_replicas / hw.trainer_gpus")
+    if world.size % world.local_size:
+        raise ValueError(f"WORLD_SIZE={world.size} is not a multiple of the {world.local_size} ranks per node")
+    if hw.device == "cuda":
+        targets = [rank_gpus(hw, r)[1] for r in range(replicas)]
+        if len(set(targets)) != replicas:
+            raise ValueError(f"hw.trainer_gpus={hw.trainer_gpu_ids()}: two trainer ranks would read the same target "
+                             f"replica (first GPUs {targets}); put each rank on its replica's first GPU")

@@ -1,0 +1,129 @@
+"""Everything a run decides before any process starts, from its `JobConfig`: the target folder and
+facts, the memory plan, the capture points, the dataset, the draft config, the target spec and the
+stream. Training, evaluation and the TP-node CLI build from here, so they agree by construction;
+bad config fails here.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from ..config import JobConfig
+from ..data.dataset import TokenizedData, build_dataset
+from ..draft.model import DraftConfig, Eagle3Draft
+from ..draft.vocab import build_vocab_maps, count_tokens
+from ..plan import check_fits, facts_from_folder, resolve_draft
+from ..stream.producer import TargetStream
+from ..target.base import TargetInfo
+from ..target.factory import TargetSpec, check_tp_layout
+from ..target.hf_config import load_embedding_and_head, read_target_info
+from ..target.layers import DEEPSEEK_RULE, layer_id_rule, resolve_capture_points, sglang_layer_ids
+from ..target.models import resolve_target_path
+from .layout import World, check_layout
+
+
+@dataclass
+class RunSetup:
+    model_path: str
+    info: TargetInfo
+    capture_points: list[int]
+    eagle_layer_ids: list[int]  # SGLang's ids for the capture points (docs/EAGLE3.md §4)
+    tokenizer: object
+    data: TokenizedData
+    draft_cfg: DraftConfig
+
+
+def prepare(job: JobConfig) -> RunSetup:
+    """Everything decided before any process starts; bad config fails here."""
+    from transformers import AutoTokenizer
+
+    check_layout(job.hw, World.from_env())  # torchrun ranks per node == target replicas of the hw profile
+    model_path = resolve_target_path(job.target)
+    info = read_target_info(model_path)
+    facts = facts_from_folder(model_path, job.target.name)
+    check_fits(job, facts)  # memory plan and length limits: refuses with the override that would fit
+    if layer_id_rule(info.architecture) == DEEPSEEK_RULE and job.hw.device == "cpu":  # DeepSeek-V2/V3, Kimi-K2.5
+        from transformers import AutoConfig
+
+        from ..target.sglang_cpu_compat import check_deepseek_config
+
+        config = AutoConfig.from_pretrained(model_path, trust_remote_code=job.target.trust_remote_code)
+        check_deepseek_config(getattr(config, "text_config", None) or config)
+    points = resolve_capture_points(job.target.aux_layers, info.num_layers)
+    eagle_ids = sglang_layer_ids(points, layer_id_rule(info.architecture))
+    if job.draft.vocab_size > info.vocab_size:
+        raise ValueError(f"draft.vocab_size={job.draft.vocab_size} exceeds the target vocab {info.vocab_size}")
+    tokenizer = AutoTokenizer.from_pretrained(model_path, trust_remote_code=job.target.trust_remote_code)
+    data = build_dataset(
+        tokenizer, source=job.data.source, path=job.data.path, max_length=job.data.max_length,
+        num_samples=job.data.num_samples, heldout_samples=job.data.heldout_samples,
+        end_of_turn_id=_end_of_turn_id(tokenizer, job.target.end_of_turn_token), seed=job.data.seed,
+        split=job.data.split, show_progress=job.train.progress, render=_renderer(job, tokenizer),
+    )
+    top = max((int(s.input_ids.max()) for s in [*data.train, *data.heldout] if len(s.input_ids)), default=-1)
+    if top >= info.vocab_size:  # the engine would index past its embedding
+        raise ValueError(f"the tokenizer produced token id {top}, outside the target's vocab ({info.vocab_size}): "
+                         f"tokenizer and target weights in {model_path} do not match")
+    return RunSetup(model_path, info, points, eagle_ids, tokenizer, data, resolve_draft(job.draft, facts))
+
+
+def _end_of_turn_id(tokenizer, token: str | None) -> int:
+    end_of_turn_id = tokenizer.convert_tokens_to_ids(token) if token else tokenizer.eos_token_id
+    if end_of_turn_id is None or end_of_turn_id == tokenizer.unk_token_id:
+        raise ValueError(f"target.end_of_turn_token={token!r} is not a token of this tokenizer")
+    return end_of_turn_id
+
+
+def _renderer(job: JobConfig, tokenizer):
+    """None: the tokenizer's chat template; else our Kimi renderer (docs/KIMI_K25.md §5)."""
+    if job.target.chat_format == "kimi":
+        from ..data.kimi_format import kimi_renderer
+
+        return kimi_renderer(tokenizer, mode=job.target.chat_mode)
+    if job.target.chat_format == "template":
+        return None
+    raise ValueError(f"target.chat_format={job.target.chat_format!r}: expected template or kimi")
+
+
+def fresh_draft(setup: RunSetup, seed: int) -> tuple[Eagle3Draft, torch.Tensor]:
+    """An untrained draft (seeded init, the target's embedding, vocab maps from the training
+    split only) and the target's lm_head [V, Ht]."""
+    torch.manual_seed(seed)
+    d2t, t2d = build_vocab_maps(count_tokens(setup.data.train, setup.info.vocab_size), setup.draft_cfg.draft_vocab_size)
+    embed, lm_head = load_embedding_and_head(setup.model_path)
+    draft = Eagle3Draft(setup.draft_cfg)
+    with torch.no_grad():
+        draft.embed_tokens.weight.copy_(embed.float())
+        draft.d2t.copy_(d2t)
+        draft.t2d.copy_(t2d)
+    return draft, lm_head
+
+
+def target_spec(job: JobConfig, engine: str = "sglang") -> TargetSpec:
+    """The TargetSpec of a run. The trainer's node and the nodes that only run TP ranks
+    (train/tp_node.py) build it from the same config, so every rank loads the same engine."""
+    hw = job.hw
+    if hw.target_nnodes > 1 and hw.target_replicas != 1:
+        raise ValueError(f"hw.target_nnodes={hw.target_nnodes}: a target spanning nodes runs as one replica with "
+                         f"one trainer rank (hw.target_replicas=1), not {hw.target_replicas}")
+    model_path = resolve_target_path(job.target)
+    info = read_target_info(model_path)
+    spec = TargetSpec(engine=engine, model_path=model_path, architecture=info.architecture,
+                      capture_points=resolve_capture_points(job.target.aux_layers, info.num_layers),
+                      device=hw.device, dtype=hw.target_dtype, tp_size=hw.target_tp, gpu_id=hw.target_gpu,
+                      max_total_tokens=hw.max_total_tokens, mem_fraction_static=hw.mem_fraction_static,
+                      num_threads=hw.target_threads, trust_remote_code=job.target.trust_remote_code,
+                      nnodes=hw.target_nnodes, node_rank=hw.target_node_rank, dist_init_addr=hw.target_dist_init_addr)
+    check_tp_layout(spec)
+    return spec
+
+
+def make_target_stream(job: JobConfig, setup: RunSetup, samples, batches: list[list[int]],
+                       engine: str = "sglang") -> TargetStream:
+    """The target process over `batches` (lists of indices into `samples`), not yet started."""
+    return TargetStream(target_spec(job, engine), [s.input_ids for s in samples], batches,
+                        hidden_size=setup.info.hidden_size, slots=job.train.stream_slots,
+                        timeout_s=job.train.stream_timeout_s, start_timeout_s=job.train.engine_start_timeout_s,
+                        dtype=getattr(torch, job.hw.target_dtype),
+                        device="cpu" if job.hw.device == "cpu" else f"cuda:{job.hw.target_gpu}")

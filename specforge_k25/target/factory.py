@@ -1,0 +1,71 @@
+"""Which engine a target process builds: `TargetSpec` (picklable, no weights) -> a `TargetEngine`
+(target/base.py), the SGLang engine or the HF reference."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from .base import TargetEngine
+
+
+@dataclass
+class TargetSpec:
+    """Everything a target process needs to build its engine (picklable, no weights)."""
+
+    engine: str  # "sglang" | "hf" (the HF reference, for tests and comparisons)
+    model_path: str
+    architecture: str
+    capture_points: list
+    device: str = "cpu"
+    dtype: str = "float32"
+    tp_size: int = 1
+    gpu_id: int = 0  # GPU of this node's first TP rank; the others use the next ones
+    max_total_tokens: int = 16384
+    mem_fraction_static: float = 0.05
+    num_threads: int = 1
+    trust_remote_code: bool = False
+    nnodes: int = 1  # nodes the TP group spans (each holds tp_size // nnodes consecutive ranks)
+    node_rank: int = 0  # this node's index among them; node 0 holds TP rank 0 (and the trainer)
+    dist_init_addr: str | None = None  # host:port of the TP group's rendezvous; required when nnodes > 1
+    nccl_port: int | None = None  # one node: 127.0.0.1 port of the rendezvous (TargetStream picks a free one)
+
+    def local_tp_ranks(self) -> list[int]:
+        """The TP ranks this node runs."""
+        per_node = self.tp_size // self.nnodes
+        return list(range(self.node_rank * per_node, (self.node_rank + 1) * per_node))
+
+
+def check_tp_layout(spec: TargetSpec) -> None:
+    """Refuse a TP layout SGLang cannot form, before any process starts."""
+    if spec.tp_size < 1 or spec.nnodes < 1:
+        raise ValueError(f"target TP size {spec.tp_size} and nodes {spec.nnodes} must be >= 1")
+    if spec.tp_size % spec.nnodes:
+        raise ValueError(f"target TP size {spec.tp_size} does not split evenly over {spec.nnodes} nodes")
+    if not 0 <= spec.node_rank < spec.nnodes:
+        raise ValueError(f"target node rank {spec.node_rank} is out of range for {spec.nnodes} node(s)")
+    if spec.nnodes > 1 and not spec.dist_init_addr:
+        raise ValueError(f"a target TP group over {spec.nnodes} nodes needs the rendezvous address "
+                         f"(hw.target_dist_init_addr=HOST:PORT of node 0, reachable from every node)")
+    if spec.engine != "sglang" and spec.tp_size > 1:
+        raise ValueError(f"target engine {spec.engine!r} runs TP 1 only (tp_size={spec.tp_size})")
+
+
+def build_target(spec: TargetSpec, tp_rank: int = 0) -> TargetEngine:
+    """TP rank `tp_rank` of the target `spec` describes, in this process."""
+    if spec.engine == "sglang":
+        from .sglang_engine import SGLangTarget
+
+        local_index = tp_rank - spec.local_tp_ranks()[0]  # CPU: SGLang's NUMA/thread-group index
+        return SGLangTarget(
+            spec.model_path, spec.architecture, spec.capture_points, device=spec.device, dtype=spec.dtype,
+            tp_size=spec.tp_size, tp_rank=tp_rank, gpu_id=spec.gpu_id + local_index,
+            max_total_tokens=spec.max_total_tokens, mem_fraction_static=spec.mem_fraction_static,
+            num_threads=spec.num_threads, trust_remote_code=spec.trust_remote_code, nccl_port=spec.nccl_port,
+            nnodes=spec.nnodes, node_rank=spec.node_rank, dist_init_addr=spec.dist_init_addr,
+        )
+    if spec.engine == "hf":
+        from .hf_reference import HFTarget
+
+        return HFTarget(spec.model_path, spec.capture_points, getattr(torch, spec.dtype))
+    raise ValueError(f"target engine {spec.engine!r}: expected sglang or hf")

@@ -1,0 +1,112 @@
+"""Greedy generation in a real SGLang engine, with or without EAGLE-3 chain speculation.
+
+Each engine runs in its own worker process, `python -m specforge_k25.target.sglang_spec`, for
+three reasons: its memory is returned when it ends, a hung engine (SGLang can hang when its
+scheduler crashes) is killed by a timeout, and on CPU the workarounds reach SGLang's
+scheduler: SGLang starts it by `spawn`, which re-imports the worker's main module (this one)
+before anything else, and this module applies `sglang_cpu_compat` at import when
+SPECFORGE_SGLANG_CPU=1.
+"""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+if os.environ.get("SPECFORGE_SGLANG_CPU") == "1":
+    from specforge_k25.target import sglang_cpu_compat
+
+    sglang_cpu_compat.apply()
+
+
+@dataclass
+class Chain:
+    """Chain speculation settings (SGLang's speculative_num_steps / eagle_topk / num_draft_tokens)."""
+
+    steps: int
+    topk: int
+    draft_tokens: int
+
+    def label(self) -> str:
+        return f"{self.steps}/{self.topk}/{self.draft_tokens}"
+
+
+@dataclass
+class Generation:
+    outputs: list[list[int]]  # greedy completion per prompt
+    completion_tokens: list[int]
+    verify_steps: list[int] | None  # None without speculation
+    start_s: float  # engine start
+    generate_s: float
+
+
+def generate(model_path: str, prompts: list[list[int]], *, max_new_tokens: int, device: str = "cpu",
+             dtype: str = "float32", draft_path: str | None = None, chain: Chain | None = None,
+             max_running_requests: int = 8, mem_fraction_static: float = 0.05, max_total_tokens: int = 16384,
+             num_threads: int = 1, gpu_id: int = 0, tp_size: int = 1, trust_remote_code: bool = False,
+             draft_attention_backend: str | None = None, timeout_s: float = 1800) -> Generation:
+    """Runs one engine over `prompts` (token ids) at temperature 0 in a worker process."""
+    if (draft_path is None) != (chain is None):
+        raise ValueError("speculation needs both a draft folder and a chain")
+    if device == "cpu" and chain is not None and chain.topk != 1:
+        raise ValueError(f"chain {chain.label()}: on CPU only chain drafts (topk=1) run (sglang_cpu_compat)")
+    engine_args = dict(model_path=str(model_path), device=device, dtype=dtype, tp_size=tp_size, base_gpu_id=gpu_id,
+                       mem_fraction_static=mem_fraction_static, max_total_tokens=max_total_tokens,
+                       max_running_requests=max_running_requests, skip_server_warmup=True, log_level="error",
+                       random_seed=0, trust_remote_code=trust_remote_code)
+    if device == "cpu":
+        engine_args.update(attention_backend="torch_native", disable_cuda_graph=True, disable_overlap_schedule=True)
+    if chain is not None:
+        engine_args.update(speculative_algorithm="EAGLE3", speculative_draft_model_path=str(draft_path),
+                           speculative_num_steps=chain.steps, speculative_eagle_topk=chain.topk,
+                           speculative_num_draft_tokens=chain.draft_tokens)
+        if draft_attention_backend:
+            engine_args["speculative_draft_attention_backend"] = draft_attention_backend
+    env = dict(os.environ)
+    if device == "cpu":
+        env.update(SPECFORGE_SGLANG_CPU="1", OMP_NUM_THREADS=str(num_threads))
+    with tempfile.TemporaryDirectory(prefix="specforge-eval-") as tmp:
+        request, result = Path(tmp, "request.json"), Path(tmp, "result.json")
+        request.write_text(json.dumps({"engine": engine_args, "prompts": prompts, "max_new_tokens": max_new_tokens,
+                                       "speculative": chain is not None}))
+        try:
+            proc = subprocess.run([sys.executable, "-m", "specforge_k25.target.sglang_spec", str(request), str(result)],
+                                  env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                                  timeout=timeout_s)
+        except subprocess.TimeoutExpired:
+            raise RuntimeError(f"SGLang engine ({'chain ' + chain.label() if chain else 'no speculation'}) did not "
+                               f"finish in {timeout_s:.0f} s") from None
+        if proc.returncode != 0 or not result.is_file():
+            raise RuntimeError(f"SGLang engine ({'chain ' + chain.label() if chain else 'no speculation'}) failed "
+                               f"(exit {proc.returncode}):\n{proc.stdout[-4000:]}")
+        return Generation(**json.loads(result.read_text()))
+
+
+def _run_engine(engine_args: dict, prompts: list[list[int]], max_new_tokens: int, speculative: bool) -> Generation:
+    import sglang
+
+    t0 = time.perf_counter()
+    engine = sglang.Engine(**engine_args)
+    start_s = time.perf_counter() - t0
+    try:
+        t0 = time.perf_counter()
+        results = engine.generate(input_ids=prompts, sampling_params={"max_new_tokens": max_new_tokens,
+                                                                       "temperature": 0.0})
+        generate_s = time.perf_counter() - t0
+    finally:
+        engine.shutdown()
+    meta = [r["meta_info"] for r in results]
+    verify = [int(m.get("spec_verify_ct") or 0) for m in meta] if speculative else None
+    return Generation([list(r["output_ids"]) for r in results], [int(m["completion_tokens"]) for m in meta],
+                      verify, start_s, generate_s)
+
+
+if __name__ == "__main__":
+    req = json.loads(Path(sys.argv[1]).read_text())
+    out = _run_engine(req["engine"], req["prompts"], req["max_new_tokens"], req["speculative"])
+    Path(sys.argv[2]).write_text(json.dumps(asdict(out)))

@@ -1,0 +1,441 @@
+"""One training run as a small `Trainer` with named steps (resume, train a micro-batch, optimizer
+step, evaluate, save, summarize) over the batch schedule (train/schedule.py):
+
+    setup (setup/run.py) -> target process -> stream -> draft + TTT loss -> AdamW
+    -> checkpoints -> serving export -> summary
+"""
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import signal
+import time
+from dataclasses import dataclass
+from functools import partial
+from pathlib import Path
+
+import psutil
+import torch
+from tqdm import tqdm
+
+from ..config import JobConfig
+from ..export.serving import export_draft
+from ..setup.run import RunSetup, fresh_draft, make_target_stream, prepare
+from ..stream.producer import StreamError, StreamInterrupted, TargetStream
+from .checkpoint import list_checkpoints, load_checkpoint, read_state, save_checkpoint
+from .distributed import RankFailed, Ranks, launcher_env_hidden, start_ranks, stop_ranks
+from .metrics import MetricsLogger, NullLogger, TTTStats
+from .optim import build_optimizer, build_scheduler
+from .schedule import BatchItem, build_schedule
+from .step import DraftTrainer
+
+
+class TrainingInterrupted(RuntimeError):
+    """SIGTERM/SIGINT: a checkpoint was saved and the target stopped."""
+
+    def __init__(self, signum: int, checkpoint: Path | None):
+        super().__init__(f"stopped by {signal.Signals(signum).name}; checkpoint: {checkpoint}")
+        self.signum, self.checkpoint = signum, checkpoint
+
+
+class StopOnSignal:
+    """Turns the first SIGTERM/SIGINT into a flag checked at safe points; a second one acts as usual."""
+
+    def __init__(self):
+        self.signum: int | None = None
+        self._previous = {}
+
+    def __enter__(self):
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            self._previous[sig] = signal.signal(sig, self._handle)
+        return self
+
+    def _handle(self, signum, frame):
+        self.signum = signum
+        signal.signal(signum, self._previous.get(signum, signal.SIG_DFL))
+
+    def __exit__(self, *exc):
+        for sig, handler in self._previous.items():
+            signal.signal(sig, handler)
+
+    def requested(self) -> bool:
+        return self.signum is not None
+
+
+@dataclass
+class Progress:
+    """Counters at the last optimizer-step boundary: what a checkpoint records and a resume restores."""
+
+    step: int = 0
+    micro_batches: int = 0
+    schedule_item: int = 0  # the data cursor: the next item of the schedule to run
+    tokens_trained: int = 0
+    samples_trained: int = 0
+
+
+# ------------------------------------------------------------------------------- builders
+def build_trainer(job: JobConfig, setup: RunSetup, steps: int, device: torch.device,
+                  ranks: Ranks | None = None) -> DraftTrainer:
+    """A fresh draft (target embedding, vocab maps from the training split only), AdamW and schedule."""
+    tr = job.train
+    draft, lm_head = fresh_draft(setup, tr.seed)
+    frozen = getattr(torch, job.hw.target_dtype)  # the frozen embedding / lm_head keep the target's dtype
+    draft.embed_tokens.to(frozen)
+    draft.to(device)
+    optimizer = build_optimizer(draft.trainable_parameters(), tr.lr, tr.betas, tr.weight_decay, tr.optimizer_device)
+    scheduler = build_scheduler(optimizer, steps, tr.warmup_ratio)
+    return DraftTrainer(draft, lm_head.to(device, frozen), optimizer, scheduler, ttt_length=tr.ttt_length,
+                        loss_decay=tr.loss_decay, grad_accum=tr.grad_accum, grad_clip=tr.grad_clip,
+                        teacher_chunk=tr.teacher_chunk, autocast_bf16=job.hw.autocast == "bf16",
+                        activation_checkpointing=tr.activation_checkpointing, ranks=ranks)
+
+
+def take_batches(stream, shares: list[list[int]], samples, make_batch):
+    """(share, DraftBatch or None) per schedule item, in order; None when this rank has no share
+    of the item (it reads nothing from its stream for it). A slot goes back to the target only
+    after `make_batch` has copied what it keeps out of it."""
+    batches = iter(stream)
+    for share in shares:
+        batch = None
+        if share:
+            msg, aux_packed, final_packed = next(batches)
+            batch = make_batch([samples[i] for i in share], msg.lengths, aux_packed, final_packed)
+            stream.release(msg)
+        yield share, batch
+    next(batches, None)  # runs the stream to the target's end message (its I/O counters)
+
+
+def run_fingerprint(job: JobConfig, setup: RunSetup, n_items: int, ranks: int = 1) -> dict:
+    """What a checkpoint must agree with to be resumed: target, draft shape, data, schedule
+    (and the number of data-parallel ranks when there are several)."""
+    digest = hashlib.sha1()
+    for s in setup.data.train:
+        digest.update(s.input_ids.numpy().tobytes())
+        digest.update(s.loss_mask.numpy().tobytes())
+    return {
+        "target_architecture": setup.info.architecture, "target_layers": setup.info.num_layers,
+        "target_hidden": setup.info.hidden_size, "target_vocab": setup.info.vocab_size,
+        "capture_points": list(setup.capture_points), "draft": dataclasses.asdict(setup.draft_cfg),
+        "train_data_sha1": digest.hexdigest(), "schedule_items": n_items, "seed": job.train.seed,
+        "batch_size": job.train.batch_size, "grad_accum": job.train.grad_accum, "ttt_length": job.train.ttt_length,
+        **({"trainer_ranks": ranks} if ranks > 1 else {}),
+    }
+
+
+def find_resume_checkpoint(resume: str, run_dir: Path) -> Path | None:
+    if resume in ("none", "", None):
+        return None
+    if resume == "auto":
+        found = list_checkpoints(run_dir)
+        return found[-1] if found else None
+    path = Path(resume)
+    if not (path / "state.json").is_file():
+        raise FileNotFoundError(f"train.resume={resume}: not a checkpoint folder (no state.json)")
+    return path
+
+
+def check_fingerprint(saved: dict, current: dict, checkpoint: Path) -> None:
+    diffs = [f"{k}: checkpoint {saved.get(k)!r} vs now {v!r}" for k, v in current.items() if saved.get(k) != v]
+    if diffs:
+        raise ValueError(f"cannot resume from {checkpoint}: it belongs to a different run\n  " + "\n  ".join(diffs))
+
+
+def allocated_bytes(path: Path) -> int:
+    """Bytes a folder occupies on disk (allocated blocks of its files and directories): what a
+    process's write_bytes counter charges for writing it, page rounding included."""
+    path = Path(path)
+    return sum(p.stat().st_blocks * 512 for p in [path, *path.rglob("*")]) if path.exists() else 0
+
+
+# -------------------------------------------------------------------------------- trainer
+class Trainer:
+    """The training loop of one trainer rank. Every rank walks the whole schedule (the collectives
+    line up) and reads its stream only for the items it has a share of; only rank 0 prints, logs,
+    checkpoints and exports."""
+
+    def __init__(self, job: JobConfig, setup: RunSetup, run_dir: Path, ranks: Ranks,
+                 stream_factory=make_target_stream, t_start: float | None = None):
+        tr = job.train
+        self.job, self.setup, self.run_dir, self.ranks = job, setup, Path(run_dir), ranks
+        self.run_dir.mkdir(parents=True, exist_ok=True)
+        self.stream_factory = stream_factory
+        self.t_start = time.perf_counter() if t_start is None else t_start
+        self.device = torch.device("cuda", job.hw.trainer_gpu) if job.hw.device == "cuda" else torch.device("cpu")
+        # The schedule is over GLOBAL batches (train.batch_size per rank x ranks); rank r trains on slice r of each.
+        self.schedule, self.steps = build_schedule(
+            len(setup.data.train), len(setup.data.heldout), batch_size=tr.batch_size * ranks.world,
+            grad_accum=tr.grad_accum, epochs=tr.epochs, max_steps=tr.max_steps, eval_every=tr.eval_every, seed=tr.seed)
+        self.trainer = build_trainer(job, setup, self.steps, self.device, ranks)
+        self.fingerprint = run_fingerprint(job, setup, len(self.schedule), ranks.world)
+        self.samples = setup.data.train + setup.data.heldout
+        self.saved = Progress()  # at the last optimizer-step boundary
+        self.progress = Progress()  # live, item by item
+        self.evals: dict[str, dict] = {}
+        self.resumed_from: Path | None = None
+        self.checkpoint: Path | None = None
+        self.artifact_bytes = 0  # bytes of checkpoints and export this rank wrote (to separate them from anything else)
+        self.stop = StopOnSignal()
+        self.logger = NullLogger()
+        self.bar = None
+        self.stream: TargetStream | None = None
+        self._eval: tuple[str, TTTStats] | None = None  # the evaluation under way: (tag, stats)
+        self._train_stats = TTTStats()
+        self._t_train: float | None = None  # set at the first training batch: throughput excludes start-up
+        self._wait_at_train_start = 0.0
+        self._session_tokens = self._tokens_streamed = 0
+
+    # ------------------------------------------------------------------------------ steps
+    def resume(self) -> None:
+        """Weights, Adam, LR, RNG, vocab maps and the data cursor from the newest checkpoint (train.resume)."""
+        path = find_resume_checkpoint(self.job.train.resume, self.run_dir)
+        if path is not None:
+            check_fingerprint(read_state(path).get("fingerprint", {}), self.fingerprint, path)
+            t = self.trainer
+            state = load_checkpoint(path, t.draft, t.optimizer, t.scheduler)
+            self.saved = Progress(**{k: state[k] for k in dataclasses.asdict(Progress())})
+            self.evals = state.get("evals", {})
+            self.resumed_from = path
+            if self.ranks.main:
+                print(f"resuming from {path} at optimizer step {self.saved.step} "
+                      f"(schedule item {self.saved.schedule_item})")
+        self.ranks.check_same(self.saved.schedule_item, "the schedule item to resume from", self.device)
+
+    def train_micro_batch(self, index: int, item: BatchItem, batch) -> None:
+        """Forward + backward of this rank's share of a training item; an optimizer step at every
+        train.grad_accum-th one."""
+        if self._t_train is None:
+            self._t_train, self._wait_at_train_start = time.perf_counter(), self.stream.wait_s
+        res = self.trainer.train_micro(batch)  # None: no share of this micro-batch (it still joins the counts)
+        if res is not None:
+            self._train_stats.add(res)
+        p, tokens = self.progress, self._item_tokens(item)
+        p.micro_batches += 1
+        p.tokens_trained += tokens
+        p.samples_trained += len(item.sample_ids)
+        self._session_tokens += tokens
+        if p.micro_batches % self.job.train.grad_accum == 0:
+            self.optimizer_step(index, res)
+
+    def optimizer_step(self, index: int, last) -> None:
+        tr, p = self.job.train, self.progress
+        grad_norm = self.trainer.optimizer_step()
+        p.step += 1
+        p.schedule_item = index + 1
+        self.saved = dataclasses.replace(p)
+        elapsed = time.perf_counter() - self._t_train
+        loss = self.trainer.loss_value(last)
+        log_now = p.step % tr.log_every == 0 or p.step == self.steps
+        if log_now:
+            self.trainer.sum_stats(self._train_stats)
+        summary = self._train_stats.summary("train")
+        self.bar.set_postfix(tok_s=f"{self._session_tokens / elapsed:.0f}", loss=f"{loss:.3f}",
+                             acc0=f"{summary.get('train/acc_0', 0):.2f}", q=self.stream.depth())
+        self.bar.update(1)
+        if log_now:
+            self.logger.log({**summary, "train/loss": loss, "train/grad_norm": grad_norm,
+                             "train/lr": self.trainer.scheduler.get_last_lr()[0],
+                             "perf/tokens_per_s": self._session_tokens / elapsed, "stream/depth": self.stream.depth(),
+                             "stream/wait_frac": self.stream.wait_s / elapsed}, p.step)
+            self._train_stats = TTTStats()
+        if tr.checkpoint_every and p.step % tr.checkpoint_every == 0 and p.step < self.steps:
+            self.save()
+
+    def evaluate(self, item: BatchItem, batch) -> None:
+        """One held-out batch of the evaluation `item.tag`; its metrics are logged when it ends."""
+        if self._eval is None:
+            self._eval = (item.tag, TTTStats())
+        if batch is not None:
+            self._eval[1].add(self.trainer.evaluate(batch))
+
+    def finish_evaluation(self) -> None:
+        if self._eval is None:
+            return
+        tag, stats = self._eval
+        self._eval = None
+        self.evals[tag] = {k.split("/", 1)[1]: v for k, v in self.trainer.sum_stats(stats).summary("eval").items()}
+        self.logger.log({f"eval/{k}": v for k, v in self.evals[tag].items()}, self.progress.step)
+        if self.ranks.main:
+            self.bar.write(f"eval[{tag}] " + eval_line(self.evals[tag], self.job.train.ttt_length))
+
+    def save(self, done: bool = False) -> Path | None:
+        """Checkpoint at the last optimizer-step boundary (rank 0 only; the ranks' weights are equal).
+        done: the whole schedule ran (a resume has nothing left to do)."""
+        if not self.ranks.main:
+            return None
+        extra = {**dataclasses.asdict(self.saved), "evals": self.evals, "fingerprint": self.fingerprint}
+        if done:
+            extra["schedule_item"] = len(self.schedule)
+        t = self.trainer
+        self.checkpoint = save_checkpoint(self.run_dir, self.saved.step, t.draft, t.optimizer, t.scheduler, extra,
+                                          self.job.train.keep_checkpoints)
+        self.artifact_bytes += allocated_bytes(self.checkpoint)
+        return self.checkpoint
+
+    # -------------------------------------------------------------------------------- run
+    def run(self) -> dict:
+        """Train over the schedule and export. Returns the summary (also written to summary.json).
+
+        Raises TrainingInterrupted (after saving) on SIGTERM/SIGINT, and StreamError / RankFailed
+        (after saving) when the target process fails, dies or stalls or another rank fails."""
+        tr = self.job.train
+        self.resume()
+        self.progress = dataclasses.replace(self.saved)
+        start = self.saved.schedule_item
+        if self.ranks.main:
+            print_overview(self.job, self.setup, self.schedule, self.steps, self.trainer.draft, self.run_dir,
+                           self.ranks.world)
+            self.logger = MetricsLogger(tr.logger, project=tr.wandb_project, mode=tr.wandb_mode,
+                                        run_dir=str(self.run_dir), config={"job": dataclasses.asdict(self.job),
+                                                                           "capture_points": self.setup.capture_points})
+        shares = [self.ranks.share(p.sample_ids, tr.batch_size) for p in self.schedule[start:]]  # this rank's slices
+        self.stream = self.stream_factory(self.job, self.setup, self.samples, [ids for ids in shares if ids])
+        self.stream.should_stop = self.stop.requested
+        self.bar = tqdm(total=self.steps, initial=self.saved.step, desc="train", unit="step",
+                        disable=not (tr.progress and self.ranks.main), dynamic_ncols=True)
+        io = psutil.Process().io_counters
+        try:
+            with self.stop, launcher_env_hidden(), self.stream:  # the target must not inherit torchrun's variables
+                written_before = io().write_bytes
+                self._walk(start, shares)
+                trainer_written = io().write_bytes - written_before
+            self.bar.close()
+            self.save(done=True)
+            export = (export_draft(self.trainer.draft.cpu(), self.run_dir / "export", self.setup.eagle_layer_ids,
+                                   self.setup.info.bos_token_id, self.setup.info.eos_token_id)
+                      if self.ranks.main else None)
+        except (TrainingInterrupted, StreamInterrupted, StreamError, RankFailed) as err:
+            raise self._saved_on_failure(err) from None
+        finally:
+            self.bar.close()
+            self.stream.close()
+        return self.summarize(trainer_written, export)
+
+    def _walk(self, start: int, shares: list[list[int]]) -> None:
+        batches = take_batches(self.stream, shares, self.samples, self.trainer.make_batch)
+        for index, (share, batch) in enumerate(batches, start):
+            item = self.schedule[index]
+            self._tokens_streamed += self._item_tokens(item)
+            if self.stop.requested():
+                raise TrainingInterrupted(self.stop.signum, None)
+            if item.kind == "eval":
+                self.evaluate(item, batch)
+                continue
+            self.finish_evaluation()
+            self.train_micro_batch(index, item, batch)
+        self.finish_evaluation()
+
+    def _saved_on_failure(self, err: Exception) -> Exception:
+        """Stop the target, save the last boundary, and the error to raise (naming the checkpoint)."""
+        self.bar.close()
+        self.stream.close()
+        path = self.save()
+        self.logger.close()
+        if isinstance(err, (TrainingInterrupted, StreamInterrupted)):
+            return TrainingInterrupted(self.stop.signum or signal.SIGTERM, path)
+        saved = f"progress saved: {path}" if path else f"rank {self.ranks.rank}: rank 0 saves the progress"
+        return type(err)(f"{err}\n{saved} (resume with train.resume=auto train.out_dir={self.run_dir})")
+
+    def _item_tokens(self, item: BatchItem) -> int:
+        return sum(len(self.samples[i].input_ids) for i in item.sample_ids)
+
+    def summarize(self, trainer_written: int, export: Path | None) -> dict:
+        job, setup, stream, p = self.job, self.setup, self.stream, self.progress
+        train_wall = time.perf_counter() - self._t_train if self._t_train else float("nan")
+        elem_bytes = torch.finfo(getattr(torch, job.hw.target_dtype)).bits // 8
+        token_bytes = 4 * setup.info.hidden_size * elem_bytes
+        smallest_batch = min(self._item_tokens(item) for item in self.schedule)
+        # summed over the data-parallel ranks: every target process and every trainer
+        hidden_disk, startup_disk, trainer_written = self.ranks.sum_ints(
+            [stream.target_io.streaming_write_bytes, stream.target_io.startup_write_bytes, trainer_written], self.device)
+        summary = {
+            "target": job.target.name, "trainer_ranks": self.ranks.world, "steps": p.step,
+            "samples_trained": p.samples_trained, "tokens_trained": p.tokens_trained,
+            "resumed_from": str(self.resumed_from) if self.resumed_from else None,
+            "train_wall_s": round(train_wall, 1), "tokens_per_s": round(self._session_tokens / train_wall, 1),
+            "stream_wait_frac": round((stream.wait_s - self._wait_at_train_start) / train_wall, 3),
+            "total_wall_s": round(time.perf_counter() - self.t_start, 1),
+            "eval": self.evals, "data": setup.data.summary(),
+            # Measured from the processes' I/O counters (/proc/<pid>/io write_bytes) over the streaming
+            # phase (first to last batch); shared memory is tmpfs and does not count. The target
+            # process produces every hidden state, so its count is the hidden-state bytes on disk.
+            # The trainer's writes other than checkpoint files (filesystem metadata, temp probes) are
+            # shown beside the smallest batch of hidden states: a spilled batch could not hide below it.
+            "disk": {"hidden_state_bytes_on_disk": hidden_disk,
+                     "target_startup_write_bytes": startup_disk,
+                     "trainer_checkpoint_bytes": self.artifact_bytes,
+                     "trainer_other_write_bytes": max(0, trainer_written - self.artifact_bytes),
+                     "smallest_batch_hidden_state_bytes": smallest_batch * token_bytes,
+                     "hidden_state_bytes_streamed_in_memory": self._tokens_streamed * token_bytes},
+            "checkpoint": str(self.checkpoint), "export": str(export),
+        }
+        if self.ranks.main:
+            (self.run_dir / "summary.json").write_text(json.dumps(summary, indent=1))
+        self.logger.summary({"tokens_per_s": summary["tokens_per_s"],
+                             **{f"final/{k}": v for k, v in self.evals.get("end", {}).items()}})
+        self.logger.close()
+        return summary
+
+
+def run_training(job: JobConfig, run_dir: str | Path, engine: str = "sglang") -> dict:
+    """Train a draft online and export it. Returns the summary (also written to summary.json).
+
+    Raises TrainingInterrupted (after saving) on SIGTERM/SIGINT, and StreamError (after saving)
+    when the target process fails, dies or stalls. Under torchrun every rank calls this
+    (train/distributed.py); only rank 0 prints, logs, checkpoints and exports, and a rank that
+    sees another one fail raises RankFailed (rank 0 after saving).
+    """
+    try:
+        Path(run_dir).mkdir(parents=True, exist_ok=True)
+        t_start = time.perf_counter()
+        torch.manual_seed(job.train.seed)
+        if job.hw.device == "cpu":
+            torch.set_num_threads(job.hw.trainer_threads)
+        setup = prepare(job)
+        job, ranks = start_ranks(job)  # torchrun: this rank's trainer GPU and target replica, the process group
+        run_dir = Path(ranks.from_main(str(run_dir)))  # Hydra's default folder is a timestamp: take rank 0's
+        trainer = Trainer(job, setup, run_dir, ranks, partial(make_target_stream, engine=engine), t_start)
+        return trainer.run()
+    finally:
+        stop_ranks()
+
+
+# --------------------------------------------------------------------------------- output
+def _fmt_params(n: int) -> str:
+    return f"{n / 1e6:.2f}M" if n < 1e9 else f"{n / 1e9:.2f}B"
+
+
+def eval_line(ev: dict, K: int) -> str:
+    accs = " ".join(f"{ev[f'acc_{k}']:.3f}" for k in range(K))
+    return f"tau_sim {ev['tau_sim']:.3f}  acc_0..{K - 1} [{accs}]  positions {int(ev['positions'])}"
+
+
+def print_overview(job: JobConfig, setup: RunSetup, schedule: list[BatchItem], steps: int, draft, run_dir: Path,
+                   world: int = 1) -> None:
+    """What the run is about to do, printed before the engine starts."""
+    trainable = sum(p.numel() for p in draft.trainable_parameters())
+    train_items = [p for p in schedule if p.kind == "train"]
+    train_tokens = sum(len(setup.data.train[i].input_ids) for p in train_items for i in p.sample_ids
+                       if i < len(setup.data.train))
+    H = setup.info.hidden_size
+    lines = [
+        "== specforge_k25 run plan ==",
+        f"target      {job.target.name}: {setup.info.architecture}, {setup.info.num_layers} layers, hidden {H}, "
+        f"vocab {setup.info.vocab_size} ({setup.model_path})",
+        f"engine      SGLang in its own process, device {job.hw.device}, TP {job.hw.target_tp}, {job.hw.target_dtype}",
+        f"aux layers  inputs of layers {setup.capture_points} (SGLang eagle3 ids {setup.eagle_layer_ids})",
+        f"draft       1 layer, H {H}, heads {setup.draft_cfg.num_attention_heads}/{setup.draft_cfg.num_key_value_heads}, "
+        f"I {setup.draft_cfg.intermediate_size}, Vd {setup.draft_cfg.draft_vocab_size}; {_fmt_params(trainable)} trainable "
+        f"(+{_fmt_params(draft.embed_tokens.weight.numel())} frozen embedding)",
+        f"data        {len(setup.data.train)} train / {len(setup.data.heldout)} held-out samples, max_length "
+        f"{job.data.max_length}; skipped {dict(setup.data.skipped) or 'none'}",
+        f"schedule    {steps} optimizer steps = {len(train_items)} micro-batches of {job.train.batch_size} "
+        f"x accum {job.train.grad_accum}, {train_tokens} tokens; TTT K={job.train.ttt_length}; lr {job.train.lr}",
+        f"stream      {job.train.stream_slots} shared-memory slots of up to "
+        f"{job.train.batch_size * job.data.max_length} tokens x {4 * H} floats",
+        f"outputs     {run_dir}",
+    ]
+    if world > 1:
+        lines.insert(-2, f"ranks       {world} data-parallel trainer ranks, one target replica each; global batch "
+                         f"{world} x {job.train.batch_size} samples, sliced by rank")
+    print("\n".join(lines), flush=True)

@@ -1,0 +1,223 @@
+"""Smoke tests of the benchmark scripts' small modes: structure of their results, never timings."""
+from __future__ import annotations
+
+import importlib
+import json
+import math
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+BENCHMARKS = Path(__file__).resolve().parents[2] / "benchmarks"
+
+
+def bench(name: str):
+    if str(BENCHMARKS) not in sys.path:
+        sys.path.insert(0, str(BENCHMARKS))
+    return importlib.import_module(name)
+
+
+def finite(x) -> bool:
+    return isinstance(x, (int, float)) and math.isfinite(x)
+
+
+# ------------------------------------------------------------------------------ gpu_kimi_shapes
+@pytest.mark.parametrize("flags", [[], ["--activation-checkpointing", "--optimizer-device", "cpu"]])
+def test_gpu_kimi_shapes_small_cpu(flags, tmp_path, capsys, one_torch_thread):
+    g = bench("gpu_kimi_shapes")
+    out = tmp_path / "gpu_kimi_shapes.json"
+    g.main(["--device", "cpu", "--small", "--threads", "1", "--warmup", "1", "--iters", "1", "--out", str(out)] + flags)
+    printed = capsys.readouterr().out
+    tail = printed[printed.index("matmul rate ("):]  # the report comes last: rates, draft, then the table
+    assert "one draft training step" in tail and tail.rstrip().endswith("┘")
+    result = json.loads(out.read_text())
+    assert out.with_suffix(".png").stat().st_size > 0
+    assert [r["seq_len"] for r in result["shapes"]] == [32, 64]
+    for key in ("bf16_tflops", "fp32_tflops"):
+        assert finite(result["matmul"][key]) and result["matmul"][key] > 0
+    for row in result["shapes"]:
+        assert row["status"] == "ok"
+        for key in ("step_s", "teacher_s", "fwd_bwd_s", "optim_s", "tflops", "frac_of_bf16_matmul", "loss_last",
+                    "grad_norm_last"):
+            assert finite(row[key]), key
+        assert row["flops"]["total"] > 0 and row["planned_bytes"] > 0
+        assert (row["flops"]["draft_recompute"] > 0) is bool(flags)
+    assert result["frozen_dtype"] == "bfloat16" and result["optimizer_device"] is None  # cpu is the trainer's device
+
+
+def test_kimi_shapes_come_from_the_repo_config():
+    g = bench("gpu_kimi_shapes")
+    cfg = g.draft_config(small=False)
+    assert (cfg.hidden_size, cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim) == (7168, 56, 8, 128)
+    assert (cfg.draft_vocab_size, cfg.vocab_size, cfg.intermediate_size) == (32000, 163840, 18432)
+
+
+def cpu_sdpa_flop_formulas() -> dict:
+    """torch's flop counter has no formula for the CPU flash-attention kernel the draft's masked SDPA
+    runs on here (it would count 0 for it): count it with torch's own flash/efficient-attention
+    formulas (forward 2 matmuls; backward 5: QK^T recomputed, then dP, dV, dQ, dK), as on a GPU."""
+    from torch.utils.flop_counter import sdpa_backward_flop_count, sdpa_flop_count
+
+    aten = torch.ops.aten
+
+    def forward(query, key, value, *args, out_shape=None, **kwargs):
+        return sdpa_flop_count(query, key, value)
+
+    def backward(grad_out, query, key, value, *args, out_shape=None, **kwargs):
+        return sdpa_backward_flop_count(grad_out, query, key, value)
+
+    return {aten._scaled_dot_product_flash_attention_for_cpu: forward,
+            aten._scaled_dot_product_flash_attention_for_cpu_backward: backward}
+
+
+@pytest.mark.parametrize("bf16,checkpoint", [(False, False), (True, False), (True, True)])
+def test_analytic_flops_match_torch_flop_counter(bf16, checkpoint, one_torch_thread):
+    """The analytic count equals torch's count of the step (matmuls and the fused SDPA), with
+    activation checkpointing's extra forward of every TTT step too."""
+    from torch.utils.flop_counter import FlopCounterMode
+
+    g = bench("gpu_kimi_shapes")
+    argv = ["--device", "cpu", "--small"] + ([] if bf16 else ["--no-bf16"])
+    args = g.parse_args(argv + (["--activation-checkpointing"] if checkpoint else []))
+    cfg = g.draft_config(small=True)
+    cpu = torch.device("cpu")
+    for T in (16, 40):
+        trainer = g.build_trainer(cfg, cpu, args)
+        assert trainer.activation_checkpointing is checkpoint
+        assert trainer.lm_head.dtype == trainer.draft.embed_tokens.weight.dtype == g.frozen_dtype(bf16)
+        inputs = g.random_inputs(cfg, 1, T, cpu)
+        with FlopCounterMode(display=False, custom_mapping=cpu_sdpa_flop_formulas()) as counter:
+            g.timed_step(trainer, inputs, cpu)
+        flops = g.step_flops(cfg, 1, T, args.ttt_length, checkpoint=checkpoint)
+        counts = {str(op): n for op, n in counter.get_flop_counts()["Global"].items()}
+        sdpa = {op: n for op, n in counts.items() if "scaled_dot_product" in op}
+        assert sum(sdpa.values()) == flops["attention_fwd"] * (2 if checkpoint else 1) + flops["attention_bwd"], sdpa
+        assert counter.get_total_flops() == flops["total"]
+        assert (flops["draft_recompute"] > 0) is checkpoint
+
+
+def test_step_flops_attention_and_checkpointing():
+    """Hand-checked numbers for a toy config: step k's SDPA sees (k+1)T keys at nh heads."""
+    from specforge_k25.draft.model import DraftConfig
+
+    g = bench("gpu_kimi_shapes")
+    cfg = DraftConfig(hidden_size=8, intermediate_size=16, num_attention_heads=4, num_key_value_heads=2, head_dim=2,
+                      vocab_size=32, draft_vocab_size=16, target_hidden_size=8)
+    B, T, K = 2, 3, 2
+    f = g.step_flops(cfg, B, T, K)
+    # per step k: 2 matmuls of 2*B*nh*T*(k+1)T*hd; k = 0, 1
+    assert f["attention_fwd"] == 2 * (2 * B * 4 * T * T * 2) + 2 * (2 * B * 4 * T * 2 * T * 2) == 1728
+    assert f["attention_bwd"] == 5 * f["attention_fwd"] // 2
+    linear = 2 * B * T * (2 * 8 * (4 + 2 * 2) * 2 + 4 * 2 * 8 + 3 * 8 * 16 + 8 * 16)
+    fc = 2 * B * T * 3 * 8 * 8
+    assert f["draft_fwd"] == fc + K * linear + f["attention_fwd"]
+    assert f["draft_bwd"] == fc + 2 * K * linear + f["attention_bwd"]
+    assert f["teacher"] == 2 * B * T * 32 * 8 and f["draft_recompute"] == 0
+    c = g.step_flops(cfg, B, T, K, checkpoint=True)
+    assert c["draft_recompute"] == K * linear + f["attention_fwd"]
+    assert c["total"] == f["total"] + c["draft_recompute"]
+
+
+def test_planned_bytes_follow_the_settings():
+    """The plan the table prints beside the peak uses the run's settings: bf16 frozen tensors,
+    checkpointing and AdamW offload each lower it; --optimizer-device naming the trainer's own
+    device is no offload."""
+    g = bench("gpu_kimi_shapes")
+    cfg = g.draft_config(small=False)
+
+    def plan(bf16=True, checkpoint=False, offloaded=False):
+        return g.planned_bytes(cfg, 1, 2048, 7, 1024, bf16, checkpoint=checkpoint, optimizer_offloaded=offloaded)
+
+    base = plan()
+    V, H = cfg.vocab_size, cfg.hidden_size
+    # fp32 frozen embedding + lm_head: 2 more bytes per element each; the fp32 teacher chunk has no bf16 copy
+    assert plan(bf16=False) > base + 2 * (2 * V * H) - 1024 * V * 2
+    assert plan(checkpoint=True) < base
+    assert plan(offloaded=True) < base
+    args = g.parse_args(["--optimizer-device", "cpu"])
+    assert g.optimizer_device(args, torch.device("cpu")) is None
+    assert g.optimizer_device(args, torch.device("cuda:0")) == "cpu"
+    assert g.optimizer_device(g.parse_args([]), torch.device("cuda:0")) is None
+    assert g.optimizer_device(g.parse_args(["--optimizer-device", "cuda:1"]), torch.device("cuda:0")) == "cuda:1"
+
+
+def test_oom_is_reported_not_raised(tmp_path, monkeypatch, capsys, one_torch_thread):
+    g = bench("gpu_kimi_shapes")
+
+    def run_shape(cfg, seq_len, device, args):
+        raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 42.00 GiB")
+
+    monkeypatch.setattr(g, "run_shape", run_shape)
+    out = tmp_path / "g.json"
+    result = g.main(["--device", "cpu", "--small", "--seq-lens", "32", "--threads", "1", "--out", str(out)])
+    assert result["shapes"][0]["status"] == "OOM"
+    assert "OOM" in capsys.readouterr().out
+    with pytest.raises(ValueError):  # anything else still fails loudly
+        monkeypatch.setattr(g, "run_shape", lambda *a: (_ for _ in ()).throw(ValueError("bug")))
+        g.measure_shape(None, 32, torch.device("cpu"), None)
+
+
+# ------------------------------------------------------------------------------- teacher_memory
+def test_teacher_memory_child_process():
+    """One memory config in its own process (the full run does 8 of these)."""
+    t = bench("teacher_memory")
+    spec = dict(hidden=64, heads=4, kv_heads=2, head_dim=16, intermediate=192, draft_vocab=256, seq_len=256,
+                threads=1, vocab=2048, chunk=32)
+    row = t.run_memory_config(spec)
+    for key in ("resident_before_step", "teacher_peak_delta", "ttt_peak_delta", "step_peak_delta"):
+        assert isinstance(row[key], int), key
+    assert row["step_peak_delta"] > 0 and row["resident_before_step"] > 0
+
+
+def test_teacher_memory_small_time_part(tmp_path, capsys, one_torch_thread):
+    t = bench("teacher_memory")
+    out = tmp_path / "teacher_memory.json"
+    result = t.main(["--small", "--skip-memory", "--reps", "1", "--out", str(out)])
+    assert json.loads(out.read_text())["benchmark"] == "teacher_memory"
+    assert out.with_suffix(".png").stat().st_size > 0
+    assert "draft step time vs T" in capsys.readouterr().out
+    for key in ("vs_seq_len", "vs_ttt_length"):
+        assert result["time"][key]
+        for row in result["time"][key]:
+            assert all(finite(row[k]) for k in ("step_s", "teacher_s", "fwd_bwd_s", "optim_s", "tokens_per_s"))
+
+
+# ---------------------------------------------------------------------------- online_vs_offline
+def test_offline_dump_roundtrip(tmp_path):
+    """The offline pass writes exactly what the stream carried and reads it back unchanged."""
+    o = bench("online_vs_offline")
+    from specforge_k25.data.tokenize import Sample
+
+    samples = [Sample(torch.arange(5), torch.tensor([0, 0, 1, 1, 1], dtype=torch.bool)),
+               Sample(torch.arange(3) + 7, torch.tensor([0, 1, 1], dtype=torch.bool))]
+    aux, final = torch.randn(8, 12), torch.randn(8, 4)
+    path = tmp_path / "batch_000000.safetensors"
+    o.dump_batch(path, samples, [5, 3], aux, final)
+    got_samples, lengths, got_aux, got_final = o.load_batch(path)
+    assert lengths == [5, 3]
+    assert torch.equal(got_aux, aux) and torch.equal(got_final, final)
+    for a, b in zip(got_samples, samples):
+        assert torch.equal(a.input_ids, b.input_ids) and torch.equal(a.loss_mask, b.loss_mask)
+    assert o.allocated_bytes(tmp_path) >= aux.numel() * 4
+
+
+def test_kimi_bytes_per_token():
+    o = bench("online_vs_offline")
+    k = o.kimi_extrapolation(tokens=1000, dump_bytes=1000 * 9216, hidden=576, elem_bytes=4)
+    assert k["kimi_bytes_per_token"] == 4 * 7168 * 2 == 57344
+    assert k["this_target_bytes_per_token_analytic"] == 9216
+    assert k["kimi_bytes_per_1b_tokens"] == 57344 * 10**9
+
+
+# ------------------------------------------------------------------------------------ stream
+def test_stream_plot_from_result(tmp_path):
+    s = bench("stream")
+    phases = {name: {"tokens_per_s": rate} for name, rate in
+              (("target_only", 180.0), ("trainer_only", 110.0), ("online", 105.0))}
+    result = {"phases": phases, "bottleneck": "trainer_only", "goal": 0.95, "ratio_online_over_min": 105 / 110}
+    out = tmp_path / "stream.json"
+    out.write_text(json.dumps(result))
+    s.main(["--replot", "--out", str(out)])
+    assert out.with_suffix(".png").stat().st_size > 0

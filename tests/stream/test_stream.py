@@ -1,0 +1,105 @@
+"""The two-process stream: order, content, backpressure, and failure detection.
+
+Uses the HF reference engine in the target process (fast to start); the SGLang engine goes
+through the same `TargetStream` in tests/target/test_target.py and tests/train/test_train_e2e.py.
+"""
+from __future__ import annotations
+
+import os
+import signal
+import time
+
+import pytest
+import torch
+
+from specforge_k25.stream.producer import StreamError, TargetStream
+from specforge_k25.target.factory import TargetSpec
+from specforge_k25.target.hf_config import read_target_info
+from specforge_k25.target.hf_reference import HFTarget
+
+
+def _spec(path, **kw):
+    info = read_target_info(path)
+    return TargetSpec(engine="hf", model_path=path, architecture=info.architecture, capture_points=[2, 4, 5], **kw), info
+
+
+def _seqs(n, vocab, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(3, vocab, (int(torch.randint(4, 30, (1,), generator=g)),), generator=g) for _ in range(n)]
+
+
+def test_stream_delivers_plan_in_order_with_exact_tensors(tiny_deepseek_path):
+    spec, info = _spec(tiny_deepseek_path)
+    seqs = _seqs(7, info.vocab_size)
+    plan = [[3, 0], [6], [1, 2, 5], [4]]
+    ref = HFTarget(tiny_deepseek_path, [2, 4, 5])
+    got = []
+    with TargetStream(spec, seqs, plan, hidden_size=info.hidden_size, slots=2, timeout_s=120) as stream:
+        for msg, aux, final in stream:
+            got.append((msg.item, msg.lengths, aux.clone(), final.clone()))
+            stream.release(msg)
+    assert [g[0] for g in got] == [0, 1, 2, 3]
+    for (item, lengths, aux, final), batch in zip(got, plan):
+        assert lengths == [len(seqs[i]) for i in batch]
+        expect = ref.forward([seqs[i] for i in batch])
+        # same weights and inputs; only the thread count differs between the processes (summation order)
+        torch.testing.assert_close(aux, expect.aux_hidden, rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(final, expect.final_hidden, rtol=1e-5, atol=1e-5)
+    assert stream.target_io is not None and stream.target_io.streaming_write_bytes == 0
+
+
+def test_backpressure_bounds_batches_in_flight(tiny_deepseek_path):
+    """With S slots the target can never be more than S batches ahead of a slow trainer."""
+    spec, info = _spec(tiny_deepseek_path)
+    seqs = _seqs(12, info.vocab_size, seed=1)
+    plan = [[i] for i in range(12)]
+    slots = 2
+    depths = []
+    with TargetStream(spec, seqs, plan, hidden_size=info.hidden_size, slots=slots, timeout_s=120) as stream:
+        for msg, aux, final in stream:
+            time.sleep(0.3)  # a slow trainer: the target fills every free slot meanwhile
+            depths.append(stream.depth())
+            stream.release(msg)
+    # the consumer holds one slot while sleeping, so at most slots-1 others can be ready (the last
+    # two readings may also count the end-of-stream marker, which occupies no slot)
+    assert max(depths[:-2]) <= slots - 1 and max(depths) <= slots
+    assert max(depths) >= 1  # and the target did run ahead (the pipeline overlaps)
+
+
+def test_dead_target_process_is_reported_quickly(tiny_deepseek_path):
+    spec, info = _spec(tiny_deepseek_path)
+    seqs = _seqs(40, info.vocab_size, seed=2)
+    plan = [[i] for i in range(40)]
+    stream = TargetStream(spec, seqs, plan, hidden_size=info.hidden_size, slots=1, timeout_s=120, poll_s=0.2)
+    with pytest.raises(StreamError, match=r"specforge-target .* died"):
+        with stream:
+            for i, (msg, aux, final) in enumerate(stream):
+                if i == 1:
+                    os.kill(stream.process.pid, signal.SIGKILL)
+                    killed_at = time.monotonic()
+                stream.release(msg)
+    assert time.monotonic() - killed_at < 10
+    assert not stream.process.is_alive()
+
+
+def test_engine_start_failure_names_the_stage(tmp_path, tiny_deepseek_path):
+    spec, info = _spec(tiny_deepseek_path)
+    spec.model_path = str(tmp_path / "no-such-model")
+    with pytest.raises(StreamError, match="engine start"):
+        with TargetStream(spec, _seqs(2, 100), [[0], [1]], hidden_size=info.hidden_size, timeout_s=60) as stream:
+            for msg, _, _ in stream:
+                stream.release(msg)
+
+
+def test_stalled_target_times_out(tiny_deepseek_path):
+    spec, info = _spec(tiny_deepseek_path)
+    stream = TargetStream(spec, _seqs(3, info.vocab_size), [[0], [1], [2]], hidden_size=info.hidden_size,
+                          timeout_s=1.0, start_timeout_s=1.0, poll_s=0.2)
+    with pytest.raises(StreamError, match="produced nothing"):
+        with stream:
+            os.kill(stream.process.pid, signal.SIGSTOP)  # alive but frozen
+            try:
+                for msg, _, _ in stream:
+                    stream.release(msg)
+            finally:
+                os.kill(stream.process.pid, signal.SIGCONT)

@@ -1,0 +1,153 @@
+"""The package's import walls (docs/ARCHITECTURE.md, "Import rules"), read from the source with
+`ast`: every import statement, those inside functions included, named by file:line on failure."""
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import pytest
+
+PACKAGE = Path(__file__).resolve().parents[1] / "specforge_k25"
+
+# What each part of the package may import of ours, along the data path
+# data -> target -> stream -> draft -> export -> plan -> setup -> train / eval.
+# The top-level modules `config` (the typed config) and `paths` (the cache folder) are leaves.
+ALLOWED = {
+    "config": set(),
+    "paths": set(),
+    "data": {"paths"},
+    "target": {"data", "paths"},
+    "stream": {"target"},
+    "draft": set(),  # torch only: nothing of ours but itself
+    "export": {"draft"},
+    "plan": {"config", "target", "draft"},  # reads facts; builds nothing
+    "setup": {"config", "data", "target", "stream", "draft", "plan"},
+    "train": {"config", "setup", "data", "target", "stream", "draft", "export", "plan"},
+    "eval": {"config", "setup", "data", "target", "stream", "draft", "export"},
+}
+ONLY_UNDER = {"sglang": "target", "sgl_kernel": "target"}  # third-party packages one part alone may import
+NEVER_IN = {"data": ["torch.distributed"], "draft": ["torch.distributed"]}
+
+
+def imports(root: Path = PACKAGE):
+    """(part, imported module, 'file:line') for every import statement of the package."""
+    for path in sorted(root.rglob("*.py")):
+        rel = path.relative_to(root.parent)
+        module = list(rel.with_suffix("").parts)
+        package = module[:-1] if module[-1] != "__init__" else module[:-1]
+        if module[-1] == "__init__":
+            module = module[:-1]
+        part = module[1] if len(module) > 1 else "__init__"
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            if isinstance(node, ast.Import):
+                names = [alias.name for alias in node.names]
+            elif isinstance(node, ast.ImportFrom):
+                if node.level:  # relative: resolve against this module's package
+                    base = package[: len(package) - (node.level - 1)]
+                    names = [".".join(base + ([node.module] if node.module else []))]
+                else:
+                    names = [node.module or ""]
+            else:
+                continue
+            for name in names:
+                yield part, name, f"{rel}:{node.lineno}"
+
+
+def _ours(name: str) -> str | None:
+    parts = name.split(".")
+    if parts[0] != "specforge_k25":
+        return None
+    return parts[1] if len(parts) > 1 else "__init__"
+
+
+def violations(root: Path = PACKAGE) -> list[str]:
+    out = []
+    for part, name, where in imports(root):
+        if part == "__init__":
+            continue
+        target = _ours(name)
+        if target is not None:
+            if target != part and target not in ALLOWED.get(part, set()):
+                out.append(f"{where}: {part} imports {name} ({part} may import {sorted(ALLOWED.get(part, ()))})")
+            continue
+        top = name.split(".")[0]
+        if top in ONLY_UNDER and part != ONLY_UNDER[top]:
+            out.append(f"{where}: {part} imports {name} (only {ONLY_UNDER[top]}/ may)")
+        for banned in NEVER_IN.get(part, ()):
+            if name == banned or name.startswith(banned + "."):
+                out.append(f"{where}: {part} imports {name}")
+    return out
+
+
+def cycles(root: Path = PACKAGE) -> list[str]:
+    """Import cycles between parts of the package, each as 'a -> b -> a' with the lines."""
+    edges: dict[str, dict[str, str]] = {}
+    for part, name, where in imports(root):
+        target = _ours(name)
+        if target is not None and target != part and part != "__init__":
+            edges.setdefault(part, {}).setdefault(target, where)
+    found = []
+
+    def visit(node, path):
+        for nxt, where in edges.get(node, {}).items():
+            if nxt == path[0][0]:
+                found.append(" -> ".join(f"{a} ({w})" for a, w in path + [(nxt, where)]))
+            elif nxt not in [p for p, _ in path] and nxt > path[0][0]:  # each cycle once, from its smallest part
+                visit(nxt, path + [(nxt, where)])
+
+    for start in sorted(edges):
+        visit(start, [(start, "")])
+    return found
+
+
+def test_every_part_is_known():
+    parts = {p.name for p in PACKAGE.iterdir() if p.is_dir() and (p / "__init__.py").exists()}
+    parts |= {p.stem for p in PACKAGE.glob("*.py") if p.stem != "__init__"}
+    assert parts == set(ALLOWED), f"add new parts to ALLOWED (and docs/ARCHITECTURE.md): {parts ^ set(ALLOWED)}"
+
+
+def test_imports_run_one_way():
+    assert violations() == []
+
+
+def test_no_cycle_between_parts():
+    assert cycles() == []
+
+
+def test_allowed_map_itself_has_no_cycle():
+    """The rules are a layering: following ALLOWED never leads back to where it started."""
+    def reach(part, seen=()):
+        for nxt in ALLOWED[part]:
+            assert nxt not in seen + (part,), f"ALLOWED has a cycle through {part} -> {nxt}"
+            reach(nxt, seen + (part,))
+
+    for part in ALLOWED:
+        reach(part)
+
+
+@pytest.mark.parametrize("source,expect", [
+    ("data/x.py", "from ..train.trainer import Trainer\n"),  # backwards
+    ("draft/x.py", "def f():\n    from ..config import JobConfig\n"),  # inside a function
+    ("eval/x.py", "import sglang\n"),  # sglang outside target/
+    ("data/x.py", "import torch.distributed as dist\n"),
+])
+def test_a_planted_violation_is_named_with_its_line(tmp_path, source, expect):
+    """The walker sees what it must: a copy of the package plus one bad import fails, naming it."""
+    import shutil
+
+    copy = tmp_path / "specforge_k25"
+    shutil.copytree(PACKAGE, copy, ignore=shutil.ignore_patterns("__pycache__"))
+    (copy / source).write_text(expect)
+    found = violations(copy)
+    line = expect.count("\n")
+    assert any(f.startswith(f"specforge_k25/{source}:{line}:") for f in found), found
+
+
+def test_a_planted_cycle_is_found(tmp_path):
+    import shutil
+
+    copy = tmp_path / "specforge_k25"
+    shutil.copytree(PACKAGE, copy, ignore=shutil.ignore_patterns("__pycache__"))
+    (copy / "stream" / "x.py").write_text("from ..setup.run import prepare\n")
+    found = cycles(copy)
+    assert any("setup" in c and "stream/x.py:1" in c for c in found), found

@@ -1,0 +1,284 @@
+"""Tests of training checkpoints (specforge_k25/train/checkpoint.py): exact resume of draft,
+AdamW state, LR schedule and RNG; pruning; crash safety; no pickle; shape mismatch.
+"""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+import specforge_k25.train.checkpoint as ckpt_mod
+from specforge_k25.draft.model import DraftConfig, Eagle3Draft, draft_state
+from specforge_k25.draft.vocab import build_vocab_maps
+from specforge_k25.train.checkpoint import list_checkpoints, load_checkpoint, save_checkpoint
+from specforge_k25.train.optim import build_optimizer, build_scheduler
+
+V, VD, H = 300, 50, 32
+TOTAL_STEPS = 10
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _one_thread(one_torch_thread):
+    yield
+
+
+def make_cfg(**over) -> DraftConfig:
+    kw = dict(hidden_size=H, intermediate_size=48, num_attention_heads=4, num_key_value_heads=2, head_dim=8,
+              vocab_size=V, draft_vocab_size=VD, target_hidden_size=H)
+    kw.update(over)
+    return DraftConfig(**kw)
+
+
+def make_draft(seed: int, **over) -> Eagle3Draft:
+    torch.manual_seed(seed)
+    draft = Eagle3Draft(make_cfg(**over))
+    with torch.no_grad():
+        d2t, t2d = build_vocab_maps(torch.randint(0, 1000, (draft.cfg.vocab_size,)), draft.cfg.draft_vocab_size)
+        draft.d2t.copy_(d2t)
+        draft.t2d.copy_(t2d)
+    return draft
+
+
+def make_training(seed: int, **over):
+    draft = make_draft(seed, **over)
+    opt = build_optimizer(draft.trainable_parameters(), lr=1e-2, betas=(0.9, 0.95), weight_decay=0.01)
+    sched = build_scheduler(opt, TOTAL_STEPS, warmup_ratio=0.2)
+    return draft, opt, sched
+
+
+def batch(seed: int, B: int = 2, T: int = 5):
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(B, T, 3 * H, generator=g), torch.randint(0, V, (2, B, T), generator=g)
+
+
+def fake_loss(draft: Eagle3Draft, aux, ids) -> torch.Tensor:
+    """Two TTT steps so every trainable tensor (fc, attention, MLP, norms, lm_head) gets a gradient."""
+    B, T = ids.shape[1:]
+    cache: list = []
+    h = draft.project(aux)
+    loss = 0.0
+    for k in range(ids.shape[0]):
+        h, kv = draft.step(ids[k], h, torch.arange(T).expand(B, T) + k, cache)
+        cache.append(kv)
+        loss = loss + torch.log_softmax(draft.logits(h), -1)[..., 0].sum()
+    return -loss
+
+
+def train_step(draft, opt, sched, seed: int) -> None:
+    aux, ids = batch(seed)
+    fake_loss(draft, aux, ids).backward()
+    opt.step()
+    sched.step()
+    opt.zero_grad(set_to_none=True)
+
+
+def trainable_tensors(draft) -> dict[str, torch.Tensor]:
+    return {k: v.detach().clone() for k, v in draft_state(draft).items()}
+
+
+# -------------------------------------------------------------------------------- 5. resume
+def test_save_load_restores_everything_and_resumes_bit_exact(tmp_path):
+    draft, opt, sched = make_training(seed=0)
+    for s in range(2):
+        train_step(draft, opt, sched, seed=100 + s)
+    assert len(opt.state_dict()["state"]) == len(draft.trainable_parameters())  # every param has AdamW state
+    torch.manual_seed(1234)
+    rng_at_save = torch.get_rng_state()
+    path = save_checkpoint(tmp_path, 2, draft, opt, sched, {"micro_batches": 4, "plan_item": 7}, keep=2)
+    assert path == tmp_path / "checkpoints" / "step_00000002"
+    assert list_checkpoints(tmp_path) == [path]
+
+    # fresh objects, different weights; only the (frozen, not saved) target embedding is injected
+    draft2, opt2, sched2 = make_training(seed=99)
+    with torch.no_grad():
+        draft2.embed_tokens.weight.copy_(draft.embed_tokens.weight)
+    assert not torch.equal(draft2.fc.weight, draft.fc.weight)
+    torch.rand(1000)  # move the RNG away from the saved state
+    assert not torch.equal(torch.get_rng_state(), rng_at_save)
+
+    state = load_checkpoint(path, draft2, opt2, sched2)
+    assert state["step"] == 2 and state["micro_batches"] == 4 and state["plan_item"] == 7
+    assert torch.equal(torch.get_rng_state(), rng_at_save)
+
+    want, got = trainable_tensors(draft), draft_state(draft2)
+    assert set(want) == set(got) and "embed_tokens.weight" not in want
+    for k in want:
+        assert got[k].dtype == want[k].dtype and torch.equal(got[k], want[k]), k
+
+    sd1, sd2 = opt.state_dict(), opt2.state_dict()
+    assert set(sd1["state"]) == set(sd2["state"])
+    for pid, st in sd1["state"].items():
+        assert set(st) == set(sd2["state"][pid]) == {"step", "exp_avg", "exp_avg_sq"}
+        for name, value in st.items():
+            other = sd2["state"][pid][name]
+            assert torch.is_tensor(other) and other.dtype == value.dtype and torch.equal(other, value), (pid, name)
+    for g1, g2 in zip(sd1["param_groups"], sd2["param_groups"]):
+        assert g1["lr"] == g2["lr"] and g1["initial_lr"] == g2["initial_lr"]
+        assert tuple(g1["betas"]) == tuple(g2["betas"]) and g1["weight_decay"] == g2["weight_decay"]
+        assert g1["params"] == g2["params"]
+    s1, s2 = sched.state_dict(), sched2.state_dict()
+    assert s1["last_epoch"] == s2["last_epoch"] == 2
+    assert s1["_step_count"] == s2["_step_count"]
+    assert s1["_last_lr"] == s2["_last_lr"] and s1["base_lrs"] == s2["base_lrs"]
+    assert sched.get_last_lr() == sched2.get_last_lr()
+
+    # one more identical step on both: bit-identical weights, optimizer state and LR
+    train_step(draft, opt, sched, seed=200)
+    train_step(draft2, opt2, sched2, seed=200)
+    after1, after2 = draft_state(draft), draft_state(draft2)
+    for k in after1:
+        assert torch.equal(after1[k], after2[k]), k
+    assert not torch.equal(after1["fc.weight"], want["fc.weight"])  # the step did change the weights
+    for pid, st in opt.state_dict()["state"].items():
+        for name, value in st.items():
+            assert torch.equal(opt2.state_dict()["state"][pid][name], value), (pid, name)
+    assert sched.get_last_lr() == sched2.get_last_lr()
+
+
+def test_load_without_optimizer_restores_draft_only(tmp_path):
+    draft, opt, sched = make_training(seed=0)
+    train_step(draft, opt, sched, seed=1)
+    path = save_checkpoint(tmp_path, 1, draft, opt, sched, {}, keep=2)
+    fresh = make_draft(seed=5)
+    load_checkpoint(path, fresh)
+    for k, v in draft_state(draft).items():
+        assert torch.equal(draft_state(fresh)[k], v), k
+
+
+# ------------------------------------------------------------------------------- 6. pruning
+def _names(paths) -> list[str]:
+    return [p.name for p in paths]
+
+
+def test_keep_prunes_to_newest(tmp_path):
+    draft, opt, sched = make_training(seed=0)
+    train_step(draft, opt, sched, seed=1)
+    for step in (1, 2, 3, 4, 5):
+        save_checkpoint(tmp_path, step, draft, opt, sched, {}, keep=3)
+    assert _names(list_checkpoints(tmp_path)) == ["step_00000003", "step_00000004", "step_00000005"]
+    on_disk = sorted(p.name for p in (tmp_path / "checkpoints").iterdir())
+    assert on_disk == ["step_00000003", "step_00000004", "step_00000005"]  # pruned ones are really gone
+    save_checkpoint(tmp_path, 6, draft, opt, sched, {}, keep=1)
+    assert _names(list_checkpoints(tmp_path)) == ["step_00000006"]
+    # numeric order, not insertion order: step 12 sorts after step 6 (zero padded)
+    save_checkpoint(tmp_path, 12, draft, opt, sched, {}, keep=2)
+    assert _names(list_checkpoints(tmp_path)) == ["step_00000006", "step_00000012"]
+
+
+def test_keep_zero_keeps_all(tmp_path):
+    draft, opt, sched = make_training(seed=0)
+    for step in (1, 2, 3):
+        save_checkpoint(tmp_path, step, draft, opt, sched, {}, keep=0)
+    assert _names(list_checkpoints(tmp_path)) == ["step_00000001", "step_00000002", "step_00000003"]
+
+
+def test_list_ignores_incomplete_and_temporary(tmp_path):
+    assert list_checkpoints(tmp_path) == []  # no checkpoints folder yet
+    draft, opt, sched = make_training(seed=0)
+    save_checkpoint(tmp_path, 3, draft, opt, sched, {}, keep=5)
+    root = tmp_path / "checkpoints"
+    tmp = root / ".tmp-step_00000009-12345"  # an interrupted save, even one that wrote state.json
+    tmp.mkdir()
+    (tmp / "state.json").write_text("{}")
+    (root / "step_00000010").mkdir()  # no state.json
+    (root / "step_00000010" / "draft.safetensors").write_bytes(b"partial")
+    (root / "step_00000011").write_text("a file, not a folder")
+    (root / "notes").mkdir()
+    (root / "notes" / "state.json").write_text("{}")
+    assert _names(list_checkpoints(tmp_path)) == ["step_00000003"]
+
+
+# ----------------------------------------------------------------------------- 7. atomicity
+def _snapshot(path: Path) -> dict[str, bytes]:
+    return {p.name: p.read_bytes() for p in sorted(path.iterdir())}
+
+
+def _crash_on_second_save_file(monkeypatch):
+    real = ckpt_mod.save_file
+    calls = {"n": 0}
+
+    def flaky(*args, **kwargs):
+        calls["n"] += 1
+        if calls["n"] == 2:
+            raise OSError("disk full (simulated)")
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(ckpt_mod, "save_file", flaky)
+    return calls
+
+
+def _crash_on_replace(monkeypatch):
+    def boom(*args, **kwargs):
+        raise OSError("killed during rename (simulated)")
+
+    monkeypatch.setattr(ckpt_mod.os, "replace", boom)
+
+
+@pytest.mark.parametrize("crash", [_crash_on_second_save_file, _crash_on_replace], ids=["save_file", "os_replace"])
+def test_crash_during_save_keeps_previous_checkpoint(tmp_path, monkeypatch, crash):
+    draft, opt, sched = make_training(seed=0)
+    train_step(draft, opt, sched, seed=1)
+    good = save_checkpoint(tmp_path, 1, draft, opt, sched, {"tag": "good"}, keep=1)
+    saved_weights = trainable_tensors(draft)
+    before = _snapshot(good)
+
+    train_step(draft, opt, sched, seed=2)
+    with monkeypatch.context() as m:
+        crash(m)
+        with pytest.raises(OSError, match="simulated"):
+            save_checkpoint(tmp_path, 2, draft, opt, sched, {"tag": "crashed"}, keep=1)
+
+    assert list_checkpoints(tmp_path) == [good]
+    assert _snapshot(good) == before
+    fresh, fopt, fsched = make_training(seed=7)
+    state = load_checkpoint(good, fresh, fopt, fsched)
+    assert state["step"] == 1 and state["tag"] == "good"
+    for k, v in saved_weights.items():
+        assert torch.equal(draft_state(fresh)[k], v), k
+
+    # the next save works despite the leftover temporary folder, and pruning keeps the newest
+    again = save_checkpoint(tmp_path, 2, draft, opt, sched, {"tag": "retry"}, keep=1)
+    assert list_checkpoints(tmp_path) == [again]
+    assert load_checkpoint(again, make_draft(seed=8))["tag"] == "retry"
+
+
+def test_checkpoint_files_hold_no_pickle(tmp_path):
+    draft, opt, sched = make_training(seed=0)
+    train_step(draft, opt, sched, seed=1)
+    path = save_checkpoint(tmp_path, 1, draft, opt, sched, {"note": "x"}, keep=1)
+    assert sorted(p.name for p in path.iterdir()) == ["draft.safetensors", "optimizer.safetensors", "state.json"]
+    d = load_file(path / "draft.safetensors")
+    assert "embed_tokens.weight" not in d and set(d) == set(draft_state(draft))
+    o = load_file(path / "optimizer.safetensors")
+    assert "rng.torch" in o and any(k.endswith(".exp_avg") for k in o)
+    state = json.loads((path / "state.json").read_text())
+    assert state["step"] == 1 and state["note"] == "x" and "scheduler" in state and "optimizer" in state
+    for name in ("draft.safetensors", "optimizer.safetensors"):
+        raw = (path / name).read_bytes()  # safetensors layout: u64 header length, JSON header, raw bytes
+        n = int.from_bytes(raw[:8], "little")
+        header = json.loads(raw[8:8 + n])
+        assert all(v["dtype"] in ("F32", "I64", "BOOL", "U8") for k, v in header.items() if k != "__metadata__"), name
+
+
+# ---------------------------------------------------------------------------- 8. mismatch
+@pytest.mark.parametrize("over", [{"intermediate_size": 64}, {"draft_vocab_size": 40}, {"target_hidden_size": 48}],
+                         ids=["I", "Vd", "Ht"])
+def test_load_into_different_shape_raises(tmp_path, over):
+    draft, opt, sched = make_training(seed=0)
+    path = save_checkpoint(tmp_path, 1, draft, opt, sched, {}, keep=1)
+    other = make_draft(seed=1, **over)
+    with pytest.raises((ValueError, RuntimeError), match="size mismatch|does not match"):
+        load_checkpoint(path, other)
+
+
+def test_load_checkpoint_missing_tensor_raises(tmp_path):
+    draft, opt, sched = make_training(seed=0)
+    path = save_checkpoint(tmp_path, 1, draft, opt, sched, {}, keep=1)
+    tensors = load_file(path / "draft.safetensors")
+    del tensors["midlayer.mlp.up_proj.weight"]
+    save_file(tensors, path / "draft.safetensors")
+    with pytest.raises(ValueError, match=r"does not match the draft.*midlayer\.mlp\.up_proj\.weight"):
+        load_checkpoint(path, make_draft(seed=1))

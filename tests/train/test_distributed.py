@@ -1,0 +1,354 @@
+"""Data-parallel trainer ranks (train/distributed.py): the loss normalisation over ranks in float64,
+the rank layout checks, and two ranks under torchrun (gloo, CPU, HF target) against one rank with
+the doubled batch."""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from specforge_k25.config import HwConfig
+from specforge_k25.draft.loss import Teacher, loss_positions, ttt_loss
+from specforge_k25.setup.layout import World, check_layout, rank_gpus
+from specforge_k25.train.distributed import Ranks
+
+from ttt_reference import _tiny_setup, reference_ttt  # tests/fixtures: the float64 loop reference of the TTT loss
+
+ROOT = Path(__file__).resolve().parents[2]
+WORKER = str(ROOT / "tests" / "fixtures" / "dp_train_worker.py")
+
+
+# ------------------------------------------------------------------ global-token normalisation
+def _float64_teacher(final, lm_head_full, d2t, cfg) -> Teacher:
+    full = final @ lm_head_full.T  # [B, T, V] float64
+    used = torch.arange(cfg.draft_vocab_size) + d2t
+    inv = torch.full((cfg.vocab_size,), -1, dtype=torch.int64)
+    inv[used] = torch.arange(cfg.draft_vocab_size)
+    return Teacher(full[..., used], torch.logsumexp(full, -1), inv[full.argmax(-1)])
+
+
+def _rows(x, rows: slice, T: int):
+    return x[rows, :T]
+
+
+def test_global_token_normalisation_equals_single_rank_float64():
+    """Rank 0 gets sequence 0 (9 tokens), rank 1 sequence 1 (6 tokens, padded only to 6): their loss
+    position counts differ. Each rank divides its summed soft-CE by the count summed over both
+    ranks; the sum of the two rank losses and of their gradients must equal the one-rank loss of
+    the whole batch (float64: 1e-12), and the independent loop reference."""
+    K = 3
+    cfg, draft, d2t, input_ids, loss_mask, lengths, aux, final, lm_head_full = _tiny_setup(seed=1)
+    teacher = _float64_teacher(final, lm_head_full, d2t, cfg)
+    params = [p for p in draft.parameters() if p.requires_grad]
+
+    whole = ttt_loss(draft, aux, input_ids, loss_mask, lengths, teacher, ttt_length=K)
+    whole_grads = torch.autograd.grad(whole.loss, params)
+
+    parts = [(slice(0, 1), int(lengths[0])), (slice(1, 2), int(lengths[1]))]  # (rows, padded length)
+    local_batches = []
+    for rows, T in parts:
+        sub_teacher = Teacher(*(_rows(t, rows, T) for t in (teacher.draft_logits, teacher.logsumexp,
+                                                           teacher.argmax_draft_id)))
+        local_batches.append((_rows(aux, rows, T), _rows(input_ids, rows, T), _rows(loss_mask, rows, T),
+                              lengths[rows], sub_teacher))
+    counts = [loss_positions(m, n, t, K) for _, _, m, n, t in local_batches]
+    assert counts[0].tolist() != counts[1].tolist(), "the test needs uneven counts"
+    global_counts = counts[0] + counts[1]  # what the all-reduce computes
+    assert global_counts.tolist() == whole.counted.tolist()
+
+    loss_sum, grad_sum, local_means = 0.0, [torch.zeros_like(p) for p in params], []
+    for (a, ids, m, n, t), c in zip(local_batches, counts):
+        res = ttt_loss(draft, a, ids, m, n, t, ttt_length=K, normalizer=global_counts)
+        assert res.counted.tolist() == c.tolist()  # loss_positions == what ttt_loss counts
+        grads = torch.autograd.grad(res.loss, params)
+        loss_sum = loss_sum + res.loss.detach()
+        grad_sum = [g0 + g for g0, g in zip(grad_sum, grads)]
+        local_means.append(ttt_loss(draft, a, ids, m, n, t, ttt_length=K).loss.detach())
+
+    assert res.loss.dtype == torch.float64
+    torch.testing.assert_close(loss_sum, whole.loss.detach(), rtol=1e-12, atol=0)
+    ref_loss = reference_ttt(draft, aux, input_ids, loss_mask, lengths, final, lm_head_full, d2t, K)[0]
+    torch.testing.assert_close(loss_sum, ref_loss.detach(), rtol=1e-10, atol=0)
+    for g, wg in zip(grad_sum, whole_grads):
+        torch.testing.assert_close(g, wg, rtol=0, atol=1e-12 * max(wg.abs().max().item(), 1.0))
+    # The alternative this replaces: the mean of per-rank means is a different (wrong) objective.
+    assert abs(float(sum(local_means) / 2 - whole.loss.detach())) > 1e-3 * float(whole.loss.detach())
+
+
+def test_normalizer_none_keeps_the_single_rank_loss_bit_identical():
+    K = 3
+    cfg, draft, d2t, input_ids, loss_mask, lengths, aux, final, lm_head_full = _tiny_setup(seed=2)
+    teacher = _float64_teacher(final, lm_head_full, d2t, cfg)
+    plain = ttt_loss(draft, aux, input_ids, loss_mask, lengths, teacher, ttt_length=K)
+    own = ttt_loss(draft, aux, input_ids, loss_mask, lengths, teacher, ttt_length=K,
+                   normalizer=loss_positions(loss_mask, lengths, teacher, K))
+    assert plain.loss.item() == own.loss.item()
+
+
+def test_rank_major_slices():
+    batch = [10, 11, 12, 13]
+    assert [Ranks(rank=r, world=2).share(batch, 2) for r in range(2)] == [[10, 11], [12, 13]]
+    assert [Ranks(rank=r, world=2).share([10, 11, 12], 2) for r in range(2)] == [[10, 11], [12]]
+    assert [Ranks(rank=r, world=2).share([10], 2) for r in range(2)] == [[10], []]  # short last batch
+
+
+# ------------------------------------------------------------------ layout vs the hw profile
+def _b300(**kw) -> HwConfig:
+    base = dict(name="b300x8", device="cuda", num_gpus=8, target_tp=4, target_replicas=2, target_gpu=0,
+                trainer_gpu=0, trainer_gpus=[0, 4])
+    return HwConfig(**{**base, **kw})
+
+
+def test_rank_gpus_follow_the_profile():
+    hw = _b300()
+    assert [rank_gpus(hw, r) for r in range(2)] == [(0, 0), (4, 4)]  # (trainer GPU, replica's first GPU)
+    check_layout(hw, World(rank=1, size=2, local_rank=1, local_size=2))
+    check_layout(hw, World(rank=3, size=4, local_rank=1, local_size=2))  # two nodes
+    alone = _b300(target_replicas=1, trainer_gpus=[4], trainer_gpu=4)  # trainer on a GPU of its own
+    assert rank_gpus(alone, 0) == (4, 0)
+    check_layout(HwConfig(target_replicas=2), World(size=2, local_size=2))  # CPU: no GPU list needed
+
+
+@pytest.mark.parametrize("hw,world,message", [
+    (_b300(), World(size=1, local_size=1), "1 trainer rank(s) were started on this node but the hw profile"),
+    (_b300(), World(size=3, local_size=3), "torchrun --nproc-per-node 2"),
+    (HwConfig(), World(size=2, local_size=2), "has 1 target replica"),
+    (_b300(trainer_gpus=[0]), World(size=2, local_size=2), "lists 1 trainer rank(s) but hw.target_replicas=2"),
+    (_b300(trainer_gpus=None), World(size=2, local_size=2), "set hw.trainer_gpus"),
+    (_b300(trainer_gpus=[4, 1]), World(size=2, local_size=2), "read the same target replica"),
+])
+def test_layout_mismatch_is_refused(hw, world, message):
+    with pytest.raises(ValueError, match=message.replace("(", r"\(").replace(")", r"\)")):
+        check_layout(hw, world)
+
+
+def _env():
+    return {**os.environ, "PYTHONWARNINGS": "ignore", "OMP_NUM_THREADS": "1", "WANDB_SILENT": "true"}
+
+
+def _torchrun(nproc: int, *args: str) -> list[str]:
+    return [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}", *args]
+
+
+def test_cli_under_torchrun_refuses_a_world_that_does_not_match(tmp_path):
+    """The real CLI: one rank started for a two-replica profile stops before any engine starts."""
+    t0 = time.monotonic()
+    out = subprocess.run(_torchrun(1, "-m", "specforge_k25.train", "hw.target_replicas=2", "train.logger=none",
+                                   f"train.out_dir={tmp_path / 'run'}", f"hydra.run.dir={tmp_path / 'hydra'}"),
+                         capture_output=True, text=True, timeout=300, env=_env(), cwd=ROOT)
+    assert out.returncode != 0
+    assert "1 trainer rank(s) were started on this node" in out.stderr, out.stderr[-3000:]
+    assert "torchrun --nproc-per-node 2" in out.stderr
+    assert time.monotonic() - t0 < 120
+    assert not (tmp_path / "run" / "checkpoints").exists()
+
+
+# ------------------------------------------------------------------ two ranks == one rank x 2b
+# 13 training samples, global batch 4 (2 ranks x 2 | 1 rank x 4): every epoch ends with a one-sample
+# micro-batch, in which rank 1 has no share; grad_accum 2, 2 epochs -> 4 optimizer steps; 3
+# held-out samples -> eval batch [2 | 1] sharded over the ranks.
+#
+# Tolerance. Adam divides each gradient element by its own running RMS, so where a gradient
+# element is mostly cancellation, the fp32 rounding differences between one [4, T] batch and two
+# [2, T'] batches (summation order, matmul blocking, padding length) become O(lr) weight
+# differences; with lr 1e-3 we measured 2e-5 relative after 6 steps (3 epochs). Here lr=1000 with
+# grad_clip=1e-10 puts every clipped gradient element (~1e-13) far below Adam's eps (1e-8): the
+# update is lr/eps x the momentum of the clipped gradient, linear in the gradient, and the weights
+# still move by O(0.1) per step. What remains is fp32 rounding of the gradients themselves:
+# measured 2.7e-7 of each tensor's largest weight (6e-7 after 3 epochs); 2e-6 is allowed.
+# Measured with deliberate bugs: no gradient all-reduce -> 0.88, per-rank (local) loss
+# normalisation -> 0.42.
+COMMON = ["target=tiny_deepseek", "data.num_samples=13", "data.heldout_samples=3", "data.max_length=64",
+          "draft.vocab_size=1024", "train.ttt_length=3", "train.grad_accum=2", "train.epochs=2",
+          "train.lr=1000", "train.grad_clip=1e-10", "train.log_every=1", "train.checkpoint_every=1",
+          "train.keep_checkpoints=10", "train.progress=false", "train.logger=none"]
+
+
+def _train_records(run_dir: Path) -> list[dict]:
+    return [json.loads(l) for l in (run_dir / "metrics.jsonl").read_text().splitlines() if "train/loss" in l]
+
+
+def _max_rel_diff(a: dict, b: dict) -> float:
+    assert a.keys() == b.keys()
+    worst = 0.0
+    for k in a:
+        if not a[k].is_floating_point():
+            assert torch.equal(a[k], b[k]), k  # vocab maps
+            continue
+        scale = a[k].double().abs().max().item()
+        worst = max(worst, (a[k].double() - b[k].double()).abs().max().item() / scale)
+    return worst
+
+
+TWO_RANKS = [*COMMON, "train.batch_size=2", "hw.target_replicas=2"]
+
+
+@pytest.fixture(scope="module")
+def dp_runs(tiny_deepseek_path, tmp_path_factory):
+    """One rank x batch 4 (plain python) and two ranks x batch 2 (torchrun), run side by side."""
+    root = tmp_path_factory.mktemp("dp")
+    one, two = root / "one", root / "two"
+    procs = [subprocess.Popen([sys.executable, WORKER, str(one), *COMMON, "train.batch_size=4"], env=_env(), cwd=ROOT,
+                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True),
+             subprocess.Popen(_torchrun(2, WORKER, str(two), *TWO_RANKS), env=_env(), cwd=ROOT,
+                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)]
+    logs = []
+    for proc in procs:
+        log, _ = proc.communicate(timeout=600)
+        assert proc.returncode == 0, log[-5000:]
+        logs.append(log)
+    return one, two, logs
+
+
+@pytest.mark.e2e
+def test_two_ranks_equal_one_rank_with_the_doubled_batch(dp_runs):
+    one, two, logs = dp_runs
+    assert logs[1].count("run plan") == 1 and "ranks       2 data-parallel trainer ranks" in logs[1]  # rank 0 prints
+
+    s1, s2 = (json.loads((d / "summary.json").read_text()) for d in (one, two))
+    assert s2["trainer_ranks"] == 2 and s1["trainer_ranks"] == 1
+    for key in ("steps", "samples_trained", "tokens_trained"):
+        assert s1[key] == s2[key], key
+    assert s1["steps"] == 4 and s1["samples_trained"] == 26
+    assert s2["disk"]["hidden_state_bytes_on_disk"] == 0
+
+    # every checkpoint (steps 1..4) and the export: same weights
+    ckpts = sorted(p.name for p in (one / "checkpoints").iterdir())
+    assert ckpts == sorted(p.name for p in (two / "checkpoints").iterdir()) and len(ckpts) == 4
+    diffs = {c: _max_rel_diff(load_file(one / "checkpoints" / c / "draft.safetensors"),
+                              load_file(two / "checkpoints" / c / "draft.safetensors")) for c in ckpts}
+    a, b = load_file(one / "export" / "model.safetensors"), load_file(two / "export" / "model.safetensors")
+    diffs["export"] = _max_rel_diff(a, b)
+    print("max relative weight difference per checkpoint:", diffs)
+    assert max(diffs.values()) < 2e-6, diffs
+    # the weights did move: step 1 -> 4 changes them by far more than the tolerance
+    first = load_file(one / "checkpoints" / ckpts[0] / "draft.safetensors")
+    assert _max_rel_diff(first, load_file(one / "checkpoints" / ckpts[-1] / "draft.safetensors")) > 1e-2
+
+    # only rank 0 logged (one record per step); the logged loss is the global one
+    r1, r2 = _train_records(one), _train_records(two)
+    assert [r["optimizer_step"] for r in r2] == list(range(1, 5))
+    # (accuracies: an argmax near-tie may flip under fp32 rounding, hence abs 0.05)
+    for x, y in zip(r1, r2):
+        assert y["train/loss"] == pytest.approx(x["train/loss"], rel=1e-5, abs=1e-6)
+        assert y["train/positions"] == x["train/positions"]
+        assert y["train/acc_0"] == pytest.approx(x["train/acc_0"], abs=0.05)
+    # sharded evaluation summed over the ranks: the same positions and metrics as one rank
+    for tag in ("start", "end"):
+        e1, e2 = s1["eval"][tag], s2["eval"][tag]
+        assert e1["positions"] == e2["positions"] > 0
+        for k in e1:
+            tol = dict(abs=0.05) if k.startswith(("acc_", "tau_sim")) else dict(rel=1e-5, abs=1e-7)
+            assert e2[k] == pytest.approx(e1[k], **tol), (tag, k)
+
+
+@pytest.mark.e2e
+def test_two_ranks_resume_from_rank0_checkpoint_bit_identically(dp_runs, tmp_path):
+    """The two-rank run, cut back to its step-2 checkpoint (as after a crash) and resumed with
+    train.resume=auto by both ranks, ends with exactly the weights of the uninterrupted run."""
+    import shutil
+
+    _, two, _ = dp_runs
+    run = tmp_path / "resumed"
+    (run / "checkpoints").mkdir(parents=True)
+    shutil.copytree(two / "checkpoints" / "step_00000002", run / "checkpoints" / "step_00000002")
+    out = subprocess.run(_torchrun(2, WORKER, str(run), *TWO_RANKS, "train.resume=auto"), env=_env(), cwd=ROOT,
+                         capture_output=True, text=True, timeout=600)
+    assert out.returncode == 0, (out.stdout + out.stderr)[-5000:]
+    assert out.stdout.count("resuming from") == 1  # rank 0 prints
+    summary = json.loads((run / "summary.json").read_text())
+    assert summary["steps"] == 4 and summary["resumed_from"].endswith("step_00000002")
+    a, b = load_file(two / "export" / "model.safetensors"), load_file(run / "export" / "model.safetensors")
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    assert [r["optimizer_step"] for r in _train_records(run)] == [3, 4]
+
+
+# ------------------------------------------------------------------ a hung rank does not hang the others
+def _rank_main(rank: int, port: int, results) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE="2",
+                      LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE="2")
+    from specforge_k25.config import JobConfig
+    from specforge_k25.train.distributed import RankFailed, start_ranks, stop_ranks
+
+    job = JobConfig()
+    job.hw.target_replicas, job.train.dist_timeout_s = 2, 5.0
+    job, ranks = start_ranks(job)
+    ranks.sum(torch.ones(2))  # both ranks take part once
+    if rank == 1:
+        time.sleep(60)  # then hangs (never joins the next collective)
+        return
+    t0 = time.monotonic()
+    try:
+        ranks.sum(torch.ones(2))
+        results.put(("returned", time.monotonic() - t0, ""))
+    except RankFailed as err:
+        results.put(("RankFailed", time.monotonic() - t0, str(err)))
+    stop_ranks()
+
+
+def test_a_hung_rank_makes_the_collective_fail_after_the_timeout():
+    import socket
+
+    import torch.multiprocessing as mp
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    ctx = mp.get_context("spawn")
+    results = ctx.Queue()
+    procs = [ctx.Process(target=_rank_main, args=(r, port, results), daemon=True) for r in range(2)]
+    for p in procs:
+        p.start()
+    try:
+        kind, waited, message = results.get(timeout=120)
+    finally:
+        for p in procs:
+            p.kill()
+            p.join(timeout=10)
+    assert kind == "RankFailed", (kind, waited)
+    assert 4 <= waited < 30, waited  # train.dist_timeout_s=5
+    assert "another rank died or hung" in message
+
+
+def test_target_process_does_not_inherit_torchrun_variables(monkeypatch):
+    """Inherited TORCHELASTIC_USE_AGENT_STORE=True makes SGLang's own torch.distributed setup in the
+    target process wait for a store nobody serves (seen: the engine hung under torchrun)."""
+    from specforge_k25.train.distributed import launcher_env_hidden
+
+    for k, v in {"TORCHELASTIC_USE_AGENT_STORE": "True", "RANK": "1", "WORLD_SIZE": "2", "LOCAL_RANK": "1",
+                 "MASTER_PORT": "29500", "OMP_NUM_THREADS": "1"}.items():
+        monkeypatch.setenv(k, v)
+    probe = ("import os; print(sorted(k for k in os.environ if k.startswith('TORCHELASTIC') "
+             "or k in ('RANK', 'WORLD_SIZE', 'LOCAL_RANK', 'MASTER_PORT', 'OMP_NUM_THREADS')))")
+    with launcher_env_hidden():
+        child = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=60)
+    assert child.stdout.strip() == "['OMP_NUM_THREADS']"  # unrelated variables stay
+    assert os.environ["TORCHELASTIC_USE_AGENT_STORE"] == "True" and os.environ["RANK"] == "1"  # restored
+
+
+@pytest.mark.engine
+@pytest.mark.e2e
+def test_cli_under_torchrun_trains_two_ranks_through_sglang(tmp_path):
+    """`torchrun --nproc-per-node 2 -m specforge_k25.train`: two ranks, two SGLang target processes
+    (tiny DeepSeek), rank 0 alone prints and writes (~2 min on 2 cores)."""
+    run_dir = tmp_path / "run"
+    out = subprocess.run(_torchrun(2, "-m", "specforge_k25.train", "target=tiny_deepseek", "hw.target_replicas=2",
+                                   "data.num_samples=4", "data.heldout_samples=2", "data.max_length=64",
+                                   "draft.vocab_size=1024", "train.batch_size=1", "train.ttt_length=3",
+                                   "train.log_every=1", "train.progress=false", "train.logger=none",
+                                   f"train.out_dir={run_dir}", f"hydra.run.dir={tmp_path / 'hydra'}"),
+                         capture_output=True, text=True, timeout=900, env=_env(), cwd=ROOT)
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-5000:]
+    assert out.stdout.count("run plan") == 1 and out.stdout.count("run summary") == 1
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["trainer_ranks"] == 2 and summary["steps"] == 2 and summary["samples_trained"] == 4
+    assert summary["disk"]["hidden_state_bytes_on_disk"] == 0
+    assert summary["eval"]["end"]["positions"] > 0
+    assert len(_train_records(run_dir)) == 2 and (run_dir / "export" / "model.safetensors").is_file()

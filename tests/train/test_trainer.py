@@ -1,0 +1,210 @@
+"""Fast tests of the training loop (train/trainer.py, train/step.py) without a target engine: a
+stand-in stream whose hidden states are a fixed function of the token ids, and a stand-in for the
+all-reduce. They pin three regressions the multi-process end-to-end tests also catch, in seconds:
+a slot handed back before its copy, the global loss-count normaliser, the data cursor on resume."""
+from __future__ import annotations
+
+import copy
+import dataclasses
+from dataclasses import dataclass, field
+
+import pytest
+import torch
+
+from specforge_k25.config import JobConfig
+from specforge_k25.data.dataset import TokenizedData
+from specforge_k25.data.tokenize import Sample
+from specforge_k25.draft.loss import loss_positions
+from specforge_k25.plan import facts_from_folder, resolve_draft
+from specforge_k25.setup.run import RunSetup
+from specforge_k25.stream.producer import StreamError
+from specforge_k25.stream.ring import EndOfStream, SlotMessage
+from specforge_k25.target.hf_config import read_target_info
+from specforge_k25.train.distributed import Ranks
+from specforge_k25.train.step import DraftTrainer
+from specforge_k25.train.trainer import Trainer, build_trainer, take_batches
+
+V, H = 96, 32
+
+
+@pytest.fixture(scope="module")
+def tiny_setup(tmp_path_factory) -> RunSetup:
+    """A 4-layer Llama folder (random weights: only its embedding and lm_head are read) and 14
+    synthetic conversations (12 train, 2 held-out) with loss on their second half."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    folder = tmp_path_factory.mktemp("tiny_llama")
+    torch.manual_seed(0)
+    config = LlamaConfig(vocab_size=V, hidden_size=H, intermediate_size=64, num_hidden_layers=4,
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128,
+                         tie_word_embeddings=False)
+    LlamaForCausalLM(config).save_pretrained(folder)
+    g = torch.Generator().manual_seed(1)
+    samples = []
+    for n in range(14):
+        T = 10 + (n * 7) % 13
+        ids = torch.randint(1, V, (T,), generator=g)
+        mask = torch.zeros(T, dtype=torch.bool)
+        mask[T // 2:] = True
+        samples.append(Sample(ids, mask))
+    facts = facts_from_folder(folder)
+    draft_cfg = resolve_draft(JobConfig().draft.__class__(vocab_size=48), facts)
+    return RunSetup(str(folder), read_target_info(folder), [1, 2, 3], [0, 1, 2], None,
+                    TokenizedData(samples[:12], samples[12:]), draft_cfg)
+
+
+class FakeStream:
+    """TargetStream's trainer-side interface. The hidden states of token v are fixed rows of two
+    random tables; `release` scribbles NaN over the slot, as the target's next batch would."""
+
+    tables = None
+
+    def __init__(self, samples, batches, fail_at: int | None = None):
+        if FakeStream.tables is None:
+            g = torch.Generator().manual_seed(2)
+            FakeStream.tables = (torch.randn(V, 3 * H, generator=g), torch.randn(V, H, generator=g))
+        self.samples, self.batches, self.fail_at = samples, batches, fail_at
+        self.wait_s, self.should_stop, self.target_io = 0.0, lambda: False, None
+        self.slot: tuple[torch.Tensor, torch.Tensor] | None = None
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+    def __iter__(self):
+        aux_table, final_table = self.tables
+        for item, ids in enumerate(self.batches):
+            if item == self.fail_at:
+                raise StreamError(f"target process died at batch {item}")
+            tokens = torch.cat([self.samples[i].input_ids for i in ids])
+            self.slot = (aux_table[tokens].clone(), final_table[tokens].clone())
+            yield SlotMessage(0, item, [len(self.samples[i].input_ids) for i in ids]), *self.slot
+        self.target_io = EndOfStream(len(self.batches), 0, 0)
+
+    def release(self, msg) -> None:
+        for t in self.slot:
+            t.fill_(float("nan"))
+
+    def depth(self) -> int:
+        return 0
+
+    def close(self) -> None:
+        pass
+
+
+def _job(tmp_path, **train) -> JobConfig:
+    job = JobConfig()
+    defaults = dict(batch_size=2, grad_accum=2, logger="none", progress=False, out_dir=str(tmp_path), lr=1e-3,
+                    ttt_length=3, warmup_ratio=0.0)
+    return dataclasses.replace(job, train=dataclasses.replace(job.train, **{**defaults, **train}))
+
+
+# ------------------------------------------------------------- 1. slot released after its copy
+def test_a_slot_goes_back_only_after_the_batch_is_copied_out(tiny_setup, tmp_path):
+    """The stand-in overwrites a slot with NaN the moment it is released: the batch the trainer
+    keeps must still hold the target's numbers (released before the copy, or kept as a view of the
+    slot, it would hold NaN)."""
+    job = _job(tmp_path)
+    trainer = build_trainer(job, tiny_setup, steps=1, device=torch.device("cpu"))
+    samples = tiny_setup.data.train
+    shares = [[0, 1], [], [2]]
+    stream = FakeStream(samples, [s for s in shares if s])
+    aux_table, final_table = FakeStream.tables
+    got = list(take_batches(stream, shares, samples, trainer.make_batch))
+    assert [share for share, _ in got] == shares and got[1][1] is None
+    for share, batch in (got[0], got[2]):
+        for b, i in enumerate(share):
+            n = len(samples[i].input_ids)
+            assert torch.equal(batch.aux_hidden[b, :n], aux_table[samples[i].input_ids])
+        assert torch.isfinite(batch.teacher.draft_logits).all() and torch.isfinite(batch.teacher.logsumexp).all()
+    assert stream.target_io is not None  # the stream ran to its end message
+
+
+# ------------------------------------------------------- 2. the global loss-count normaliser
+@dataclass(frozen=True)
+class StandInRanks(Ranks):
+    """Rank `rank` of 2 in one process: each all-reduce adds what the other rank contributes
+    (queued in call order) instead of calling torch.distributed."""
+
+    peer: list = field(default_factory=list, hash=False, compare=False)
+
+    def sum(self, t: torch.Tensor) -> torch.Tensor:
+        t += self.peer.pop(0).to(t.dtype)
+        return t
+
+
+def _sgd_trainer(draft, lm_head, ranks=None, accum=1) -> DraftTrainer:
+    """Plain SGD with lr 1 and no clipping: the update IS the summed gradient (AdamW's first step
+    is nearly sign(g) and would hide a mis-scaled gradient)."""
+    opt = torch.optim.SGD(draft.trainable_parameters(), lr=1.0)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0)
+    return DraftTrainer(draft, lm_head, opt, sched, ttt_length=3, loss_decay=0.8, grad_accum=accum, grad_clip=1e9,
+                        teacher_chunk=64, autocast_bf16=False, ranks=ranks)
+
+
+def test_two_ranks_through_step_py_make_the_single_rank_update(tiny_setup, tmp_path):
+    """Rank r trains on sample r of a 2-sample micro-batch; the loss is normalised by the GLOBAL
+    loss-position count and the gradients summed: the update equals one rank's on both samples."""
+    base = build_trainer(_job(tmp_path), tiny_setup, steps=1, device=torch.device("cpu"))
+    samples = tiny_setup.data.train[:2]
+    stream = FakeStream(samples, [[0], [1], [0, 1]])
+    (_, b0), (_, b1), (_, both) = take_batches(stream, [[0], [1], [0, 1]], samples, base.make_batch)
+    counts = [loss_positions(b.loss_mask, b.lengths, b.teacher, 3) for b in (b0, b1)]
+
+    one = _sgd_trainer(copy.deepcopy(base.draft), base.lm_head)
+    one.train_micro(both)
+    one.optimizer_step()
+
+    rank1 = _sgd_trainer(copy.deepcopy(base.draft), base.lm_head, StandInRanks(rank=1, world=2, peer=[counts[0]]))
+    rank1.train_micro(b1)
+    grads1 = [p.grad.clone() for p in rank1.draft.trainable_parameters()]
+    rank0 = _sgd_trainer(copy.deepcopy(base.draft), base.lm_head,
+                         StandInRanks(rank=0, world=2, peer=[counts[1], *grads1]))
+    rank0.train_micro(b0)
+    rank0.optimizer_step()
+
+    start = dict(base.draft.named_parameters())
+    for (name, p_one), p_two in zip(one.draft.named_parameters(), rank0.draft.parameters()):
+        if not p_one.requires_grad:
+            continue
+        step_one, step_two = p_one - start[name], p_two - start[name]
+        assert step_one.abs().max() > 0, name
+        rel = (step_two - step_one).abs().max() / step_one.abs().max()
+        assert rel < 1e-5, f"{name}: relative difference {rel:.2e}"
+
+
+# ---------------------------------------------------------------- 3. the data cursor on resume
+def _run(job, setup, fail_at=None):
+    """One Trainer run over the stand-in stream; returns (trainer, the batches its stream served)."""
+    served = []
+
+    def factory(job_, setup_, samples, batches):
+        served.extend(batches)
+        return FakeStream(samples, batches, fail_at)
+
+    trainer = Trainer(job, setup, job.train.out_dir, Ranks(), factory)
+    try:
+        trainer.run()
+    except StreamError:
+        pass
+    return trainer, served
+
+
+def test_resume_continues_from_the_step_boundary_exactly(tiny_setup, tmp_path):
+    """12 samples, batch 2, accumulation 2: 3 optimizer steps, plus a held-out batch at the start
+    and the end. The target dies in the middle of step 3's accumulation; the resumed run must ask
+    the target for exactly the rest of the uninterrupted run's batches, from step 3's first
+    micro-batch on, and end with the same weights, bit for bit, and the same counters."""
+    full, full_batches = _run(_job(tmp_path / "full"), tiny_setup)
+    assert full.progress.step == 3 and len(full_batches) == 8  # eval, 6 train micro-batches, eval
+    # batch 6 is step 3's second micro-batch: step 2 ended after batch 4, its checkpoint says "resume at item 5"
+    broken, _ = _run(_job(tmp_path / "resume", checkpoint_every=1), tiny_setup, fail_at=6)
+    assert broken.saved.step == 2 and broken.saved.schedule_item == 5
+    resumed, resumed_batches = _run(_job(tmp_path / "resume", resume="auto"), tiny_setup)
+    assert resumed_batches == full_batches[5:]
+    assert dataclasses.asdict(resumed.progress) == dataclasses.asdict(full.progress)
+    for (name, a), b in zip(full.trainer.draft.state_dict().items(), resumed.trainer.draft.state_dict().values()):
+        assert torch.equal(a, b), name
+    assert resumed.evals["end"] == full.evals["end"]
