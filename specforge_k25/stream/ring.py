@@ -22,6 +22,7 @@ class SlotMessage:
     slot: int
     item: int  # index into the producer's list of batches
     lengths: list[int] = field(default_factory=list)
+    checksum: float = 0.0  # slot_checksum of what the producer wrote: a consumer can check what it copied
 
 
 @dataclass
@@ -63,9 +64,8 @@ class SlotRing:
         slot = self.free.get()  # blocks while the trainer holds every slot
         self.aux[slot][:n].copy_(aux)
         self.final[slot][:n].copy_(final)
-        if aux.is_cuda:
-            torch.cuda.current_stream().synchronize()
-        self.ready.put(SlotMessage(slot, item, lengths))
+        checksum = slot_checksum(self.aux[slot][:n], self.final[slot][:n])  # on CUDA: waits for the copies
+        self.ready.put(SlotMessage(slot, item, lengths, checksum))
 
     # consumer side -----------------------------------------------------------------------
     def get(self, timeout: float):
@@ -85,6 +85,13 @@ class SlotRing:
             return self.ready.qsize()
         except NotImplementedError:  # macOS
             return -1
+
+
+def slot_checksum(aux: torch.Tensor, final: torch.Tensor) -> float:
+    """float64 sum of a batch's aux [N, 3Ht] and final [N, Ht] states: the producer records it for
+    the slot it filled; a consumer that recomputes it on its own copy proves the copy saw the batch
+    the producer wrote, not a later one (the stream stress tests and the GPU check do)."""
+    return float(aux.sum(dtype=torch.float64) + final.sum(dtype=torch.float64))
 
 
 Empty = queue_module.Empty
