@@ -32,6 +32,8 @@ class HwConfig:
     target_threads: int = doc(1, "CPU threads of the target process (cpu only)")
     trainer_threads: int = doc(1, "CPU threads of the trainer process (cpu only)")
     mem_fraction_static: float = doc(0.15, "SGLang static memory fraction (weights + KV pool); on CPU a share of system memory, the pool capped by max_total_tokens")
+    kv_pool_margin_gib: float = doc(1.0, "memory plan: GiB the derived mem_fraction_static keeps above SGLang's minimum (weights + KV pool + multimodal reservation), so a slightly low estimate does not fail the engine at start")
+    target_attention_backend: Optional[str] = doc(None, "SGLang attention_backend of the target (e.g. fa3, triton, trtllm_mla, flashinfer); null = SGLang's choice per GPU (cpu: torch_native)")
     max_total_tokens: int = doc(16384, "SGLang KV pool size in tokens; bounds tokens per target batch")
     autocast: str = doc("none", "trainer autocast dtype: none | bf16")
     gpu_memory_mib: int = doc(0, "memory per GPU in MiB as nvidia-smi reports it (memory plan); 0 = not planned")

@@ -59,6 +59,7 @@ def _engine_kwargs(job: EvalJobConfig) -> dict:
                 max_running_requests=job.eval.max_running_requests, mem_fraction_static=hw.mem_fraction_static,
                 max_total_tokens=hw.max_total_tokens, num_threads=hw.target_threads, gpu_id=hw.target_gpu,
                 tp_size=hw.target_tp, trust_remote_code=job.target.trust_remote_code,
+                attention_backend=hw.target_attention_backend,
                 draft_attention_backend=job.eval.draft_attention_backend)
 
 

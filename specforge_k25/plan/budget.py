@@ -68,6 +68,7 @@ class MemoryPlan:
     problems: list[str] = field(default_factory=list)
     notes: list[str] = field(default_factory=list)
     capacity_ok: bool = True  # every GPU's peak fits and the target loads (what an override of sizes can fix)
+    free_before_load: Optional[int] = None  # SGLang's `pre`: the smallest free memory of a TP rank before loading
 
     @property
     def fits(self) -> bool:
@@ -130,20 +131,28 @@ def plan_memory(job, facts: TargetFacts, *, max_length: int | None = None, batch
     budgets, preloaded = _place_items(hw, ring, groups, trainers, target_items, t_items, opt_dev,
                                       trainable_params(cfg), ctx)
     capacity = hw.gpu_memory_mib * MiB
-    frac = frac_min = None
+    frac = frac_min = free_before_load = None
     capacity_ok = capacity > 0 and facts.weight_bytes > 0
     if capacity > 0:
         # SGLang loads weights + KV pool + multimodal reservation out of f x (free memory before loading)
         static = sum(i.bytes for i in target_items if i.name in STATIC_ITEMS)
-        frac_min, balance_notes = _static_fraction(hw, groups, preloaded, static, capacity, ctx)
+        margin = int(hw.kv_pool_margin_gib * GiB)
+        frac_min, with_margin, free_before_load, balance_notes = _static_fraction(hw, groups, preloaded, static, margin,
+                                                                                  capacity, ctx)
         notes += balance_notes
-        frac = math.ceil(frac_min * 100) / 100 if math.isfinite(frac_min) else math.inf
+        frac = math.ceil(with_margin * 100) / 100 if math.isfinite(with_margin) else math.inf
         if frac_min >= 1:
             capacity_ok = False
             problems.append(f"the target does not load: weights + KV need {frac_min:.3f} of the free memory")
-        elif hw.mem_fraction_static < frac_min:
+        elif frac >= 1:
+            capacity_ok = False
+            problems.append(f"the target loads only without a margin: weights + KV need {frac_min:.4f} of the free "
+                            f"memory, {with_margin:.4f} with hw.kv_pool_margin_gib={hw.kv_pool_margin_gib}")
+        elif hw.mem_fraction_static < with_margin:
             problems.append(f"hw.mem_fraction_static={hw.mem_fraction_static} is below what SGLang needs for the "
-                            f"weights and a {kv_tokens}-token KV pool ({frac_min:.4f}): set hw.mem_fraction_static={frac}")
+                            f"weights and a {kv_tokens}-token KV pool ({frac_min:.4f}) plus "
+                            f"hw.kv_pool_margin_gib={hw.kv_pool_margin_gib} ({with_margin:.4f}): "
+                            f"set hw.mem_fraction_static={frac}")
         for b in budgets:
             if b.total() > capacity:
                 capacity_ok = False
@@ -154,7 +163,8 @@ def plan_memory(job, facts: TargetFacts, *, max_length: int | None = None, batch
     if ranks > 1 or hw.target_replicas > 1:
         notes.append(f"data-parallel: launch with torchrun --nproc-per-node {hw.target_replicas} (one trainer rank "
                      f"per replica)")
-    return MemoryPlan(facts, cfg, budgets, kv_tokens, tokens_per_step, frac, frac_min, problems, notes, capacity_ok)
+    return MemoryPlan(facts, cfg, budgets, kv_tokens, tokens_per_step, frac, frac_min, problems, notes, capacity_ok,
+                      free_before_load)
 
 
 def length_problems(hw, facts: TargetFacts, batch_size: int, max_length: int, fits: bool | None) -> list[str]:
@@ -255,16 +265,27 @@ def _place_items(hw, ring: Item, groups, trainers, target: list[Item], t_items: 
     return sorted(budgets.values(), key=lambda b: b.gpu), preloaded
 
 
-def _static_fraction(hw, groups, preloaded: dict[int, int], static_bytes: int, capacity: int,
-                     ctx: int) -> tuple[float, list[str]]:
-    """SGLang's smallest mem_fraction_static for this layout, and notes on its TP balance check:
-    pre = min over a replica's TP ranks of the free memory before loading (its own context
-    counted); pre x f must hold the weights, the KV pool and the multimodal reservation."""
-    frac_min, notes = 0.0, []
+def _static_fraction(hw, groups, preloaded: dict[int, int], static_bytes: int, margin_bytes: int, capacity: int,
+                     ctx: int) -> tuple[float, float, int, list[str]]:
+    """SGLang's smallest mem_fraction_static for this layout, the fraction that also keeps
+    `margin_bytes` spare, the smallest `pre` (below) and notes on its TP balance check.
+
+    SGLang 0.5.23 (KVCacheConfigurator._profile_available_bytes) sizes the KV pool from
+    rest = free_after_load - pre x (1 - f) - multimodal reservation, where pre is the smallest free
+    memory over a replica's TP ranks before loading (its own context counted) and free_after_load =
+    pre - weights; the engine fails at start when rest <= 0 and the pool holds rest / bytes-per-token
+    tokens (capped by max_total_tokens). So pre x f must hold weights + KV pool + reservation; the
+    margin absorbs an estimate that is a little low (tests/plan/test_sglang_pool_sizing.py runs that
+    SGLang function on the plan's numbers)."""
+    frac_min = with_margin = 0.0
+    fullest = None
+    notes = []
     for group in groups:
         free = [capacity - ctx - preloaded.get(g, 0) for g in group]
         pre = min(free)
+        fullest = pre if fullest is None else min(fullest, pre)
         frac_min = max(frac_min, static_bytes / pre if pre > 0 else math.inf)
+        with_margin = max(with_margin, (static_bytes + margin_bytes) / pre if pre > 0 else math.inf)
         if hw.target_tp > 1 and pre < 0.9 * max(free):
             worst = group[free.index(pre)]
             notes.append(
@@ -272,7 +293,7 @@ def _static_fraction(hw, groups, preloaded: dict[int, int], static_bytes: int, c
                 f"more than SGLang's 10% TP memory-balance check allows; the target runs with "
                 f"SGLANG_ENABLE_TP_MEMORY_INBALANCE_CHECK=0 (set by target/sglang_engine.py for every CUDA TP>1 "
                 f"target) and this plan sizes the KV pool from the fullest rank")
-    return frac_min, notes
+    return frac_min, with_margin, fullest, notes
 
 
 def _fits(job, facts, **kw) -> bool:

@@ -113,7 +113,7 @@ def target_spec(job: JobConfig, engine: str = "sglang") -> TargetSpec:
                       capture_points=resolve_capture_points(job.target.aux_layers, info.num_layers),
                       device=hw.device, dtype=hw.target_dtype, tp_size=hw.target_tp, gpu_id=hw.target_gpu,
                       max_total_tokens=hw.max_total_tokens, mem_fraction_static=hw.mem_fraction_static,
-                      num_threads=hw.target_threads, trust_remote_code=job.target.trust_remote_code,
+                      attention_backend=hw.target_attention_backend, num_threads=hw.target_threads, trust_remote_code=job.target.trust_remote_code,
                       nnodes=hw.target_nnodes, node_rank=hw.target_node_rank, dist_init_addr=hw.target_dist_init_addr)
     check_tp_layout(spec)
     return spec

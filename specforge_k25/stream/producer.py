@@ -11,7 +11,6 @@ the trainer's node starts its local ranks here, every other node runs only its o
 """
 from __future__ import annotations
 
-import dataclasses
 import os
 import signal
 import sys
@@ -103,26 +102,43 @@ def _tp_rank_main(spec: TargetSpec, tp_rank: int, report, parent_pid: int):
         raise
 
 
-def _free_port() -> int:
-    import socket
+class Rendezvous:
+    """Where the TP ranks of a one-node target meet: a TCPStore this (the trainer's) process serves,
+    bound to a port the kernel picks (port 0) and kept until the ranks are gone. Picking a free port,
+    releasing it and letting rank 0 bind it would race with any other process; a store that is
+    already listening cannot be taken. The ranks reach it through torch's env:// rendezvous as
+    clients (TORCHELASTIC_USE_AGENT_STORE), and SGLang 0.5.23 uses env:// when
+    SGLANG_DISTRIBUTED_INIT_METHOD_OVERRIDE says so (distributed/bootstrap.py _resolve_dist_init_method)."""
 
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    def __init__(self, timeout_s: float):
+        import datetime
+
+        from torch.distributed import TCPStore
+
+        self.store = TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False,
+                              timeout=datetime.timedelta(seconds=timeout_s))
+
+    def env(self) -> dict[str, str]:
+        """What a rank's environment needs to join (set in the parent around process start)."""
+        return {"SGLANG_DISTRIBUTED_INIT_METHOD_OVERRIDE": "env://", "MASTER_ADDR": "127.0.0.1",
+                "MASTER_PORT": str(self.store.port), "TORCHELASTIC_USE_AGENT_STORE": "True"}
 
 
-def _start_quietly(process) -> None:
-    """Start a target process with PYTHONDONTWRITEBYTECODE: it writes nothing to disk, not even
-    bytecode caches, so its I/O counter measures hidden-state bytes on disk (expected: 0)."""
-    previous = os.environ.get("PYTHONDONTWRITEBYTECODE")
-    os.environ["PYTHONDONTWRITEBYTECODE"] = "1"
+def _start_quietly(process, env: dict[str, str] | None = None) -> None:
+    """Start a target process with PYTHONDONTWRITEBYTECODE (it writes nothing to disk, not even
+    bytecode caches, so its I/O counter measures hidden-state bytes on disk: expected 0) and `env`
+    added to the environment it inherits."""
+    added = {"PYTHONDONTWRITEBYTECODE": "1", **(env or {})}
+    previous = {k: os.environ.get(k) for k in added}
+    os.environ.update(added)
     try:
         process.start()
     finally:
-        if previous is None:
-            del os.environ["PYTHONDONTWRITEBYTECODE"]
-        else:
-            os.environ["PYTHONDONTWRITEBYTECODE"] = previous
+        for k, v in previous.items():
+            if v is None:
+                del os.environ[k]
+            else:
+                os.environ[k] = v
 
 
 def _stop(processes) -> None:
@@ -212,6 +228,7 @@ class TargetStream:
         self.wait_s = 0.0  # trainer time spent waiting for the target
         self.target_io: EndOfStream | None = None  # the target's own write counters, sent at its end
         self.should_stop = lambda: False  # polled while waiting; True -> StreamInterrupted
+        self.rendezvous: Rendezvous | None = None  # one-node TP > 1: where the ranks meet
 
     def start(self) -> "TargetStream":
         """Start this node's TP ranks: rank 0 (fills the ring) and, with tp_size > 1, the others."""
@@ -221,8 +238,10 @@ class TargetStream:
         if 0 not in ranks:
             raise ValueError(f"target node rank {spec.node_rank} does not hold TP rank 0: the trainer runs on "
                              f"node 0; this node runs `python -m specforge_k25.train.tp_node` instead")
-        if spec.tp_size > 1 and spec.nnodes == 1 and spec.nccl_port is None:
-            spec = self.spec = dataclasses.replace(spec, nccl_port=_free_port())  # the ranks' rendezvous
+        env = None
+        if spec.tp_size > 1 and spec.nnodes == 1:  # several nodes meet at hw.target_dist_init_addr instead
+            self.rendezvous = Rendezvous(self.start_timeout_s)
+            env = self.rendezvous.env()
         for rank in ranks:
             if rank == 0:
                 process = self.ctx.Process(
@@ -233,7 +252,7 @@ class TargetStream:
                 process = self.ctx.Process(target=_tp_rank_main, args=(spec, rank, self.ring.ready, os.getpid()),
                                            name=f"specforge-target-tp{rank}", daemon=True)
             self.tp_processes[rank] = process
-            _start_quietly(process)
+            _start_quietly(process, env)
         return self
 
     def _describe(self, rank: int) -> str:
@@ -308,3 +327,4 @@ class TargetStream:
     def close(self) -> None:
         """Stop the target processes (every TP rank on this node) and anything they started (no orphans)."""
         _stop(list(self.tp_processes.values()))
+        self.rendezvous = None  # closes the store's port

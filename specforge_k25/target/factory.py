@@ -23,12 +23,12 @@ class TargetSpec:
     gpu_id: int = 0  # GPU of this node's first TP rank; the others use the next ones
     max_total_tokens: int = 16384
     mem_fraction_static: float = 0.05
+    attention_backend: str | None = None  # None: SGLang's choice per GPU (torch_native on CPU)
     num_threads: int = 1
     trust_remote_code: bool = False
     nnodes: int = 1  # nodes the TP group spans (each holds tp_size // nnodes consecutive ranks)
     node_rank: int = 0  # this node's index among them; node 0 holds TP rank 0 (and the trainer)
     dist_init_addr: str | None = None  # host:port of the TP group's rendezvous; required when nnodes > 1
-    nccl_port: int | None = None  # one node: 127.0.0.1 port of the rendezvous (TargetStream picks a free one)
 
     def local_tp_ranks(self) -> list[int]:
         """The TP ranks this node runs."""
@@ -61,7 +61,7 @@ def build_target(spec: TargetSpec, tp_rank: int = 0) -> TargetEngine:
             spec.model_path, spec.architecture, spec.capture_points, device=spec.device, dtype=spec.dtype,
             tp_size=spec.tp_size, tp_rank=tp_rank, gpu_id=spec.gpu_id + local_index,
             max_total_tokens=spec.max_total_tokens, mem_fraction_static=spec.mem_fraction_static,
-            num_threads=spec.num_threads, trust_remote_code=spec.trust_remote_code, nccl_port=spec.nccl_port,
+            attention_backend=spec.attention_backend, num_threads=spec.num_threads, trust_remote_code=spec.trust_remote_code,
             nnodes=spec.nnodes, node_rank=spec.node_rank, dist_init_addr=spec.dist_init_addr,
         )
     if spec.engine == "hf":

@@ -12,7 +12,8 @@ SGLang internals touched (all in this file, covered by tests/target/test_target.
 - a forward hook on the text model (`model.model`, or `model.language_model.model` for
   Kimi-K2.5), whose output is `(final_hidden_after_norm, aux_hidden)`;
 - `Req` fields the extend path reads;
-- TP > 1: `ServerArgs(nccl_port, nnodes, node_rank, dist_init_addr)` and SGLang's TP group
+- TP > 1: `ServerArgs(nnodes, node_rank, dist_init_addr)`, `SGLANG_DISTRIBUTED_INIT_METHOD_OVERRIDE`
+  (one node: env:// to the trainer's TCPStore, stream/producer.py `Rendezvous`) and SGLang's TP group
   (`parallel_state.get_tp_group()`: `cpu_group`, `ranks`, `rank_in_group`), over which TP rank 0
   broadcasts each batch's token ids to the other ranks (`share_batch`).
 """
@@ -74,7 +75,6 @@ class SGLangTarget:
         num_threads: int | None = None,
         attention_backend: str | None = None,
         trust_remote_code: bool = False,
-        nccl_port: int | None = None,
         nnodes: int = 1,
         node_rank: int = 0,
         dist_init_addr: str | None = None,
@@ -119,9 +119,9 @@ class SGLangTarget:
             enable_return_aux_hidden_states=True,
             speculative_algorithm="EAGLE3",
             return_aux_hidden_state_layer_ids=self.layer_ids,
-            # TP > 1: every rank must meet at the same rendezvous. One node: 127.0.0.1:nccl_port,
-            # chosen once by whoever starts the ranks; several nodes: dist_init_addr (host:port).
-            nccl_port=nccl_port,
+            # TP > 1: every rank must meet at the same rendezvous. One node: the TCPStore the trainer
+            # process serves (env:// via the environment, stream/producer.py); several nodes:
+            # dist_init_addr (host:port).
             nnodes=nnodes,
             node_rank=node_rank,
             dist_init_addr=dist_init_addr,

@@ -49,7 +49,8 @@ def generate(model_path: str, prompts: list[list[int]], *, max_new_tokens: int, 
              dtype: str = "float32", draft_path: str | None = None, chain: Chain | None = None,
              max_running_requests: int = 8, mem_fraction_static: float = 0.05, max_total_tokens: int = 16384,
              num_threads: int = 1, gpu_id: int = 0, tp_size: int = 1, trust_remote_code: bool = False,
-             draft_attention_backend: str | None = None, timeout_s: float = 1800) -> Generation:
+             attention_backend: str | None = None, draft_attention_backend: str | None = None,
+             timeout_s: float = 1800) -> Generation:
     """Runs one engine over `prompts` (token ids) at temperature 0 in a worker process."""
     if (draft_path is None) != (chain is None):
         raise ValueError("speculation needs both a draft folder and a chain")
@@ -61,6 +62,8 @@ def generate(model_path: str, prompts: list[list[int]], *, max_new_tokens: int, 
                        random_seed=0, trust_remote_code=trust_remote_code)
     if device == "cpu":
         engine_args.update(attention_backend="torch_native", disable_cuda_graph=True, disable_overlap_schedule=True)
+    elif attention_backend:  # hw.target_attention_backend; None: SGLang's choice per GPU
+        engine_args["attention_backend"] = attention_backend
     if chain is not None:
         engine_args.update(speculative_algorithm="EAGLE3", speculative_draft_model_path=str(draft_path),
                            speculative_num_steps=chain.steps, speculative_eagle_topk=chain.topk,

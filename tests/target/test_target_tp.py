@@ -13,7 +13,7 @@ import time
 import pytest
 import torch
 
-from specforge_k25.stream.producer import StreamError, TargetStream, _free_port
+from specforge_k25.stream.producer import StreamError, TargetStream
 from specforge_k25.target.factory import TargetSpec, check_tp_layout
 from specforge_k25.target.hf_config import read_target_info
 from specforge_k25.target.hf_reference import HFTarget
@@ -21,6 +21,15 @@ from specforge_k25.target.layers import default_capture_points
 from specforge_k25.target.sglang_engine import cpu_bind_groups
 
 LENGTHS = (23, 7, 41)
+
+
+def _unused_port() -> int:
+    """A port nothing listens on now (the two-'node' test's rendezvous address: as a user would pick one)."""
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
 
 
 def _inputs(path):
@@ -65,12 +74,35 @@ def test_tp2_hidden_states_equal_tp1_and_hf(tiny_deepseek_path, sglang_capture, 
     assert not torch.equal(tp2[0][:, :info.hidden_size], tp2[0][:, info.hidden_size:2 * info.hidden_size])
 
 
+def test_tp_ranks_meet_at_a_port_no_other_process_can_take(tiny_deepseek_path):
+    """One-node TP: the rendezvous port is bound (by the trainer's TCPStore) before any rank starts
+    and stays bound while they start, so no other process can take it between choice and use; the
+    ranks reach the store as clients."""
+    import socket
+
+    from torch.distributed import TCPStore
+
+    info, points, seqs = _inputs(tiny_deepseek_path)
+    spec = TargetSpec(engine="sglang", model_path=tiny_deepseek_path, architecture=info.architecture,
+                      capture_points=points, tp_size=2, num_threads=1)
+    stream = TargetStream(spec, seqs, [[0]], hidden_size=info.hidden_size, slots=1, timeout_s=60)
+    try:
+        stream.start()
+        port = int(stream.rendezvous.env()["MASTER_PORT"])
+        with socket.socket() as thief, pytest.raises(OSError):
+            thief.bind(("127.0.0.1", port))
+        TCPStore("127.0.0.1", port, is_master=False).set("probe", "ok")
+        assert stream.rendezvous.store.get("probe") == b"ok"
+    finally:
+        stream.close()
+
+
 @pytest.mark.engine
 def test_tp_group_over_two_nodes_equals_tp1(tiny_deepseek_path, tp1_and_hf):
     """SGLang's multi-node fields (nnodes, node_rank, dist_init_addr): node 0 = the trainer's stream
     with TP rank 0, node 1 = `run_tp_node` in another process with TP rank 1; same machine."""
     info, points, seqs = _inputs(tiny_deepseek_path)
-    addr = f"127.0.0.1:{_free_port()}"
+    addr = f"127.0.0.1:{_unused_port()}"
     spec = TargetSpec(engine="sglang", model_path=tiny_deepseek_path, architecture=info.architecture,
                       capture_points=points, tp_size=2, nnodes=2, node_rank=0, dist_init_addr=addr)
     node1 = subprocess.Popen([sys.executable, "-c", textwrap.dedent(f"""

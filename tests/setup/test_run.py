@@ -1,0 +1,51 @@
+"""The run's setup (setup/run.py): what the trainer's node and the TP-only nodes build the target from."""
+from __future__ import annotations
+
+import pytest
+
+from specforge_k25.config import compose_job
+from specforge_k25.setup.run import target_spec
+from specforge_k25.target import factory
+
+
+class _Recorder:
+    """Stands in for SGLangTarget: records the keyword arguments the factory passes."""
+
+    seen: dict = {}
+
+    def __init__(self, *args, **kwargs):
+        _Recorder.seen = kwargs
+
+
+@pytest.mark.parametrize("backend", [None, "triton", "fa3"])
+def test_attention_backend_reaches_the_engine(backend, monkeypatch, smollm2_path):
+    """hw.target_attention_backend goes from the config through TargetSpec to SGLang's ServerArgs
+    argument (null: SGLang's choice per GPU; the CPU engine itself falls back to torch_native)."""
+    import specforge_k25.target.sglang_engine as engine
+
+    monkeypatch.setattr(engine, "SGLangTarget", _Recorder)
+    overrides = [] if backend is None else [f"hw.target_attention_backend={backend}"]
+    spec = target_spec(compose_job(overrides))
+    assert spec.attention_backend == backend
+    factory.build_target(spec)
+    assert _Recorder.seen["attention_backend"] == backend
+
+
+def test_eval_engines_get_the_same_attention_backend():
+    from specforge_k25.config import EvalJobConfig
+    from specforge_k25.eval.run import _engine_kwargs
+
+    job = compose_job(["hw.target_attention_backend=triton"], config_name="eval")
+    assert isinstance(job, EvalJobConfig) and _engine_kwargs(job)["attention_backend"] == "triton"
+
+
+def test_the_tp_node_cli_builds_the_trainers_spec(monkeypatch, smollm2_path):
+    """`python -m specforge_k25.train.tp_node` composes the same overrides into the same TargetSpec."""
+    import specforge_k25.stream.producer as producer
+    from specforge_k25.train import tp_node
+
+    overrides = ["hw.target_tp=2", "hw.target_nnodes=2", "hw.target_dist_init_addr=h:1", "hw.target_node_rank=1"]
+    seen = []
+    monkeypatch.setattr(producer, "run_tp_node", lambda spec: seen.append(spec) or 0)
+    assert tp_node.main(overrides) == 0
+    assert seen == [target_spec(compose_job(overrides))]
