@@ -244,7 +244,11 @@ def test_b300_fits_and_names_the_switch_then_the_length_that_fits():
     long = ["data.max_length=16384", "hw.max_total_tokens=16384"]
     with pytest.raises(PlanError, match=r"fits with: train.activation_checkpointing=true \(same tokens per step\)"):
         check_fits(_compose(["+hw=b300x8", *KIMI_DRAFT, *long]), KIMI_K25)
-    assert check_fits(_compose(["+hw=b300x8", *KIMI_DRAFT, *long, "train.activation_checkpointing=true"]), KIMI_K25)
+    # the 16384-token KV pool also needs the static fraction the plan derives for it (with its margin)
+    with pytest.raises(PlanError, match=r"set hw.mem_fraction_static=0.57"):
+        check_fits(_compose(["+hw=b300x8", *KIMI_DRAFT, *long, "train.activation_checkpointing=true"]), KIMI_K25)
+    assert check_fits(_compose(["+hw=b300x8", *KIMI_DRAFT, *long, "train.activation_checkpointing=true",
+                                "hw.mem_fraction_static=0.57"]), KIMI_K25)
     # with both switches on, only a shorter length is left: the longest multiple of 256 that fits
     job = _compose(["+hw=b300x8", *KIMI_DRAFT, "data.max_length=131072", "hw.max_total_tokens=131072",
                     "train.activation_checkpointing=true", "train.optimizer_device=cpu"])
