@@ -475,7 +475,8 @@ def _run_training(job: JobConfig, run_dir: str | Path, engine: str) -> dict:
         bar.close()
         save(plan_item_done=True)
         export_dir = (export_draft(draft.cpu(), run_dir / "export", setup.eagle_layer_ids,
-                                   setup.info.bos_token_id, setup.info.eos_token_id) if ranks.main else None)
+                                   setup.info.bos_token_id, setup.info.eos_token_id,
+                                   capture_points=setup.capture_points) if ranks.main else None)
     except (TrainingInterrupted, StreamInterrupted):
         bar.close()
         stream.close()
