@@ -351,7 +351,8 @@ REAL_WORLD_ROWS = [
     ("content_parts_joined",
      {"messages": [{"role": "user", "content": [{"type": "text", "text": "Hello"}, {"type": "text", "text": " you"}]},
                    {"role": "assistant", "content": [{"type": "text", "text": "Hi", "image_url": None}]}]},
-     [{"role": "user", "content": "Hello you"}, {"role": "assistant", "content": "Hi"}]),
+     [{"role": "user", "content": "Hello you", "content_parts": ["Hello", " you"]},
+      {"role": "assistant", "content": "Hi", "content_parts": ["Hi"]}]),
     ("developer_is_system",
      {"messages": [{"role": "developer", "content": "French."}, U, A]},
      [{"role": "system", "content": "French."}, U, A]),
@@ -359,7 +360,7 @@ REAL_WORLD_ROWS = [
      {"messages": [U, {"role": "assistant", "content": None, "tool_calls": [{**CALL, "extra": 1}]},
                    {"role": "tool", "tool_call_id": "call_1", "content": [{"type": "text", "text": "18C"}]}, A]},
      [U, {"role": "assistant", "content": "", "tool_calls": [CALL]},
-      {"role": "tool", "content": "18C", "tool_call_id": "call_1"}, A]),
+      {"role": "tool", "content": "18C", "content_parts": ["18C"], "tool_call_id": "call_1"}, A]),
     ("datasets_none_columns",  # `datasets` gives every message every column
      {"messages": [{"role": "user", "content": "hello", "tool_calls": None, "tool_call_id": None},
                    {"role": "assistant", "content": None, "tool_calls": [

@@ -25,7 +25,7 @@ from hypothesis import strategies as st
 
 from specforge_k25.data.dataset import build_dataset
 from specforge_k25.data.sources import BadRow, normalize_row, package_file
-from specforge_k25.data.tokenize import template_renders_tools, tokenize_conversation
+from specforge_k25.data.tokenize import template_reads_parts, template_renders_tools, tokenize_conversation
 
 # ----------------------------------------------------------------------------------------------
 # Renderers and oracles
@@ -130,6 +130,46 @@ def _check_sample(name: str, sample, tool_names=()) -> None:
 def test_template_tool_probe():
     assert not template_renders_tools(_smol())  # SmolLM2 prints only `content`
     assert template_renders_tools(_tool_tok())
+
+
+PARTS_TEMPLATE = (  # ChatML that reads OpenAI text parts itself (SGLang's "openai" content format)
+    "{%- for m in messages -%}{{ '<|im_start|>' + m['role'] + '\\n' }}"
+    "{%- if m['content'] is string -%}{{ m['content'] }}"
+    "{%- else -%}{%- for p in m['content'] -%}{{ p['text'] }}{%- endfor -%}{%- endif -%}"
+    "{{ '<|im_end|>\\n' }}{%- endfor -%}"
+    "{%- if add_generation_prompt -%}{{ '<|im_start|>assistant\\n' }}{%- endif -%}"
+)
+
+
+def test_content_parts_reach_each_renderer_as_its_server_hands_them():
+    row = {"messages": [{"role": "user", "content": [{"type": "text", "text": "Describe this."},
+                                                     {"type": "text", "text": "Be brief."}]},
+                        {"role": "assistant", "content": "Ok."}]}
+
+    def as_text(tok, text):
+        s = tokenize_conversation(tok, [{"role": "user", "content": text}, {"role": "assistant", "content": "Ok."}],
+                                  4096, _smol().eos_token_id)
+        return s.input_ids.tolist(), s.loss_mask.tolist()
+
+    def got(tok):
+        s = tokenize_conversation(tok, normalize_row(row), 4096, _smol().eos_token_id)
+        return s.input_ids.tolist(), s.loss_mask.tolist()
+
+    # a template that prints `content` as a string: SGLang 0.5.23 joins the text parts with a space
+    assert not template_reads_parts(_smol())
+    assert got(_smol()) == as_text(_smol(), "Describe this. Be brief.")
+    # a template that iterates the parts gets them as parts (this one concatenates them)
+    reads = copy.deepcopy(_smol())
+    reads.chat_template = PARTS_TEMPLATE
+    assert template_reads_parts(reads)
+    assert got(reads) == as_text(reads, "Describe this.Be brief.")
+    # the Kimi renderer concatenates them, as Kimi-K2.5's template does
+    from specforge_k25.data.kimi_format import render_kimi
+
+    kimi = render_kimi(_kimi(), normalize_row(row, agentic=True), 4096, mode="instant")
+    plain = render_kimi(_kimi(), [{"role": "user", "content": "Describe this.Be brief."},
+                                  {"role": "assistant", "content": "Ok."}], 4096, mode="instant")
+    assert kimi.input_ids.tolist() == plain.input_ids.tolist()
 
 
 # ----------------------------------------------------------------------------------------------

@@ -488,12 +488,14 @@ def test_normalize_row_returns_clean_messages_or_known_badrow(row):
     assert out and isinstance(out, list)
     assert out[0]["role"] != "assistant" and out[-1]["role"] == "assistant"
     for m in out:
-        assert set(m) == {"role", "content"} and m["role"] in {"system", "user", "assistant", "tool"}
+        assert m["role"] in {"system", "user", "assistant", "tool"}
+        assert set(m) == {"role", "content"} | ({"content_parts"} if "content_parts" in m else set())
+        assert "".join(m.get("content_parts", [m["content"]])) == m["content"]
         assert isinstance(m["content"], str) and (m["content"].strip() or m["role"] == "tool")
         assert _clean(m["content"])
     i = next(k for k, m in enumerate(mapped) if m["role"] != "assistant")
     j = max(k for k, m in enumerate(mapped) if m["role"] == "assistant") + 1
-    assert out == mapped[i:j]
+    assert [{"role": m["role"], "content": m["content"]} for m in out] == mapped[i:j]
 
 
 # ----------------------------------------------------------------------------------------------

@@ -5,7 +5,8 @@ Every source yields raw rows; `normalize_row` turns one row into OpenAI-style me
 `BadRow(reason)`. Rows are never trusted: the caller counts the reasons and skips.
 
 Accepted as public chat datasets keep them: OpenAI `messages` or ShareGPT `conversations`;
-content as a string or as OpenAI content parts (text parts joined; an image/audio/file part
+content as a string or as OpenAI content parts (`content` = the text parts concatenated, and
+`content_parts` = the texts, for renderers that join them otherwise; an image/audio/file part
 skips the row as `non_text_content`: the targets here are trained on text only); the
 `developer` role as `system`; assistant `tool_calls` (content may then be null) and `tool`
 results. Whether a renderer can show tool turns is the renderer's call (tokenize.py, kimi_format.py).
@@ -153,11 +154,10 @@ def _check_text(text: str) -> None:
         raise BadRow("invalid_unicode")
 
 
-def _content_text(content: object) -> str:
-    """A turn's content as one string: a string, or OpenAI content parts whose text parts are
-    joined as they are (Kimi-K2.5's and the usual ChatML templates concatenate them)."""
+def _text_parts(content: object) -> list[str] | None:
+    """The texts of OpenAI content parts (None for a plain string content)."""
     if isinstance(content, str):
-        return content
+        return None
     if not isinstance(content, list):
         raise BadRow("non_string_content")
     texts = []
@@ -170,7 +170,7 @@ def _content_text(content: object) -> str:
         if not isinstance(part.get("text"), str):
             raise BadRow("non_string_content")
         texts.append(part["text"])
-    return "".join(texts)
+    return texts
 
 
 def _no_constants(name: str):
@@ -247,9 +247,12 @@ def normalize_row(row: object, agentic: bool = False) -> list[dict]:
         content = turn.get("content", turn.get("value"))
         # `datasets` gives every message every column, absent ones as None (and [] for lists)
         calls = _tool_calls(turn["tool_calls"]) if role == "assistant" and turn.get("tool_calls") else []
-        content = "" if content is None and calls else _content_text(content)
+        parts = None if content is None and calls else _text_parts(content)
+        content = "" if content is None else content if parts is None else "".join(parts)
         _check_text(content)
         message = {"role": role, "content": content}
+        if parts is not None:  # how parts are joined is the renderer's call (tokenize.py, kimi_format.py)
+            message["content_parts"] = parts
         if calls:
             message["tool_calls"] = calls
         if role == "tool":

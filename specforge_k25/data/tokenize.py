@@ -18,6 +18,11 @@ small-model templates, prints only `content` and would silently drop the calls, 
 conversation the served model never sees, so such rows are skipped as
 `tools_unsupported_by_template`. As SGLang does before rendering, a call's JSON-string
 `arguments` are handed to the template parsed (a dict).
+
+Content given as OpenAI text parts reaches the template as SGLang 0.5.23 hands it over: as the
+parts, to a template that reads them itself (its "openai" content format), otherwise joined
+with a space (its "string" format, e.g. SmolLM2's, Llama 3's, DeepSeek-V3's templates). Which
+one a template is, is probed the same way (`template_reads_parts`).
 """
 from __future__ import annotations
 
@@ -64,29 +69,40 @@ _TOOL_PROBE = [
     {"role": "tool", "tool_call_id": "call_probe", "name": "probe_tool_name", "content": "probe tool result"},
     {"role": "assistant", "content": "probe answer"},
 ]
-_renders_tools: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # tokenizer -> (template, bool)
+_PARTS_PROBE = [
+    {"role": "user", "content": [{"type": "text", "text": "probe_part_a"}, {"type": "text", "text": "probe_part_b"}]},
+    {"role": "assistant", "content": "probe answer"},
+]
+_probed: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # tokenizer -> {(probe, template): bool}
+
+
+def _probe(tokenizer, name: str, messages: list[dict], check) -> bool:
+    """`check(rendered text)` for a probe conversation, cached per tokenizer and template."""
+    key = (name, getattr(tokenizer, "chat_template", None))
+    try:
+        cache = _probed.setdefault(tokenizer, {})
+    except TypeError:  # not weak-referenceable: probe every time
+        cache = {}
+    if key not in cache:
+        try:
+            text = str(tokenizer.apply_chat_template(messages, tokenize=False))
+        except Exception:  # a template may raise on roles, fields or content it does not know
+            text = ""
+        cache[key] = bool(check(text))
+    return cache[key]
 
 
 def template_renders_tools(tokenizer) -> bool:
     """Whether the chat template writes an assistant tool call (name and arguments) and a tool
     result into the rendered text."""
-    template = getattr(tokenizer, "chat_template", None)
-    try:
-        cached = _renders_tools.get(tokenizer)
-    except TypeError:  # not weak-referenceable: probe every time
-        cached = None
-    if cached is not None and cached[0] == template:
-        return cached[1]
-    try:
-        text = str(tokenizer.apply_chat_template(_TOOL_PROBE, tokenize=False))
-    except Exception:  # a template may raise on roles or fields it does not know
-        text = ""
-    ok = all(s in text for s in ("probe_tool_name", "probe_value", "probe tool result"))
-    try:
-        _renders_tools[tokenizer] = (template, ok)
-    except TypeError:
-        pass
-    return ok
+    return _probe(tokenizer, "tools", _TOOL_PROBE, lambda text: all(
+        s in text for s in ("probe_tool_name", "probe_value", "probe tool result")))
+
+
+def template_reads_parts(tokenizer) -> bool:
+    """Whether the template renders OpenAI text parts itself (not as a printed list, not failing)."""
+    return _probe(tokenizer, "parts", _PARTS_PROBE, lambda text: "probe_part_a" in text and
+                  "probe_part_b" in text and "'type'" not in text and '"type"' not in text)
 
 
 def _texts(message: dict) -> list[str]:
@@ -98,10 +114,16 @@ def _texts(message: dict) -> list[str]:
     return out
 
 
-def _for_template(messages: list[dict]) -> list[dict]:
-    """Copies with JSON-string tool-call arguments parsed, as SGLang hands them to templates."""
+def _for_template(tokenizer, messages: list[dict]) -> list[dict]:
+    """Copies as SGLang hands them to templates: text parts as parts or joined with a space,
+    JSON-string tool-call arguments parsed."""
     out = []
     for m in messages:
+        if "content_parts" in m:
+            parts = m["content_parts"]
+            m = {k: v for k, v in m.items() if k != "content_parts"}
+            m["content"] = ([{"type": "text", "text": t} for t in parts] if template_reads_parts(tokenizer)
+                            else " ".join(parts))
         if m.get("tool_calls"):
             m = {**m, "tool_calls": [
                 {**c, "function": {**c["function"], "arguments": json.loads(c["function"]["arguments"])
@@ -117,10 +139,9 @@ def tokenize_conversation(tokenizer, messages, max_length: int, end_of_turn_id: 
     if any(tok in text for m in messages for text in _texts(m) for tok in specials):
         # e.g. "<|im_start|>user" inside a reply would forge a header inside the loss mask
         raise BadRow("special_token_in_text")
-    if any(m["role"] == "tool" or m.get("tool_calls") for m in messages):
-        if not template_renders_tools(tokenizer):
-            raise BadRow("tools_unsupported_by_template")
-        messages = _for_template(messages)
+    if any(m["role"] == "tool" or m.get("tool_calls") for m in messages) and not template_renders_tools(tokenizer):
+        raise BadRow("tools_unsupported_by_template")
+    messages = _for_template(tokenizer, messages)
     full = _render(tokenizer, messages, add_generation_prompt=False)
     mask = [False] * len(full)
     for i, message in enumerate(messages):
