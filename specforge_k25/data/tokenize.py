@@ -21,8 +21,8 @@ conversation the served model never sees, so such rows are skipped as
 
 Content given as OpenAI text parts reaches the template as SGLang 0.5.23 hands it over: as the
 parts, to a template that reads them itself (its "openai" content format), otherwise joined
-with a space (its "string" format, e.g. SmolLM2's, Llama 3's, DeepSeek-V3's templates). Which
-one a template is, is probed the same way (`template_reads_parts`).
+with a space (its "string" format, e.g. SmolLM2's, Llama 3's, DeepSeek-V3's templates; and a
+tool result's parts always). Which one a template is, is probed the same way (`template_reads_parts`).
 """
 from __future__ import annotations
 
@@ -122,8 +122,9 @@ def _for_template(tokenizer, messages: list[dict]) -> list[dict]:
         if "content_parts" in m:
             parts = m["content_parts"]
             m = {k: v for k, v in m.items() if k != "content_parts"}
-            m["content"] = ([{"type": "text", "text": t} for t in parts] if template_reads_parts(tokenizer)
-                            else " ".join(parts))
+            # SGLang flattens a tool result's text parts for every template
+            m["content"] = ([{"type": "text", "text": t} for t in parts]
+                            if m["role"] != "tool" and template_reads_parts(tokenizer) else " ".join(parts))
         if m.get("tool_calls"):
             m = {**m, "tool_calls": [
                 {**c, "function": {**c["function"], "arguments": json.loads(c["function"]["arguments"])
