@@ -66,7 +66,7 @@ class TargetConfig:
 @dataclass
 class DataConfig:
     source: str = doc("sharegpt", "sharegpt (packaged ShareGPT V3) | jsonl | hf")
-    path: Optional[str] = doc(None, "file (jsonl), dataset name/folder (hf); null = the packaged ShareGPT")
+    path: Optional[str] = doc(None, "file (jsonl), dataset name/folder or save_to_disk folder (hf); null = the packaged ShareGPT")
     split: str = doc("train", "split name for source=hf")
     max_length: int = doc(256, "tokens per sample; longer conversations are truncated")
     num_samples: int = doc(200, "training conversations to use")

@@ -19,7 +19,7 @@ ALLOWED = {
     "target": {"data", "paths"},
     "stream": {"target"},
     "draft": set(),  # torch only: nothing of ours but itself
-    "export": {"draft"},
+    "export": {"draft", "target"},  # the layer-id rules of the servers (target/layers.py)
     "plan": {"config", "target", "draft"},  # reads facts; builds nothing
     "setup": {"config", "data", "target", "stream", "draft", "plan"},
     "train": {"config", "setup", "data", "target", "stream", "draft", "export", "plan"},

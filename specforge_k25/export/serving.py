@@ -1,5 +1,15 @@
 """Write a trained draft as a `LlamaForCausalLMEagle3` folder that SGLang and vLLM load as is
 (docs/EAGLE3.md §5), check such a folder, and load it back into our draft class.
+
+The three captured layers are written twice, once per server, because the two number them
+differently and read different keys (target/layers.py):
+  * SGLang 0.5.23 reads `eagle_config.eagle_aux_hidden_state_layer_ids` (its per-model rule;
+    the top-level key only counts how many there are);
+  * vLLM reads the top-level `eagle_aux_hidden_state_layer_ids` first (0.16-0.18: only there;
+    later releases fall back to `eagle_config.layer_ids`, and one of their runners to SGLang's
+    nested key, which would be off by one for a Llama target), in its numbering = capture points.
+Without the vLLM keys vLLM silently uses its default layers, right only when the capture points
+happen to be its default [2, L//2, L-3].
 """
 from __future__ import annotations
 
@@ -12,9 +22,13 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from ..draft.model import DraftConfig, Eagle3Draft, draft_state
+from ..target.layers import vllm_layer_ids
 
 
-def serving_config(cfg: DraftConfig, eagle_layer_ids: list[int], bos_token_id, eos_token_id, dtype: str) -> dict:
+def serving_config(cfg: DraftConfig, eagle_layer_ids: list[int], bos_token_id, eos_token_id, dtype: str,
+                   capture_points: list[int]) -> dict:
+    """`eagle_layer_ids`: SGLang's ids for this target; `capture_points`: the layers they capture."""
+    vllm_ids = vllm_layer_ids(capture_points)
     config = {
         "architectures": ["LlamaForCausalLMEagle3"],
         "model_type": "llama",
@@ -37,7 +51,9 @@ def serving_config(cfg: DraftConfig, eagle_layer_ids: list[int], bos_token_id, e
         "torch_dtype": dtype,
         "bos_token_id": bos_token_id,
         "eos_token_id": eos_token_id,
-        "eagle_config": {"eagle_aux_hidden_state_layer_ids": list(eagle_layer_ids), "use_aux_hidden_state": True},
+        "eagle_config": {"eagle_aux_hidden_state_layer_ids": list(eagle_layer_ids), "use_aux_hidden_state": True,
+                         "layer_ids": vllm_ids},
+        "eagle_aux_hidden_state_layer_ids": vllm_ids,
     }
     if cfg.hidden_size != cfg.target_hidden_size:
         config["target_hidden_size"] = cfg.target_hidden_size
@@ -45,15 +61,20 @@ def serving_config(cfg: DraftConfig, eagle_layer_ids: list[int], bos_token_id, e
 
 
 def export_draft(draft: Eagle3Draft, out_dir: str | Path, eagle_layer_ids: list[int], bos_token_id, eos_token_id,
-                 dtype: torch.dtype = torch.float32) -> Path:
-    """Atomically write <out_dir>/{config.json, model.safetensors}; no embedding (SGLang injects the target's)."""
+                 dtype: torch.dtype = torch.float32, *, capture_points: list[int]) -> Path:
+    """Atomically write <out_dir>/{config.json, model.safetensors}; no embedding (the server shares the target's).
+
+    `eagle_layer_ids` are SGLang's ids (`target.layers.sglang_layer_ids`), `capture_points` the
+    layer inputs they capture; the vLLM ids are derived from the latter.
+    """
     out = Path(out_dir)
     tmp = out.with_name(out.name + ".tmp")
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)
     tensors = {k: (v.to(dtype) if v.is_floating_point() else v) for k, v in draft_state(draft).items()}
     save_file(tensors, tmp / "model.safetensors", metadata={"format": "pt"})
-    config = serving_config(draft.cfg, eagle_layer_ids, bos_token_id, eos_token_id, str(dtype).replace("torch.", ""))
+    config = serving_config(draft.cfg, eagle_layer_ids, bos_token_id, eos_token_id, str(dtype).replace("torch.", ""),
+                            capture_points)
     (tmp / "config.json").write_text(json.dumps(config, indent=2))
     try:
         validate_export(tmp)
@@ -85,7 +106,7 @@ def _config_to_draft(config: dict) -> DraftConfig:
 
 
 def validate_export(export_dir: str | Path) -> None:
-    """Raise ValueError listing every way the folder differs from what SGLang's loader expects."""
+    """Raise ValueError listing every way the folder differs from what SGLang's and vLLM's loaders expect."""
     d = Path(export_dir)
     problems = []
     config = json.loads((d / "config.json").read_text())
@@ -96,6 +117,7 @@ def validate_export(export_dir: str | Path) -> None:
     ids = config.get("eagle_config", {}).get("eagle_aux_hidden_state_layer_ids")
     if not (isinstance(ids, list) and len(ids) == 3 and all(type(i) is int for i in ids)):
         problems.append(f"eagle_config.eagle_aux_hidden_state_layer_ids={ids!r}: need 3 ints")
+    problems += _vllm_id_problems(config, ids)
     cfg = _config_to_draft(config)
     H, Ht, nh, nkv, hd, I = (cfg.hidden_size, cfg.target_hidden_size, cfg.num_attention_heads,
                               cfg.num_key_value_heads, cfg.head_dim, cfg.intermediate_size)
@@ -127,6 +149,24 @@ def validate_export(export_dir: str | Path) -> None:
             problems.append("t2d disagrees with d2t")
     if problems:
         raise ValueError(f"invalid export {d}:\n  " + "\n  ".join(problems))
+
+
+def _vllm_id_problems(config: dict, sglang_ids) -> list[str]:
+    """The vLLM keys, when present (exports older than them lack both): 3 ints, the same in both
+    places, and naming the layers SGLang's ids name. SGLang's rule is per model family (the
+    export does not record which), so "the same layers" means vLLM ids == SGLang ids (DeepSeek,
+    Kimi) or == SGLang ids + 1 (Llama; DeepSeek ids starting at 1)."""
+    top, nested = config.get("eagle_aux_hidden_state_layer_ids"), config.get("eagle_config", {}).get("layer_ids")
+    if top is None and nested is None:
+        return []
+    if not (isinstance(top, list) and len(top) == 3 and all(type(i) is int for i in top)):
+        return [f"eagle_aux_hidden_state_layer_ids={top!r}: need 3 ints (vLLM reads them there)"]
+    if nested != top:
+        return [f"eagle_config.layer_ids={nested!r} differs from eagle_aux_hidden_state_layer_ids={top!r}"]
+    sglang_ok = isinstance(sglang_ids, list) and len(sglang_ids) == 3 and all(type(i) is int for i in sglang_ids)
+    if sglang_ok and top not in (sglang_ids, [i + 1 for i in sglang_ids]):
+        return [f"vLLM ids {top} and SGLang ids {sglang_ids} capture different layers"]
+    return []
 
 
 def load_exported_draft(export_dir: str | Path, embed_weight: torch.Tensor) -> Eagle3Draft:

@@ -1,4 +1,4 @@
-"""Which target layers the draft reads, and how to say that to SGLang.
+"""Which target layers the draft reads, and how to say that to SGLang and to vLLM.
 
 Our one convention: a **capture point** p is an index into HF transformers'
 `output_hidden_states` tuple, i.e. the residual stream entering decoder layer p
@@ -11,6 +11,13 @@ Kimi-K2.5, which delegates to its DeepseekV3 language model) captures the input 
 except that it adds 1 to every id when ids[0] == 1. The ids we pass at training time and write
 into the exported `eagle_config` are derived here, so both capture the same points
 (docs/EAGLE3.md §4).
+
+vLLM (0.18 and later; read in its source: `SupportsEagle3` models' forward, e.g. llama.py and
+deepseek_v2.py, which Kimi-K2.5's `KimiK25ForConditionalGeneration` delegates to) takes an id k
+as the residual stream entering decoder layer k, 0 being the embedding output, for every model
+family: its ids are our capture points themselves. It reads them from the draft config's
+top-level `eagle_aux_hidden_state_layer_ids` (newer releases fall back to
+`eagle_config.layer_ids`), never from SGLang's nested key first, so an export carries both.
 """
 from __future__ import annotations
 
@@ -80,3 +87,8 @@ def capture_points_of_sglang_ids(ids: list[int], rule: str) -> list[int]:
     if rule == DEEPSEEK_RULE:
         return [i + 1 for i in ids] if ids and ids[0] == 1 else list(ids)
     raise ValueError(f"unknown layer id rule {rule!r}")
+
+
+def vllm_layer_ids(points: list[int]) -> list[int]:
+    """Capture points -> the ids vLLM's EAGLE-3 capture needs (the same for Llama, DeepSeek, Kimi)."""
+    return [int(p) for p in points]

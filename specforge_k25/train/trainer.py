@@ -302,7 +302,8 @@ class Trainer:
             self.bar.close()
             self.save(done=True)
             export = (export_draft(self.trainer.draft.cpu(), self.run_dir / "export", self.setup.eagle_layer_ids,
-                                   self.setup.info.bos_token_id, self.setup.info.eos_token_id)
+                                   self.setup.info.bos_token_id, self.setup.info.eos_token_id,
+                                   capture_points=self.setup.capture_points)
                       if self.ranks.main else None)
         except (TrainingInterrupted, StreamInterrupted, StreamError, RankFailed) as err:
             raise self._saved_on_failure(err) from None

@@ -244,13 +244,32 @@ BAD_ROWS = [
     ("messages_not_list", {"messages": "hi"}, "no_turns"),
     ("empty_conversations", {"conversations": []}, "no_turns"),
     ("turn_not_dict", {"messages": [U, "hi"]}, "turn_not_an_object"),
-    ("unknown_role", {"messages": [U, {"role": "tool", "content": "x"}, A]}, "unknown_role"),
+    ("unknown_role", {"messages": [U, {"role": "function", "content": "x"}, A]}, "unknown_role"),
     ("unknown_from", {"conversations": [{"from": "bing", "value": "x"}]}, "unknown_role"),
     ("missing_role", {"messages": [{"content": "x"}, A]}, "unknown_role"),
     ("non_str_role", {"messages": [{"role": 3, "content": "x"}, A]}, "unknown_role"),
     ("int_content", {"messages": [U, {"role": "assistant", "content": 5}]}, "non_string_content"),
     ("none_content", {"messages": [{"role": "user", "content": None}, A]}, "non_string_content"),
     ("list_content", {"messages": [U, {"role": "assistant", "content": ["a"]}]}, "non_string_content"),
+    ("part_without_type", {"messages": [{"role": "user", "content": [{"text": "q"}]}, A]}, "non_string_content"),
+    ("text_part_not_str", {"messages": [{"role": "user", "content": [{"type": "text", "text": 3}]}, A]},
+     "non_string_content"),
+    ("image_part", {"messages": [{"role": "user", "content": [{"type": "text", "text": "q"},
+                                                             {"type": "image_url", "image_url": {"url": "u"}}]}, A]},
+     "non_text_content"),
+    ("null_content_no_calls", {"messages": [U, {"role": "assistant", "content": None}]}, "non_string_content"),
+    ("null_tool_result", {"messages": [U, {"role": "assistant", "content": None, "tool_calls": [
+        {"function": {"name": "f", "arguments": "{}"}}]}, {"role": "tool", "content": None}, A]}, "non_string_content"),
+    ("tool_calls_not_list", {"messages": [U, {"role": "assistant", "content": "", "tool_calls": "f()"}]},
+     "malformed_tool_calls"),
+    ("tool_call_no_name", {"messages": [U, {"role": "assistant", "content": "", "tool_calls": [
+        {"function": {"arguments": "{}"}}]}]}, "malformed_tool_calls"),
+    ("tool_call_args_not_json", {"messages": [U, {"role": "assistant", "content": "", "tool_calls": [
+        {"function": {"name": "f", "arguments": "{city: Paris"}}]}]}, "malformed_tool_calls"),
+    ("tool_call_args_not_object", {"messages": [U, {"role": "assistant", "content": "", "tool_calls": [
+        {"function": {"name": "f", "arguments": "[1, 2]"}}]}]}, "malformed_tool_calls"),
+    ("tool_call_args_nan", {"messages": [U, {"role": "assistant", "content": "", "tool_calls": [
+        {"function": {"name": "f", "arguments": '{"x": NaN}'}}]}]}, "malformed_tool_calls"),
     ("empty_content", {"messages": [U, {"role": "assistant", "content": ""}]}, "empty_turn"),
     ("blank_content", {"messages": [{"role": "user", "content": " \n\t "}, A]}, "empty_turn"),
     ("lone_surrogate", {"messages": [U, {"role": "assistant", "content": "ok \ud800 no"}]}, "invalid_unicode"),
@@ -324,6 +343,45 @@ GOOD_ROWS = [
 def test_normalize_row_good(row, expected):
     out = normalize_row(row)
     assert out == [{"role": r, "content": c} for r, c in expected]
+
+
+CALL = {"id": "call_1", "type": "function", "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'}}
+# rows as public chat datasets keep them -> the messages the renderers get, written out by hand
+REAL_WORLD_ROWS = [
+    ("content_parts_joined",
+     {"messages": [{"role": "user", "content": [{"type": "text", "text": "Hello"}, {"type": "text", "text": " you"}]},
+                   {"role": "assistant", "content": [{"type": "text", "text": "Hi", "image_url": None}]}]},
+     [{"role": "user", "content": "Hello you", "content_parts": ["Hello", " you"]},
+      {"role": "assistant", "content": "Hi", "content_parts": ["Hi"]}]),
+    ("developer_is_system",
+     {"messages": [{"role": "developer", "content": "French."}, U, A]},
+     [{"role": "system", "content": "French."}, U, A]),
+    ("tool_call_null_content_and_result",
+     {"messages": [U, {"role": "assistant", "content": None, "tool_calls": [{**CALL, "extra": 1}]},
+                   {"role": "tool", "tool_call_id": "call_1", "content": [{"type": "text", "text": "18C"}]}, A]},
+     [U, {"role": "assistant", "content": "", "tool_calls": [CALL]},
+      {"role": "tool", "content": "18C", "content_parts": ["18C"], "tool_call_id": "call_1"}, A]),
+    ("datasets_none_columns",  # `datasets` gives every message every column
+     {"messages": [{"role": "user", "content": "hello", "tool_calls": None, "tool_call_id": None},
+                   {"role": "assistant", "content": None, "tool_calls": [
+                       {"id": None, "type": "function", "function": {"name": "f", "arguments": {"a": 1}}}],
+                    "tool_call_id": None},
+                   {"role": "tool", "content": "", "tool_calls": None, "tool_call_id": None},
+                   {"role": "assistant", "content": "hi there", "tool_calls": [], "tool_call_id": None}]},
+     [U, {"role": "assistant", "content": "", "tool_calls": [
+         {"type": "function", "function": {"name": "f", "arguments": {"a": 1}}}]},
+      {"role": "tool", "content": ""}, A]),
+    ("trailing_tool_result_dropped",
+     {"messages": [U, {"role": "assistant", "content": "Checking.", "tool_calls": [CALL]},
+                   {"role": "tool", "content": "18C"}]},
+     [U, {"role": "assistant", "content": "Checking.", "tool_calls": [CALL]}]),
+]
+
+
+@pytest.mark.parametrize("row,expected", [(r, e) for _, r, e in REAL_WORLD_ROWS],
+                         ids=[n for n, _, _ in REAL_WORLD_ROWS])
+def test_normalize_row_real_world_shapes(row, expected):
+    assert normalize_row(row) == expected
 
 
 # ----------------------------------------------------------------------------------------------
@@ -445,7 +503,7 @@ def _write_mixed(path: Path) -> int:
         json.dumps([1, 2]),                                                            # not_an_object
         json.dumps({"messages": []}),                                                  # no_turns
         json.dumps({"messages": ["hi", A]}),                                           # turn_not_an_object
-        json.dumps({"messages": [U, {"role": "tool", "content": "x"}, A]}),            # unknown_role
+        json.dumps({"messages": [U, {"role": "narrator", "content": "x"}, A]}),        # unknown_role
         json.dumps({"messages": [U, {"role": "assistant", "content": 7}]}),            # non_string_content
         json.dumps({"messages": [U, {"role": "assistant", "content": "   "}]}),        # empty_turn
         json.dumps({"messages": [U, {"role": "assistant", "content": "x\ud800"}]}),    # invalid_unicode (escape)

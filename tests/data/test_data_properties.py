@@ -145,8 +145,8 @@ any_content = st.one_of(
     st.lists(st.just("a"), max_size=2),
 )
 
-GOOD_ROLES = ["user", "assistant", "system", "human", "gpt", "Human", "GPT", "chatgpt"]
-BAD_ROLES = ["tool", "bing", 42, None, "", "function"]
+GOOD_ROLES = ["user", "assistant", "system", "human", "gpt", "Human", "GPT", "chatgpt", "developer", "tool"]
+BAD_ROLES = ["bing", 42, None, "", "function"]
 any_role = st.one_of(st.sampled_from(GOOD_ROLES), st.sampled_from(GOOD_ROLES), st.sampled_from(BAD_ROLES))
 
 
@@ -232,14 +232,14 @@ def _json_kind(line: str) -> str:
     return "object" if isinstance(obj, dict) else "non_object"
 
 
-KNOWN_REASONS = {
-    "malformed_json", "not_an_object", "no_turns", "turn_not_an_object", "unknown_role",
-    "non_string_content", "empty_turn", "invalid_unicode", "no_assistant_turn",
-    "template_not_prefix_stable", "no_end_of_turn_token", "no_loss_tokens_after_truncation",
-}
 NORMALIZE_REASONS = {
     "malformed_json", "not_an_object", "no_turns", "turn_not_an_object", "unknown_role",
-    "non_string_content", "empty_turn", "invalid_unicode", "no_assistant_turn",
+    "non_string_content", "non_text_content", "malformed_tool_calls", "empty_turn", "invalid_unicode",
+    "no_assistant_turn",
+}
+KNOWN_REASONS = NORMALIZE_REASONS | {
+    "template_not_prefix_stable", "no_end_of_turn_token", "no_loss_tokens_after_truncation",
+    "tools_unsupported_by_template",  # SmolLM2's template does not render tool turns
 }
 
 SETTINGS = dict(deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much,
@@ -433,17 +433,25 @@ def test_truncation_is_a_prefix_or_no_loss_tokens(messages, cuts):
 # ----------------------------------------------------------------------------------------------
 
 
+def _text_of(content):
+    """Content as text: a string, or a list of {"type": "text"} parts joined; None otherwise."""
+    if isinstance(content, list) and all(isinstance(p, dict) and p.get("type") == "text"
+                                         and isinstance(p.get("text"), str) for p in content):
+        return "".join(p["text"] for p in content)
+    return content if isinstance(content, str) else None
+
+
 def _turn_defect(turn) -> str | None:
     """Independent statement of what makes a single turn unusable (None: usable)."""
     if not isinstance(turn, dict):
         return "turn_not_an_object"
     role = turn["role"] if "role" in turn else turn.get("from")
-    content = turn["content"] if "content" in turn else turn.get("value")
+    content = _text_of(turn["content"] if "content" in turn else turn.get("value"))
     if not isinstance(role, str) or role.lower() not in ROLE_ALIASES:
         return "unknown_role"
     if not isinstance(content, str):
         return "non_string_content"
-    if not content.strip():
+    if not content.strip() and role.lower() != "tool":  # a tool may return nothing
         return "empty_turn"
     if not _clean(content):
         return "invalid_unicode"
@@ -474,17 +482,20 @@ def test_normalize_row_returns_clean_messages_or_known_badrow(row):
     assert all(_turn_defect(t) is None for t in turns_)
     mapped = [
         {"role": ROLE_ALIASES[(t["role"] if "role" in t else t["from"]).lower()],
-         "content": t["content"] if "content" in t else t["value"]}
+         "content": _text_of(t["content"] if "content" in t else t["value"])}
         for t in turns_
     ]
     assert out and isinstance(out, list)
     assert out[0]["role"] != "assistant" and out[-1]["role"] == "assistant"
     for m in out:
-        assert set(m) == {"role", "content"} and m["role"] in {"system", "user", "assistant"}
-        assert isinstance(m["content"], str) and m["content"].strip() and _clean(m["content"])
+        assert m["role"] in {"system", "user", "assistant", "tool"}
+        assert set(m) == {"role", "content"} | ({"content_parts"} if "content_parts" in m else set())
+        assert "".join(m.get("content_parts", [m["content"]])) == m["content"]
+        assert isinstance(m["content"], str) and (m["content"].strip() or m["role"] == "tool")
+        assert _clean(m["content"])
     i = next(k for k, m in enumerate(mapped) if m["role"] != "assistant")
     j = max(k for k, m in enumerate(mapped) if m["role"] == "assistant") + 1
-    assert out == mapped[i:j]
+    assert [{"role": m["role"], "content": m["content"]} for m in out] == mapped[i:j]
 
 
 # ----------------------------------------------------------------------------------------------

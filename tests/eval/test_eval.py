@@ -27,6 +27,7 @@ from specforge_k25.target.hf_config import load_embedding_and_head
 PY = sys.executable
 ROOT = Path(__file__).resolve().parents[2]
 SMOLLM2_EAGLE_IDS = [1, 14, 26]  # capture points [2, 15, 27] (tests/target/test_target.py checks the rule)
+SMOLLM2_POINTS = [2, 15, 27]
 
 
 def layer_copy_head(target: str, out_dir: Path, layer: int = 27) -> Path:
@@ -59,7 +60,8 @@ def layer_copy_head(target: str, out_dir: Path, layer: int = 27) -> Path:
     for p in ("gate", "up", "down"):
         state[f"midlayer.mlp.{p}_proj.weight"] = weights[src + f"mlp.{p}_proj.weight"]
     draft.load_state_dict({k: v.float() for k, v in state.items()} | {"d2t": state["d2t"], "t2d": state["t2d"]})
-    return export_draft(draft, out_dir, SMOLLM2_EAGLE_IDS, bos_token_id=1, eos_token_id=2)
+    return export_draft(draft, out_dir, SMOLLM2_EAGLE_IDS, bos_token_id=1, eos_token_id=2,
+                        capture_points=SMOLLM2_POINTS)
 
 
 @pytest.fixture(scope="module")
@@ -84,7 +86,7 @@ def test_sglang_draft_reproduces_our_draft(smollm2_path, tmp_path):
         draft.d2t.copy_(used - torch.arange(512))
         draft.t2d.zero_()
         draft.t2d[used] = True
-    export = export_draft(draft, tmp_path / "export", SMOLLM2_EAGLE_IDS, 1, 2)
+    export = export_draft(draft, tmp_path / "export", SMOLLM2_EAGLE_IDS, 1, 2, capture_points=SMOLLM2_POINTS)
     probe = tmp_path / "probe"
     probe.mkdir()
     out = subprocess.run([PY, str(ROOT / "tests" / "fixtures" / "sglang_draft_probe.py"), smollm2_path, str(export), str(probe)],

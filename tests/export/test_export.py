@@ -16,7 +16,8 @@ from specforge_k25.draft.vocab import build_vocab_maps
 from specforge_k25.export.serving import export_draft, load_exported_draft, validate_export
 
 H, I, NH, NKV, HD, V, VD = 32, 48, 4, 2, 8, 300, 50
-LAYER_IDS = [1, 29, 57]
+LAYER_IDS = [1, 29, 57]  # SGLang's ids (Llama rule) of
+POINTS = [2, 30, 58]  # these capture points, which are also vLLM's ids
 BOS, EOS = 163584, [163585, 163586]  # eos as a list, as multi-eos targets write it
 
 
@@ -68,7 +69,7 @@ def make_draft(seed: int = 0, target_hidden_size: int = H, rope_theta: float = 1
 @pytest.fixture
 def exported(tmp_path) -> tuple[Eagle3Draft, Path]:
     draft = make_draft(seed=1)
-    out = export_draft(draft, tmp_path / "export", LAYER_IDS, BOS, EOS)
+    out = export_draft(draft, tmp_path / "export", LAYER_IDS, BOS, EOS, capture_points=POINTS)
     return draft, out
 
 
@@ -76,7 +77,7 @@ def exported(tmp_path) -> tuple[Eagle3Draft, Path]:
 @pytest.mark.parametrize("ht", [H, 48], ids=["H_eq_Ht", "H_ne_Ht"])
 def test_export_config_and_tensors_match_serving_format(tmp_path, ht):
     draft = make_draft(seed=2, target_hidden_size=ht, rope_theta=50000.0, rms_norm_eps=1e-5, max_pos=8192)
-    out = export_draft(draft, tmp_path / "export", LAYER_IDS, BOS, EOS)
+    out = export_draft(draft, tmp_path / "export", LAYER_IDS, BOS, EOS, capture_points=POINTS)
     assert sorted(p.name for p in out.iterdir()) == ["config.json", "model.safetensors"]
 
     config = json.loads((out / "config.json").read_text())
@@ -95,7 +96,9 @@ def test_export_config_and_tensors_match_serving_format(tmp_path, ht):
         "vocab_size": V,
         "draft_vocab_size": VD,
         "tie_word_embeddings": False,
-        "eagle_config": {"eagle_aux_hidden_state_layer_ids": LAYER_IDS, "use_aux_hidden_state": True},
+        "eagle_config": {"eagle_aux_hidden_state_layer_ids": LAYER_IDS, "use_aux_hidden_state": True,
+                         "layer_ids": POINTS},
+        "eagle_aux_hidden_state_layer_ids": POINTS,
         "bos_token_id": BOS,
         "eos_token_id": EOS,
     }
@@ -130,7 +133,7 @@ def test_export_config_and_tensors_match_serving_format(tmp_path, ht):
 
 def test_export_bf16_keeps_vocab_maps_integer(tmp_path):
     draft = make_draft(seed=3)
-    out = export_draft(draft, tmp_path / "export", LAYER_IDS, BOS, EOS, dtype=torch.bfloat16)
+    out = export_draft(draft, tmp_path / "export", LAYER_IDS, BOS, EOS, dtype=torch.bfloat16, capture_points=POINTS)
     tensors = load_file(out / "model.safetensors")
     assert tensors["fc.weight"].dtype == torch.bfloat16
     assert torch.equal(tensors["fc.weight"], draft.fc.weight.detach().to(torch.bfloat16))
@@ -157,7 +160,7 @@ def _ttt_logits(draft: Eagle3Draft, aux, ids_per_step, K: int) -> list[torch.Ten
 @pytest.mark.parametrize("ht", [H, 40], ids=["H_eq_Ht", "H_ne_Ht"])
 def test_round_trip_gives_identical_logits(tmp_path, ht):
     draft = make_draft(seed=4, target_hidden_size=ht, rope_theta=20000.0)
-    out = export_draft(draft, tmp_path / "export", LAYER_IDS, BOS, EOS)
+    out = export_draft(draft, tmp_path / "export", LAYER_IDS, BOS, EOS, capture_points=POINTS)
     embed = draft.embed_tokens.weight.detach().clone()  # what the server injects: the target's embedding
     loaded = load_exported_draft(out, embed)
     assert loaded.cfg == draft.cfg
@@ -244,6 +247,13 @@ FAULTS = {
                         r"eagle_aux_hidden_state_layer_ids.*need 3 ints"),
     "eagle_config_missing": (lambda d: _edit_config(d, lambda c: c.pop("eagle_config")),
                              r"eagle_aux_hidden_state_layer_ids.*need 3 ints"),
+    "vllm_ids_two": (lambda d: _edit_config(d, lambda c: _set(c, "eagle_aux_hidden_state_layer_ids", [2, 30])),
+                     r"eagle_aux_hidden_state_layer_ids=\[2, 30\]: need 3 ints \(vLLM"),
+    "vllm_nested_missing": (lambda d: _edit_config(d, lambda c: c["eagle_config"].pop("layer_ids")),
+                            r"eagle_config\.layer_ids=None differs"),
+    "vllm_ids_other_layers": (lambda d: _edit_config(d, lambda c: (_set(c, "eagle_aux_hidden_state_layer_ids", [3, 31, 59]),
+                                                                   _set(c["eagle_config"], "layer_ids", [3, 31, 59]))),
+                              r"vLLM ids \[3, 31, 59\] and SGLang ids \[1, 29, 57\] capture different layers"),
     "d2t_not_increasing": (lambda d: _edit_tensors(d, _not_increasing), r"d2t does not map draft ids to strictly increasing"),
     "d2t_out_of_range": (lambda d: _edit_tensors(d, _out_of_range), r"d2t does not map draft ids to strictly increasing"),
     "t2d_missing_draft_token": (lambda d: _edit_tensors(d, _t2d_drop), r"t2d disagrees with d2t"),
@@ -297,9 +307,9 @@ def test_validate_rejects_config_missing_size_field(exported):
 def test_export_twice_replaces_folder(tmp_path):
     first, second = make_draft(seed=6), make_draft(seed=7)
     target = tmp_path / "export"
-    export_draft(first, target, LAYER_IDS, BOS, EOS)
+    export_draft(first, target, LAYER_IDS, BOS, EOS, capture_points=POINTS)
     (target / "stale.txt").write_text("left by an earlier run")
-    out = export_draft(second, target, [2, 30, 58], 1, 2)
+    out = export_draft(second, target, [2, 30, 58], 1, 2, capture_points=[2, 30, 58])
     assert out == target
     assert sorted(p.name for p in target.iterdir()) == ["config.json", "model.safetensors"]
     tensors = load_file(target / "model.safetensors")
@@ -316,12 +326,104 @@ def test_export_twice_replaces_folder(tmp_path):
 def test_failed_export_keeps_previous_export(tmp_path):
     good = make_draft(seed=8)
     target = tmp_path / "export"
-    export_draft(good, target, LAYER_IDS, BOS, EOS)
+    export_draft(good, target, LAYER_IDS, BOS, EOS, capture_points=POINTS)
     before = {p.name: p.read_bytes() for p in target.iterdir()}
     with pytest.raises(ValueError, match="need 3 ints"):
-        export_draft(make_draft(seed=9), target, [1, 2], BOS, EOS)  # invalid: refused before touching target
+        # invalid: refused before touching target
+        export_draft(make_draft(seed=9), target, [1, 2], BOS, EOS, capture_points=[2, 3])
     assert {p.name: p.read_bytes() for p in target.iterdir()} == before
     validate_export(target)
     # a later good export still succeeds and leaves only the final folder
-    export_draft(good, target, LAYER_IDS, BOS, EOS)
+    export_draft(good, target, LAYER_IDS, BOS, EOS, capture_points=POINTS)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["export"]
+
+
+# ------------------------------------------------------------------------------ 5. SGLang's and vLLM's ids
+# What each server captures for an id, written out by hand from its source, independently of
+# target/layers.py. "input of layer k" = the residual stream entering decoder layer k.
+def sglang_captures(family: str, ids: list[int]) -> list[int]:
+    """SGLang 0.5.23 `set_eagle3_layers_to_capture`: Llama takes the input of layer id+1;
+    DeepseekV2/V3 (Kimi-K2.5 delegates to it) the input of layer id, all shifted by one when ids[0] == 1."""
+    if family == "llama":
+        return [i + 1 for i in ids]
+    return [i + 1 for i in ids] if ids[0] == 1 else list(ids)
+
+
+def vllm_captures(ids: list[int]) -> list[int]:
+    """vLLM >= 0.18 (llama.py, deepseek_v2.py; kimi_k25.py delegates): the input of layer id, every family."""
+    return list(ids)
+
+
+# (target config.json, target.aux_layers = capture points, SGLang ids and vLLM ids worked out by hand)
+LLAMA_CFG = {"architectures": ["LlamaForCausalLM"], "num_hidden_layers": 30, "hidden_size": 64, "vocab_size": V}
+KIMI_CFG = {"architectures": ["KimiK25ForConditionalGeneration"], "model_type": "kimi_k25",
+            "text_config": {"num_hidden_layers": 61, "hidden_size": 7168, "vocab_size": V}}
+DEEPSEEK_CFG = {"architectures": ["DeepseekV3ForCausalLM"], "num_hidden_layers": 61, "hidden_size": 7168, "vocab_size": V}
+SERVER_CASES = {
+    "llama": (LLAMA_CFG, "llama", [4, 11, 23], [3, 10, 22], [4, 11, 23]),
+    "llama_first_layer": (LLAMA_CFG, "llama", [1, 2, 29], [0, 1, 28], [1, 2, 29]),
+    "kimi": (KIMI_CFG, "deepseek", [5, 33, 57], [5, 33, 57], [5, 33, 57]),
+    "deepseek": (DEEPSEEK_CFG, "deepseek", [2, 40, 60], [2, 40, 60], [2, 40, 60]),
+}
+
+
+@pytest.mark.parametrize("case", sorted(SERVER_CASES))
+def test_export_tells_sglang_and_vllm_the_same_layers(tmp_path, case):
+    from specforge_k25.target.hf_config import read_target_info
+    from specforge_k25.target.layers import layer_id_rule, sglang_layer_ids, validate_capture_points
+
+    target_config, family, aux_layers, sglang_by_hand, vllm_by_hand = SERVER_CASES[case]
+    (tmp_path / "target").mkdir()
+    (tmp_path / "target" / "config.json").write_text(json.dumps(target_config))
+    info = read_target_info(tmp_path / "target")
+    points = validate_capture_points(aux_layers, info.num_layers)  # as train.loop.prepare does
+    eagle_ids = sglang_layer_ids(points, layer_id_rule(info.architecture))
+    out = export_draft(make_draft(), tmp_path / "export", eagle_ids, BOS, EOS, capture_points=points)
+
+    config = json.loads((out / "config.json").read_text())
+    sglang_ids = config["eagle_config"]["eagle_aux_hidden_state_layer_ids"]  # SGLang reads only this one
+    vllm_ids = config["eagle_aux_hidden_state_layer_ids"]  # vLLM 0.16+ reads this first
+    assert sglang_ids == sglang_by_hand
+    assert vllm_ids == vllm_by_hand and config["eagle_config"]["layer_ids"] == vllm_by_hand
+    assert sglang_captures(family, sglang_ids) == vllm_captures(vllm_ids) == aux_layers
+    assert points != [2, info.num_layers // 2, info.num_layers - 3]  # vLLM's default would not do
+
+
+def _tiny_hf(family: str):
+    from transformers import DeepseekV3Config, DeepseekV3ForCausalLM, LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    if family == "llama":
+        return LlamaForCausalLM(LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=48, num_hidden_layers=6,
+                                            num_attention_heads=4, num_key_value_heads=2)).eval()
+    return DeepseekV3ForCausalLM(DeepseekV3Config(
+        vocab_size=64, hidden_size=32, intermediate_size=48, moe_intermediate_size=16, num_hidden_layers=6,
+        num_attention_heads=4, num_key_value_heads=4, n_routed_experts=4, num_experts_per_tok=2, n_shared_experts=1,
+        first_k_dense_replace=1, kv_lora_rank=16, q_lora_rank=None, qk_rope_head_dim=8, qk_nope_head_dim=8,
+        v_head_dim=8, n_group=1, topk_group=1)).eval()
+
+
+@pytest.mark.parametrize("family,points", [("llama", [1, 3, 5]), ("deepseek", [2, 3, 5])])
+def test_both_servers_ids_select_the_tensors_training_used(tmp_path, family, points):
+    """On a real (tiny, random) HF model: the stream entering layer k, which both servers capture
+    for the ids the export writes, is the tensor the HF reference trains on (hidden_states[p])."""
+    model = _tiny_hf(family)
+    entering = {}
+    hooks = [layer.register_forward_pre_hook(lambda mod, args, kwargs, k=k: entering.__setitem__(k, (
+        args[0] if args else kwargs["hidden_states"]).clone()), with_kwargs=True)
+             for k, layer in enumerate(model.model.layers)]
+    with torch.no_grad():
+        out = model(torch.randint(0, 64, (1, 7)), output_hidden_states=True)
+    for h in hooks:
+        h.remove()
+    rule = {"llama": "llama", "deepseek": "deepseek"}[family]
+    from specforge_k25.target.layers import sglang_layer_ids
+
+    export = export_draft(make_draft(), tmp_path / "export", sglang_layer_ids(points, rule), BOS, EOS,
+                          capture_points=points)
+    config = json.loads((export / "config.json").read_text())
+    by_sglang = [entering[k] for k in sglang_captures(family, config["eagle_config"]["eagle_aux_hidden_state_layer_ids"])]
+    by_vllm = [entering[k] for k in vllm_captures(config["eagle_aux_hidden_state_layer_ids"])]
+    trained_on = [out.hidden_states[p] for p in points]
+    for a, b, c in zip(by_sglang, by_vllm, trained_on):
+        assert torch.equal(a, c) and torch.equal(b, c)
