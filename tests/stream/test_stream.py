@@ -66,6 +66,27 @@ def test_backpressure_bounds_batches_in_flight(tiny_deepseek_path):
     assert max(depths) >= 1  # and the target did run ahead (the pipeline overlaps)
 
 
+def test_slow_consumer_copies_what_the_producer_wrote_checksum_every_slot(tiny_deepseek_path):
+    """Stress the slot hand-off: 2 slots, 16 batches, a consumer slower than the target. The
+    producer records a float64 checksum of every slot it fills; the consumer copies the batch out,
+    hands the slot back, then (slowly) checks its copy: every checksum must match, so no slot was
+    overwritten while the consumer still read it (a copy after the release would see the next batch)."""
+    from specforge_k25.stream.ring import slot_checksum
+
+    spec, info = _spec(tiny_deepseek_path)
+    seqs = _seqs(16, info.vocab_size, seed=3)
+    checked = 0
+    with TargetStream(spec, seqs, [[i] for i in range(16)], hidden_size=info.hidden_size, slots=2,
+                      timeout_s=120) as stream:
+        for msg, aux, final in stream:
+            copy = (aux.clone(), final.clone())  # what the trainer keeps (DraftTrainer.make_batch copies)
+            stream.release(msg)
+            time.sleep(0.05)  # the producer refills the slot meanwhile
+            assert slot_checksum(*copy) == msg.checksum, f"batch {msg.item}: the copy is not what was produced"
+            checked += 1
+    assert checked == 16
+
+
 def test_dead_target_process_is_reported_quickly(tiny_deepseek_path):
     spec, info = _spec(tiny_deepseek_path)
     seqs = _seqs(40, info.vocab_size, seed=2)
