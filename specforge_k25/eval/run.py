@@ -9,6 +9,7 @@ and our own replay of each head on the same outputs.
 """
 from __future__ import annotations
 
+import dataclasses
 import json
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -107,6 +108,8 @@ def run_eval(job: EvalJobConfig, out_dir: str | Path) -> dict:
     out_dir.mkdir(parents=True, exist_ok=True)
     ev = job.eval
     chains = [Chain(*c) for c in ev.chains]
+    # the eval's own stream replays fixed prompt + output ids: the target must not answer them anew
+    job = dataclasses.replace(job, data=dataclasses.replace(job.data, regenerate=False))
     setup = prepare(job)
     heads = _heads(job, setup, out_dir)
     sets = {name: load_prompt_set(name, ev.num_prompts, setup.tokenizer, setup.data.heldout) for name in ev.prompt_sets}

@@ -11,6 +11,7 @@ import torch
 
 from ..config import JobConfig
 from ..data.dataset import TokenizedData, build_dataset
+from ..data.regenerate import regeneration_prompt
 from ..draft.model import DraftConfig, Eagle3Draft
 from ..draft.vocab import build_vocab_maps, count_tokens
 from ..plan import check_fits, facts_from_folder, resolve_draft
@@ -20,6 +21,7 @@ from ..target.factory import TargetSpec, check_tp_layout
 from ..target.hf_config import load_embedding_and_head, read_target_info
 from ..target.layers import DEEPSEEK_RULE, layer_id_rule, resolve_capture_points, sglang_layer_ids
 from ..target.models import resolve_target_path
+from ..target.sampling import Regeneration
 from .layout import World, check_layout
 
 
@@ -32,6 +34,7 @@ class RunSetup:
     tokenizer: object
     data: TokenizedData
     draft_cfg: DraftConfig
+    regeneration: Regeneration | None = None  # data.regenerate: how the target answers each prompt
 
 
 def prepare(job: JobConfig) -> RunSetup:
@@ -65,7 +68,8 @@ def prepare(job: JobConfig) -> RunSetup:
     if top >= info.vocab_size:  # the engine would index past its embedding
         raise ValueError(f"the tokenizer produced token id {top}, outside the target's vocab ({info.vocab_size}): "
                          f"tokenizer and target weights in {model_path} do not match")
-    return RunSetup(model_path, info, points, eagle_ids, tokenizer, data, resolve_draft(job.draft, facts))
+    return RunSetup(model_path, info, points, eagle_ids, tokenizer, data, resolve_draft(job.draft, facts),
+                    regeneration(job, tokenizer))
 
 
 def _end_of_turn_id(tokenizer, token: str | None) -> int:
@@ -73,6 +77,25 @@ def _end_of_turn_id(tokenizer, token: str | None) -> int:
     if end_of_turn_id is None or end_of_turn_id == tokenizer.unk_token_id:
         raise ValueError(f"target.end_of_turn_token={token!r} is not a token of this tokenizer")
     return end_of_turn_id
+
+
+def regeneration(job: JobConfig, tokenizer) -> Regeneration | None:
+    """data.regen_* as the target processes use them; the answer stops at the end-of-turn token
+    or the tokenizer's eos."""
+    d = job.data
+    if not d.regenerate:
+        return None
+    if d.regen_cut not in ("keep", "drop"):
+        raise ValueError(f"data.regen_cut={d.regen_cut!r}: expected keep or drop")
+    if d.regen_max_new_tokens < 1 or d.regen_temperature < 0 or not 0 < d.regen_top_p <= 1:
+        raise ValueError("data.regen_max_new_tokens must be >= 1, data.regen_temperature >= 0 and "
+                         "data.regen_top_p in (0, 1]")
+    stops = {_end_of_turn_id(tokenizer, job.target.end_of_turn_token)}
+    if tokenizer.eos_token_id is not None:
+        stops.add(int(tokenizer.eos_token_id))
+    return Regeneration(max_new_tokens=d.regen_max_new_tokens, max_length=d.max_length,
+                        temperature=d.regen_temperature, top_p=d.regen_top_p, seed=d.regen_seed,
+                        stop_ids=tuple(sorted(stops)), group_sequences=max(1, d.regen_group))
 
 
 def _renderer(job: JobConfig, tokenizer):
@@ -100,9 +123,10 @@ def fresh_draft(setup: RunSetup, seed: int) -> tuple[Eagle3Draft, torch.Tensor]:
     return draft, lm_head
 
 
-def target_spec(job: JobConfig, engine: str = "sglang") -> TargetSpec:
+def target_spec(job: JobConfig, engine: str = "sglang", tokenizer=None) -> TargetSpec:
     """The TargetSpec of a run. The trainer's node and the nodes that only run TP ranks
-    (train/tp_node.py) build it from the same config, so every rank loads the same engine."""
+    (train/tp_node.py) build it from the same config, so every rank loads the same engine (and,
+    regenerating, decodes with the same settings; `tokenizer`: the run's, else loaded)."""
     hw = job.hw
     if hw.target_nnodes > 1 and hw.target_replicas != 1:
         raise ValueError(f"hw.target_nnodes={hw.target_nnodes}: a target spanning nodes runs as one replica with "
@@ -115,14 +139,23 @@ def target_spec(job: JobConfig, engine: str = "sglang") -> TargetSpec:
                       max_total_tokens=hw.max_total_tokens, mem_fraction_static=hw.mem_fraction_static,
                       attention_backend=hw.target_attention_backend, num_threads=hw.target_threads, trust_remote_code=job.target.trust_remote_code,
                       nnodes=hw.target_nnodes, node_rank=hw.target_node_rank, dist_init_addr=hw.target_dist_init_addr)
+    if job.data.regenerate:
+        if tokenizer is None:
+            from transformers import AutoTokenizer
+
+            tokenizer = AutoTokenizer.from_pretrained(model_path, trust_remote_code=job.target.trust_remote_code)
+        spec.regeneration = regeneration(job, tokenizer)
     check_tp_layout(spec)
     return spec
 
 
 def make_target_stream(job: JobConfig, setup: RunSetup, samples, batches: list[list[int]],
                        engine: str = "sglang") -> TargetStream:
-    """The target process over `batches` (lists of indices into `samples`), not yet started."""
-    return TargetStream(target_spec(job, engine), [s.input_ids for s in samples], batches,
+    """The target process over `batches` (lists of indices into `samples`), not yet started.
+    Regenerating, the target gets each sample's prompt (data/regenerate.py) and answers it."""
+    sequences = ([regeneration_prompt(s) for s in samples] if setup.regeneration is not None
+                 else [s.input_ids for s in samples])
+    return TargetStream(target_spec(job, engine, setup.tokenizer), sequences, batches,
                         hidden_size=setup.info.hidden_size, slots=job.train.stream_slots,
                         timeout_s=job.train.stream_timeout_s, start_timeout_s=job.train.engine_start_timeout_s,
                         dtype=getattr(torch, job.hw.target_dtype),

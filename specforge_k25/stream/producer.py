@@ -4,8 +4,8 @@ batches, and notices within `poll_s` + `timeout_s` if the process dies or stalls
 
 Tensor parallelism (tp_size > 1): one process per TP rank, as SGLang's own one_batch benchmark
 runs them. TP rank 0 (`_producer_main`) walks the batches and broadcasts each batch's token ids to
-the other ranks (`_tp_rank_main`), which run the same forward and discard its output; only rank 0
-writes into the ring. The TP group may span nodes (SGLang's nnodes / node_rank / dist_init_addr):
+the other ranks (`_tp_rank_main`), which run the same forward (or, regenerating, the same decoding
+of a group of prompts) and discard its output; only rank 0 writes into the ring. The TP group may span nodes (SGLang's nnodes / node_rank / dist_init_addr):
 the trainer's node starts its local ranks here, every other node runs only its own ranks
 (`run_tp_node`, `python -m specforge_k25.train.tp_node`).
 """
@@ -46,7 +46,7 @@ def _producer_main(spec: TargetSpec, tokens: torch.Tensor, offsets: torch.Tensor
         target = build_target(spec, tp_rank=0)
         torch.set_num_threads(spec.num_threads)
         pool = target.max_total_tokens  # SGLang sizes its KV pool from free memory at start
-        largest = max((int(sum(offsets[i + 1] - offsets[i] for i in b)) for b in batches), default=0)
+        largest = max((sum(_room(spec, int(offsets[i + 1] - offsets[i])) for i in b) for b in batches), default=0)
         if pool is not None and largest > pool:
             raise ValueError(f"the largest batch has {largest} tokens but the engine's KV pool holds {pool}: "
                              f"lower train.batch_size or data.max_length, or raise hw.mem_fraction_static")
@@ -54,13 +54,20 @@ def _producer_main(spec: TargetSpec, tokens: torch.Tensor, offsets: torch.Tensor
         target.warmup()
         io = psutil.Process().io_counters
         ready_bytes = io().write_bytes
+        ahead = _Regenerated(target, spec, tokens, offsets, batches, pool) if spec.regeneration is not None else None
         for item, batch in enumerate(batches):
             stage = f"target forward of batch {item}"
             seqs = [tokens[offsets[i]:offsets[i + 1]] for i in batch]
+            ids = prompt_lengths = None
+            if ahead is not None:
+                stage = f"regeneration up to batch {item}"
+                seqs, prompt_lengths = ahead.take(item)
+                ids = torch.cat(seqs)
+                stage = f"target forward of batch {item}"
             if spec.tp_size > 1:
-                target.share_batch(seqs)  # the other TP ranks run the same forward
+                target.share_batch([FORWARD, *seqs])  # the other TP ranks run the same forward
             out = target.forward(seqs)
-            ring.put(item, out.aux_hidden, out.final_hidden, out.lengths)
+            ring.put(item, out.aux_hidden, out.final_hidden, out.lengths, ids, prompt_lengths)
         if spec.tp_size > 1:
             stage = "end of the batches (telling the other TP ranks)"
             target.share_batch(None)
@@ -69,6 +76,61 @@ def _producer_main(spec: TargetSpec, tokens: torch.Tensor, offsets: torch.Tensor
     except BaseException as err:  # report, never hang the trainer
         ring.ready.put(ProducerFailed(stage, f"{type(err).__name__}: {err}\n{traceback.format_exc()}"))
         raise
+
+
+def _room(spec: TargetSpec, length: int) -> int:
+    """Tokens a sequence of `length` occupies in the engine and the ring (its answer included)."""
+    return length + (spec.regeneration.budget(length) if spec.regeneration is not None else 0)
+
+
+# what TP rank 0 broadcasts ahead of the sequences, so the other ranks take the same step
+FORWARD, GENERATE = torch.tensor([0]), torch.tensor([1])
+
+
+class _Regenerated:
+    """TP rank 0's answers, generated ahead of the forwards in groups of up to
+    regeneration.group_sequences prompts (decoding a batch of prompts costs about as much per step
+    as decoding one), each group within the engine's KV pool. Memory stays bounded by one group."""
+
+    def __init__(self, target, spec: TargetSpec, tokens: torch.Tensor, offsets: torch.Tensor, batches: list,
+                 pool: int | None):
+        self.target, self.spec, self.batches, self.pool = target, spec, batches, pool
+        self.prompts = lambda batch: [tokens[offsets[i]:offsets[i + 1]] for i in batch]
+        self.done: dict[int, tuple[list[torch.Tensor], list[int]]] = {}
+
+    def take(self, item: int) -> tuple[list[torch.Tensor], list[int]]:
+        """Batch `item`'s conversations (prompt + answer) and prompt lengths."""
+        if item not in self.done:
+            self._generate_from(item)
+        return self.done.pop(item)
+
+    def _generate_from(self, first: int) -> None:
+        regen = self.spec.regeneration
+        group, prompts, room = [], [], 0
+        for item in range(first, len(self.batches)):
+            batch_prompts = self.prompts(self.batches[item])
+            batch_room = sum(len(p) + regen.budget(len(p)) for p in batch_prompts)
+            if group and (len(prompts) + len(batch_prompts) > regen.group_sequences
+                          or (self.pool is not None and room + batch_room > self.pool)):
+                break
+            group.append(item)
+            prompts += batch_prompts
+            room += batch_room
+        if self.spec.tp_size > 1:
+            self.target.share_batch([GENERATE, *prompts])
+        conversations = iter(_regenerate(self.target, prompts, regen))
+        for item in group:
+            batch_prompts = self.prompts(self.batches[item])
+            self.done[item] = ([next(conversations) for _ in batch_prompts], [len(p) for p in batch_prompts])
+
+
+def _regenerate(target, prompts: list[torch.Tensor], regen) -> list[torch.Tensor]:
+    """prompt + the target's own answer, per sequence. The answer is generated first, then the
+    whole conversation is prefilled as any training batch is: its hidden states are exactly those of
+    a plain prefill of the same ids (capturing during decoding would give the decode kernels'
+    numbers instead; docs/PERFORMANCE.md measures both)."""
+    answers = target.generate(prompts, [regen.budget(len(p)) for p in prompts], regen)
+    return [torch.cat([p, torch.tensor(a, dtype=p.dtype)]) for p, a in zip(prompts, answers)]
 
 
 def _tp_rank_main(spec: TargetSpec, tp_rank: int, report, parent_pid: int):
@@ -89,11 +151,15 @@ def _tp_rank_main(spec: TargetSpec, tp_rank: int, report, parent_pid: int):
         target.warmup()
         item = 0
         while True:
-            stage = f"target forward of batch {item}"
-            seqs = target.share_batch(None)
-            if seqs is None:
+            stage = f"target step {item}"
+            message = target.share_batch(None)
+            if message is None:
                 break
-            target.forward(seqs)
+            op, seqs = message[0], message[1:]
+            if torch.equal(op, GENERATE):  # every TP rank decodes in step with rank 0 (same tokens drawn)
+                _regenerate(target, seqs, spec.regeneration)
+            else:
+                target.forward(seqs)
             item += 1
         target.close()
     except BaseException as err:
@@ -220,7 +286,8 @@ class TargetStream:
         lengths = torch.tensor([len(s) for s in sequences], dtype=torch.int64)
         self.offsets = torch.cat([torch.zeros(1, dtype=torch.int64), lengths.cumsum(0)])
         self.tokens = torch.cat(sequences) if sequences else torch.zeros(0, dtype=torch.int64)
-        max_tokens = max((int(lengths[b].sum()) for b in batches), default=1)
+        room = [_room(spec, int(n)) for n in lengths]  # regeneration: prompt + its answer budget
+        max_tokens = max((sum(room[i] for i in b) for b in batches), default=1)
         self.ctx = torch.multiprocessing.get_context("spawn")
         self.ring = SlotRing(self.ctx, slots, max_tokens, hidden_size, dtype, device)
         self.process = None  # TP rank 0: the one that fills the ring
@@ -317,6 +384,10 @@ class TargetStream:
                 return msg
         finally:
             self.wait_s += time.perf_counter() - t0
+
+    def ids(self, msg: SlotMessage) -> torch.Tensor:
+        """The token ids of a batch [N] (view into shared memory): with regeneration, prompt + answer."""
+        return self.ring.view_ids(msg)
 
     def release(self, msg: SlotMessage) -> None:
         self.ring.release(msg)

@@ -23,6 +23,7 @@ class SlotMessage:
     item: int  # index into the producer's list of batches
     lengths: list[int] = field(default_factory=list)
     checksum: float = 0.0  # slot_checksum of what the producer wrote: a consumer can check what it copied
+    prompt_lengths: list[int] | None = None  # regeneration: each sequence's prompt; the rest is the target's answer
 
 
 @dataclass
@@ -43,6 +44,8 @@ class SlotRing:
     def __init__(self, ctx, num_slots: int, max_tokens: int, hidden_size: int, dtype: torch.dtype, device: str = "cpu"):
         self.aux = [torch.empty(max_tokens, 3 * hidden_size, dtype=dtype, device=device) for _ in range(num_slots)]
         self.final = [torch.empty(max_tokens, hidden_size, dtype=dtype, device=device) for _ in range(num_slots)]
+        # token ids of each slot's sequences: the trainer's only source for answers the target generated
+        self.ids = [torch.empty(max_tokens, dtype=torch.int64).share_memory_() for _ in range(num_slots)]
         if device == "cpu":
             for t in self.aux + self.final:
                 t.share_memory_()
@@ -57,15 +60,20 @@ class SlotRing:
         return len(self.aux)
 
     # producer side -----------------------------------------------------------------------
-    def put(self, item: int, aux: torch.Tensor, final: torch.Tensor, lengths: list[int]) -> None:
+    def put(self, item: int, aux: torch.Tensor, final: torch.Tensor, lengths: list[int],
+            ids: torch.Tensor | None = None, prompt_lengths: list[int] | None = None) -> None:
+        """ids [N] int64 (CPU): the sequences' tokens, sent when the trainer does not know them
+        (regenerated answers) with each sequence's prompt length."""
         n = aux.shape[0]
         if n > self.max_tokens:
             raise ValueError(f"batch of {n} tokens exceeds stream slot size {self.max_tokens}")
         slot = self.free.get()  # blocks while the trainer holds every slot
         self.aux[slot][:n].copy_(aux)
         self.final[slot][:n].copy_(final)
+        if ids is not None:
+            self.ids[slot][:n].copy_(ids)
         checksum = slot_checksum(self.aux[slot][:n], self.final[slot][:n])  # on CUDA: waits for the copies
-        self.ready.put(SlotMessage(slot, item, lengths, checksum))
+        self.ready.put(SlotMessage(slot, item, lengths, checksum, prompt_lengths))
 
     # consumer side -----------------------------------------------------------------------
     def get(self, timeout: float):
@@ -75,6 +83,9 @@ class SlotRing:
     def view(self, msg: SlotMessage) -> tuple[torch.Tensor, torch.Tensor]:
         n = sum(msg.lengths)
         return self.aux[msg.slot][:n], self.final[msg.slot][:n]
+
+    def view_ids(self, msg: SlotMessage) -> torch.Tensor:
+        return self.ids[msg.slot][:sum(msg.lengths)]
 
     def release(self, msg: SlotMessage) -> None:
         self.free.put(msg.slot)

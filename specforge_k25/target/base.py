@@ -46,6 +46,10 @@ class TargetEngine(Protocol):
         """sequences: list of [T_i] int64 token ids -> packed hidden states."""
         ...
 
+    def generate(self, prompts: list[torch.Tensor], budgets: list[int], regen) -> list[list[int]]:
+        """Answers (new token ids) to `prompts`, at most budgets[i] each (target/sampling.py rules)."""
+        ...
+
     def warmup(self) -> None:
         """Run whatever one-off compilation the engine needs before the first real batch."""
         ...

@@ -7,6 +7,7 @@ from dataclasses import dataclass
 import torch
 
 from .base import TargetEngine
+from .sampling import Regeneration
 
 
 @dataclass
@@ -29,6 +30,7 @@ class TargetSpec:
     nnodes: int = 1  # nodes the TP group spans (each holds tp_size // nnodes consecutive ranks)
     node_rank: int = 0  # this node's index among them; node 0 holds TP rank 0 (and the trainer)
     dist_init_addr: str | None = None  # host:port of the TP group's rendezvous; required when nnodes > 1
+    regeneration: Regeneration | None = None  # data.regenerate: answer each prompt, then prefill prompt + answer
 
     def local_tp_ranks(self) -> list[int]:
         """The TP ranks this node runs."""

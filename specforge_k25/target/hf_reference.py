@@ -9,6 +9,7 @@ from pathlib import Path
 import torch
 
 from .base import TargetOutput
+from .sampling import Regeneration, generate_with
 
 # Multimodal wrappers whose text backbone is a plain causal LM stored under a weight prefix.
 _TEXT_BACKBONE_PREFIX = {"KimiK25ForConditionalGeneration": "language_model."}
@@ -58,6 +59,7 @@ def load_text_model(model_path: str, dtype: torch.dtype = torch.float32):
 
 class HFTarget:
     max_total_tokens = None  # no KV pool: any batch fits
+
     def __init__(self, model_path: str, capture_points: list[int], dtype: torch.dtype = torch.float32):
         self.model = load_text_model(model_path, dtype)
         self.capture_points = list(capture_points)
@@ -70,6 +72,20 @@ class HFTarget:
             aux.append(torch.cat([out.hidden_states[p][0] for p in self.capture_points], -1))  # [T, 3Ht]
             final.append(out.last_hidden_state[0])  # [T, Ht], post-norm
         return TargetOutput(torch.cat(aux), torch.cat(final), [len(s) for s in sequences])
+
+    @torch.no_grad()
+    def generate(self, prompts: list[torch.Tensor], budgets: list[int], regen: Regeneration) -> list[list[int]]:
+        """The same decode loop and sampling rule as the SGLang engine, on HF's model: each request
+        alone (no padding), its full sequence recomputed each step (slow, exact: a reference)."""
+        running = [p.clone() for p in prompts]
+
+        def step(tokens):
+            if tokens is not None:
+                for b, t in enumerate(tokens.tolist()):
+                    running[b] = torch.cat([running[b], torch.tensor([t])])
+            return torch.stack([self.model(ids[None]).logits[0, -1] for ids in running])
+
+        return generate_with(step, prompts, budgets, regen)
 
     def share_batch(self, sequences: list[torch.Tensor] | None) -> list[torch.Tensor] | None:
         """TP 1 only: nothing to share."""

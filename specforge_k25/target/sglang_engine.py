@@ -26,6 +26,7 @@ import torch
 
 from .base import TargetOutput
 from .layers import layer_id_rule, sglang_layer_ids
+from .sampling import Regeneration, generate_with
 from .sglang_cpu_compat import SGLANG_VERSION
 
 
@@ -143,7 +144,8 @@ class SGLangTarget:
         from sglang.srt.managers.schedule_batch import Req
         from sglang.srt.sampling.sampling_params import SamplingParams
 
-        self._Req, self._sampling = Req, SamplingParams(temperature=0, max_new_tokens=1)
+        self._Req, self._SamplingParams = Req, SamplingParams
+        self._sampling = SamplingParams(temperature=0, max_new_tokens=1)
         self._next_rid = 0
 
     def share_batch(self, sequences: list[torch.Tensor] | None) -> list[torch.Tensor] | None:
@@ -181,15 +183,7 @@ class SGLangTarget:
         total = sum(len(s) for s in sequences)
         if total > self.max_total_tokens:
             raise ValueError(f"batch of {total} tokens exceeds the engine's KV pool ({self.max_total_tokens})")
-        reqs = []
-        for ids in sequences:
-            req = self._Req(rid=f"sf{self._next_rid}", origin_input_text="",
-                            origin_input_ids=array("q", ids.tolist()), sampling_params=self._sampling)
-            self._next_rid += 1
-            req.full_untruncated_fill_ids = req.origin_input_ids
-            req.logprob_start_len = -1
-            req.extend_end = len(ids)
-            reqs.append(req)
+        reqs = self._requests(sequences)
         self._captured = None
         try:
             self._runner.extend(reqs)
@@ -203,6 +197,44 @@ class SGLangTarget:
         if aux_hidden.shape[-1] != 3 * final_hidden.shape[-1]:
             raise RuntimeError(f"captured {aux_hidden.shape[-1] // final_hidden.shape[-1]} of 3 aux hidden states")
         return TargetOutput(aux_hidden, final_hidden, [len(s) for s in sequences])
+
+    @torch.no_grad()
+    def generate(self, prompts: list[torch.Tensor], budgets: list[int], regen: Regeneration) -> list[list[int]]:
+        """Answers to `prompts` (at most budgets[i] new tokens each), decoded by SGLang's own extend
+        and decode steps with the shared sampling rule (target/sampling.py). Every TP rank calls it
+        with the same prompts and draws the same tokens (the logits are gathered on every rank)."""
+        need = sum(len(p) + b for p, b in zip(prompts, budgets))
+        if need > self.max_total_tokens:
+            raise ValueError(f"generation needs {need} KV slots but the engine's pool holds {self.max_total_tokens}: "
+                             f"lower train.batch_size or data.regen_max_new_tokens, or raise hw.max_total_tokens")
+        state = {}
+
+        def step(tokens):
+            if tokens is None:
+                _, logits, state["batch"] = self._runner.extend(self._requests(prompts, budgets))
+            else:
+                _, logits = self._runner.decode(tokens.to(state["device"]), state["batch"])
+            state["device"] = logits.device
+            return logits
+
+        try:
+            return generate_with(step, prompts, budgets, regen)
+        finally:
+            self._runner.clear()
+
+    def _requests(self, sequences: list[torch.Tensor], new_tokens: list[int] | None = None) -> list:
+        reqs = []
+        for i, ids in enumerate(sequences):
+            sampling = self._sampling if new_tokens is None else self._SamplingParams(
+                temperature=0, max_new_tokens=max(1, new_tokens[i]))
+            req = self._Req(rid=f"sf{self._next_rid}", origin_input_text="",
+                            origin_input_ids=array("q", ids.tolist()), sampling_params=sampling)
+            self._next_rid += 1
+            req.full_untruncated_fill_ids = req.origin_input_ids
+            req.logprob_start_len = -1
+            req.extend_end = len(ids)
+            reqs.append(req)
+        return reqs
 
     def warmup(self) -> None:
         """Two small forwards (a static then a dynamic shape), so that SGLang's torch.compile'd

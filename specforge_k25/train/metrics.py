@@ -87,6 +87,13 @@ class MetricsLogger:
                 if isinstance(v, (int, float, str)):
                     self.run.summary[k] = v
 
+    def table(self, name: str, columns: list[str], rows: list[list]) -> None:
+        """A wandb table (e.g. regenerated answers to read); nothing without wandb."""
+        if self.run is not None and rows:
+            import wandb
+
+            self.run.log({name: wandb.Table(columns=columns, data=rows)})
+
     def close(self) -> None:
         self._jsonl.close()
         if self.run is not None:
@@ -101,6 +108,9 @@ class NullLogger:
         pass
 
     def summary(self, values: dict) -> None:
+        pass
+
+    def table(self, name: str, columns: list[str], rows: list[list]) -> None:
         pass
 
     def close(self) -> None:

@@ -20,13 +20,17 @@ import torch
 from tqdm import tqdm
 
 from ..config import JobConfig
+from ..data.regenerate import regeneration_prompt
 from ..export.serving import export_draft
 from ..setup.run import RunSetup, fresh_draft, make_target_stream, prepare
 from ..stream.producer import StreamError, StreamInterrupted, TargetStream
 from .checkpoint import list_checkpoints, load_checkpoint, read_state, save_checkpoint
 from .distributed import RankFailed, Ranks, launcher_env_hidden, start_ranks, stop_ranks
+from .feed import rebuild_regenerated, take_batches
 from .metrics import MetricsLogger, NullLogger, TTTStats
+from .regenerated import COLUMNS, RegenerationLog
 from .optim import build_optimizer, build_scheduler
+from .overview import eval_line, print_overview
 from .schedule import BatchItem, build_schedule
 from .step import DraftTrainer
 
@@ -91,21 +95,6 @@ def build_trainer(job: JobConfig, setup: RunSetup, steps: int, device: torch.dev
                         activation_checkpointing=tr.activation_checkpointing, ranks=ranks)
 
 
-def take_batches(stream, shares: list[list[int]], samples, make_batch):
-    """(share, DraftBatch or None) per schedule item, in order; None when this rank has no share
-    of the item (it reads nothing from its stream for it). A slot goes back to the target only
-    after `make_batch` has copied what it keeps out of it."""
-    batches = iter(stream)
-    for share in shares:
-        batch = None
-        if share:
-            msg, aux_packed, final_packed = next(batches)
-            batch = make_batch([samples[i] for i in share], msg.lengths, aux_packed, final_packed)
-            stream.release(msg)
-        yield share, batch
-    next(batches, None)  # runs the stream to the target's end message (its I/O counters)
-
-
 def run_fingerprint(job: JobConfig, setup: RunSetup, n_items: int, ranks: int = 1) -> dict:
     """What a checkpoint must agree with to be resumed: target, draft shape, data, schedule
     (and the number of data-parallel ranks when there are several)."""
@@ -118,6 +107,7 @@ def run_fingerprint(job: JobConfig, setup: RunSetup, n_items: int, ranks: int = 
         "target_hidden": setup.info.hidden_size, "target_vocab": setup.info.vocab_size,
         "capture_points": list(setup.capture_points), "draft": dataclasses.asdict(setup.draft_cfg),
         "train_data_sha1": digest.hexdigest(), "schedule_items": n_items, "seed": job.train.seed,
+        "regeneration": json.loads(json.dumps(dataclasses.asdict(setup.regeneration))) if setup.regeneration else None,
         "batch_size": job.train.batch_size, "grad_accum": job.train.grad_accum, "ttt_length": job.train.ttt_length,
         **({"trainer_ranks": ranks} if ranks > 1 else {}),
     }
@@ -184,6 +174,8 @@ class Trainer:
         self._t_train: float | None = None  # set at the first training batch: throughput excludes start-up
         self._wait_at_train_start = 0.0
         self._session_tokens = self._tokens_streamed = 0
+        self.regenerated = RegenerationLog(self.run_dir / "regenerated.jsonl", setup.tokenizer,
+                                           enabled=setup.regeneration is not None and ranks.main)
 
     # ------------------------------------------------------------------------------ steps
     def resume(self) -> None:
@@ -201,15 +193,15 @@ class Trainer:
                       f"(schedule item {self.saved.schedule_item})")
         self.ranks.check_same(self.saved.schedule_item, "the schedule item to resume from", self.device)
 
-    def train_micro_batch(self, index: int, item: BatchItem, batch) -> None:
-        """Forward + backward of this rank's share of a training item; an optimizer step at every
-        train.grad_accum-th one."""
+    def train_micro_batch(self, index: int, item: BatchItem, batch, tokens: int) -> None:
+        """Forward + backward of this rank's share of a training item (`tokens`: the whole item's);
+        an optimizer step at every train.grad_accum-th one."""
         if self._t_train is None:
             self._t_train, self._wait_at_train_start = time.perf_counter(), self.stream.wait_s
         res = self.trainer.train_micro(batch)  # None: no share of this micro-batch (it still joins the counts)
         if res is not None:
             self._train_stats.add(res)
-        p, tokens = self.progress, self._item_tokens(item)
+        p = self.progress
         p.micro_batches += 1
         p.tokens_trained += tokens
         p.samples_trained += len(item.sample_ids)
@@ -313,17 +305,22 @@ class Trainer:
         return self.summarize(trainer_written, export)
 
     def _walk(self, start: int, shares: list[list[int]]) -> None:
-        batches = take_batches(self.stream, shares, self.samples, self.trainer.make_batch)
-        for index, (share, batch) in enumerate(batches, start):
+        regen = self.setup.regeneration
+        rebuild = rebuild_regenerated(regen, self.job.data.regen_cut) if regen is not None else None
+        batches = take_batches(self.stream, shares, self.samples, self.trainer.make_batch, rebuild)
+        for index, (share, batch, regenerated) in enumerate(batches, start):
             item = self.schedule[index]
-            self._tokens_streamed += self._item_tokens(item)
+            if regenerated is not None:
+                self.regenerated.add(item.kind, share, regenerated)
+            tokens = self._item_tokens(item, batch)
+            self._tokens_streamed += tokens
             if self.stop.requested():
                 raise TrainingInterrupted(self.stop.signum, None)
             if item.kind == "eval":
                 self.evaluate(item, batch)
                 continue
             self.finish_evaluation()
-            self.train_micro_batch(index, item, batch)
+            self.train_micro_batch(index, item, batch, tokens)
         self.finish_evaluation()
 
     def _saved_on_failure(self, err: Exception) -> Exception:
@@ -337,15 +334,25 @@ class Trainer:
         saved = f"progress saved: {path}" if path else f"rank {self.ranks.rank}: rank 0 saves the progress"
         return type(err)(f"{err}\n{saved} (resume with train.resume=auto train.out_dir={self.run_dir})")
 
-    def _item_tokens(self, item: BatchItem) -> int:
-        return sum(len(self.samples[i].input_ids) for i in item.sample_ids)
+    def _item_tokens(self, item: BatchItem, batch=None) -> int:
+        """Tokens of a whole schedule item (every rank's share). Regenerating, only the target knew
+        them: this rank's batch, summed over the ranks (a collective every rank makes per item)."""
+        if self.setup.regeneration is None:
+            return sum(len(self.samples[i].input_ids) for i in item.sample_ids)
+        local = batch.num_tokens if batch is not None else 0
+        return self.ranks.sum_ints([local], self.device)[0] if self.ranks.distributed else local
+
+    def _floor_tokens(self, sample_id: int) -> int:
+        """Tokens sample `sample_id` streams at least (regenerating: its prompt)."""
+        sample = self.samples[sample_id]
+        return len(regeneration_prompt(sample) if self.setup.regeneration is not None else sample.input_ids)
 
     def summarize(self, trainer_written: int, export: Path | None) -> dict:
         job, setup, stream, p = self.job, self.setup, self.stream, self.progress
         train_wall = time.perf_counter() - self._t_train if self._t_train else float("nan")
         elem_bytes = torch.finfo(getattr(torch, job.hw.target_dtype)).bits // 8
         token_bytes = 4 * setup.info.hidden_size * elem_bytes
-        smallest_batch = min(self._item_tokens(item) for item in self.schedule)
+        smallest_batch = min(sum(self._floor_tokens(i) for i in item.sample_ids) for item in self.schedule)
         # summed over the data-parallel ranks: every target process and every trainer
         hidden_disk, startup_disk, trainer_written = self.ranks.sum_ints(
             [stream.target_io.streaming_write_bytes, stream.target_io.startup_write_bytes, trainer_written], self.device)
@@ -370,6 +377,9 @@ class Trainer:
                      "hidden_state_bytes_streamed_in_memory": self._tokens_streamed * token_bytes},
             "checkpoint": str(self.checkpoint), "export": str(export),
         }
+        if self.setup.regeneration is not None:  # rank 0's samples (the JSONL holds their text)
+            summary["regeneration"] = self.regenerated.summary()
+            self.logger.table("regenerated", COLUMNS, self.regenerated.rows)
         if self.ranks.main:
             (self.run_dir / "summary.json").write_text(json.dumps(summary, indent=1))
         self.logger.summary({"tokens_per_s": summary["tokens_per_s"],
@@ -399,44 +409,3 @@ def run_training(job: JobConfig, run_dir: str | Path, engine: str = "sglang") ->
         return trainer.run()
     finally:
         stop_ranks()
-
-
-# --------------------------------------------------------------------------------- output
-def _fmt_params(n: int) -> str:
-    return f"{n / 1e6:.2f}M" if n < 1e9 else f"{n / 1e9:.2f}B"
-
-
-def eval_line(ev: dict, K: int) -> str:
-    accs = " ".join(f"{ev[f'acc_{k}']:.3f}" for k in range(K))
-    return f"tau_sim {ev['tau_sim']:.3f}  acc_0..{K - 1} [{accs}]  positions {int(ev['positions'])}"
-
-
-def print_overview(job: JobConfig, setup: RunSetup, schedule: list[BatchItem], steps: int, draft, run_dir: Path,
-                   world: int = 1) -> None:
-    """What the run is about to do, printed before the engine starts."""
-    trainable = sum(p.numel() for p in draft.trainable_parameters())
-    train_items = [p for p in schedule if p.kind == "train"]
-    train_tokens = sum(len(setup.data.train[i].input_ids) for p in train_items for i in p.sample_ids
-                       if i < len(setup.data.train))
-    H = setup.info.hidden_size
-    lines = [
-        "== specforge_k25 run plan ==",
-        f"target      {job.target.name}: {setup.info.architecture}, {setup.info.num_layers} layers, hidden {H}, "
-        f"vocab {setup.info.vocab_size} ({setup.model_path})",
-        f"engine      SGLang in its own process, device {job.hw.device}, TP {job.hw.target_tp}, {job.hw.target_dtype}",
-        f"aux layers  inputs of layers {setup.capture_points} (SGLang eagle3 ids {setup.eagle_layer_ids})",
-        f"draft       1 layer, H {H}, heads {setup.draft_cfg.num_attention_heads}/{setup.draft_cfg.num_key_value_heads}, "
-        f"I {setup.draft_cfg.intermediate_size}, Vd {setup.draft_cfg.draft_vocab_size}; {_fmt_params(trainable)} trainable "
-        f"(+{_fmt_params(draft.embed_tokens.weight.numel())} frozen embedding)",
-        f"data        {len(setup.data.train)} train / {len(setup.data.heldout)} held-out samples, max_length "
-        f"{job.data.max_length}; skipped {dict(setup.data.skipped) or 'none'}",
-        f"schedule    {steps} optimizer steps = {len(train_items)} micro-batches of {job.train.batch_size} "
-        f"x accum {job.train.grad_accum}, {train_tokens} tokens; TTT K={job.train.ttt_length}; lr {job.train.lr}",
-        f"stream      {job.train.stream_slots} shared-memory slots of up to "
-        f"{job.train.batch_size * job.data.max_length} tokens x {4 * H} floats",
-        f"outputs     {run_dir}",
-    ]
-    if world > 1:
-        lines.insert(-2, f"ranks       {world} data-parallel trainer ranks, one target replica each; global batch "
-                         f"{world} x {job.train.batch_size} samples, sliced by rank")
-    print("\n".join(lines), flush=True)

@@ -22,7 +22,8 @@ from specforge_k25.stream.ring import EndOfStream, SlotMessage
 from specforge_k25.target.hf_config import read_target_info
 from specforge_k25.train.distributed import Ranks
 from specforge_k25.train.step import DraftTrainer
-from specforge_k25.train.trainer import Trainer, build_trainer, take_batches
+from specforge_k25.train.feed import take_batches
+from specforge_k25.train.trainer import Trainer, build_trainer
 
 V, H = 96, 32
 
@@ -113,8 +114,8 @@ def test_a_slot_goes_back_only_after_the_batch_is_copied_out(tiny_setup, tmp_pat
     stream = FakeStream(samples, [s for s in shares if s])
     aux_table, final_table = FakeStream.tables
     got = list(take_batches(stream, shares, samples, trainer.make_batch))
-    assert [share for share, _ in got] == shares and got[1][1] is None
-    for share, batch in (got[0], got[2]):
+    assert [share for share, _, _ in got] == shares and got[1][1] is None
+    for share, batch, _ in (got[0], got[2]):
         for b, i in enumerate(share):
             n = len(samples[i].input_ids)
             assert torch.equal(batch.aux_hidden[b, :n], aux_table[samples[i].input_ids])
@@ -150,7 +151,7 @@ def test_two_ranks_through_step_py_make_the_single_rank_update(tiny_setup, tmp_p
     base = build_trainer(_job(tmp_path), tiny_setup, steps=1, device=torch.device("cpu"))
     samples = tiny_setup.data.train[:2]
     stream = FakeStream(samples, [[0], [1], [0, 1]])
-    (_, b0), (_, b1), (_, both) = take_batches(stream, [[0], [1], [0, 1]], samples, base.make_batch)
+    (_, b0, _), (_, b1, _), (_, both, _) = take_batches(stream, [[0], [1], [0, 1]], samples, base.make_batch)
     counts = [loss_positions(b.loss_mask, b.lengths, b.teacher, 3) for b in (b0, b1)]
 
     one = _sgd_trainer(copy.deepcopy(base.draft), base.lm_head)
@@ -208,3 +209,78 @@ def test_resume_continues_from_the_step_boundary_exactly(tiny_setup, tmp_path):
     for (name, a), b in zip(full.trainer.draft.state_dict().items(), resumed.trainer.draft.state_dict().values()):
         assert torch.equal(a, b), name
     assert resumed.evals["end"] == full.evals["end"]
+
+
+# ------------------------------------------------------------------- regeneration through the loop
+class FakeRegenStream(FakeStream):
+    """The stand-in target answers each prompt itself: the prompt reversed, cut to (sum of the
+    prompt) % 7 tokens, then the stop id 0 when that fits the budget; the slot carries the ids."""
+
+    def __init__(self, samples, batches, regen, fail_at=None):
+        super().__init__(samples, batches, fail_at)
+        self.regen = regen
+
+    def answer(self, prompt: torch.Tensor) -> torch.Tensor:
+        n, budget = int(prompt.sum()) % 7, self.regen.budget(len(prompt))
+        answer = prompt.flip(0)[:min(n, budget)]
+        return torch.cat([answer, torch.zeros(1, dtype=torch.int64)]) if n < budget else answer
+
+    def __iter__(self):
+        from specforge_k25.data.regenerate import regeneration_prompt
+
+        aux_table, final_table = self.tables
+        for item, ids in enumerate(self.batches):
+            if item == self.fail_at:
+                raise StreamError(f"target process died at batch {item}")
+            prompts = [regeneration_prompt(self.samples[i]) for i in ids]
+            seqs = [torch.cat([p, self.answer(p)]) for p in prompts]
+            tokens = torch.cat(seqs)
+            self.slot, self.slot_ids = (aux_table[tokens].clone(), final_table[tokens].clone()), tokens.clone()
+            yield SlotMessage(0, item, [len(s) for s in seqs], 0.0, [len(p) for p in prompts]), *self.slot
+        self.target_io = EndOfStream(len(self.batches), 0, 0)
+
+    def ids(self, msg) -> torch.Tensor:
+        return self.slot_ids
+
+
+def _run_regen(job, setup, fail_at=None):
+    def factory(job_, setup_, samples, batches):
+        return FakeRegenStream(samples, batches, setup.regeneration, fail_at)
+
+    trainer = Trainer(job, setup, job.train.out_dir, Ranks(), factory)
+    try:
+        return trainer, trainer.run()
+    except StreamError:
+        return trainer, None
+
+
+def test_regenerated_answers_are_what_the_loop_trains_on_and_a_resume_redoes_them(tiny_setup, tmp_path):
+    """The trainer builds each sample from the target's conversation (prompt + its answer): the
+    loss covers the answer, tokens are counted from it, every answer is written to
+    regenerated.jsonl; a run that dies and resumes regenerates the rest identically."""
+    import json
+
+    from specforge_k25.data.regenerate import regeneration_prompt
+    from specforge_k25.target.sampling import Regeneration
+
+    setup = dataclasses.replace(tiny_setup, regeneration=Regeneration(max_new_tokens=5, max_length=40, stop_ids=(0,)))
+    full, summary = _run_regen(_job(tmp_path / "full"), setup)
+    oracle = FakeRegenStream(setup.data.train + setup.data.heldout, [], setup.regeneration)
+    lines = [json.loads(x) for x in (tmp_path / "full" / "regenerated.jsonl").read_text().splitlines()]
+    assert len(lines) == 2 * 2 + 12  # held-out batch at start and end, 12 training samples once
+    for line in lines:
+        sample = (setup.data.train + setup.data.heldout)[line["sample"]]
+        answer = oracle.answer(regeneration_prompt(sample))
+        expect = 0 if len(answer) == 1 and int(answer[0]) == 0 else len(answer)  # only the stop id: empty
+        assert line["answer_tokens"] == expect, line
+    trained = [x for x in lines if x["kind"] == "train"]
+    assert summary["tokens_trained"] == sum(
+        len(regeneration_prompt(setup.data.train[x["sample"]])) + len(oracle.answer(
+            regeneration_prompt(setup.data.train[x["sample"]]))) for x in trained)
+    assert summary["regeneration"]["answer_tokens_in_loss"] == sum(x["answer_tokens"] for x in lines)
+
+    _run_regen(_job(tmp_path / "resume", checkpoint_every=1), setup, fail_at=6)
+    resumed, _ = _run_regen(_job(tmp_path / "resume", resume="auto"), setup)
+    assert dataclasses.asdict(resumed.progress) == dataclasses.asdict(full.progress)
+    for (name, a), b in zip(full.trainer.draft.state_dict().items(), resumed.trainer.draft.state_dict().values()):
+        assert torch.equal(a, b), name

@@ -1,0 +1,48 @@
+"""What a run prints: the plan of the run before the engine starts, one line per evaluation."""
+from __future__ import annotations
+
+from pathlib import Path
+
+from ..config import JobConfig
+from ..setup.run import RunSetup
+from .schedule import BatchItem
+
+
+def _fmt_params(n: int) -> str:
+    return f"{n / 1e6:.2f}M" if n < 1e9 else f"{n / 1e9:.2f}B"
+
+
+def eval_line(ev: dict, K: int) -> str:
+    accs = " ".join(f"{ev[f'acc_{k}']:.3f}" for k in range(K))
+    return f"tau_sim {ev['tau_sim']:.3f}  acc_0..{K - 1} [{accs}]  positions {int(ev['positions'])}"
+
+
+def print_overview(job: JobConfig, setup: RunSetup, schedule: list[BatchItem], steps: int, draft, run_dir: Path,
+                   world: int = 1) -> None:
+    """What the run is about to do, printed before the engine starts."""
+    trainable = sum(p.numel() for p in draft.trainable_parameters())
+    train_items = [p for p in schedule if p.kind == "train"]
+    train_tokens = sum(len(setup.data.train[i].input_ids) for p in train_items for i in p.sample_ids
+                       if i < len(setup.data.train))
+    H = setup.info.hidden_size
+    lines = [
+        "== specforge_k25 run plan ==",
+        f"target      {job.target.name}: {setup.info.architecture}, {setup.info.num_layers} layers, hidden {H}, "
+        f"vocab {setup.info.vocab_size} ({setup.model_path})",
+        f"engine      SGLang in its own process, device {job.hw.device}, TP {job.hw.target_tp}, {job.hw.target_dtype}",
+        f"aux layers  inputs of layers {setup.capture_points} (SGLang eagle3 ids {setup.eagle_layer_ids})",
+        f"draft       1 layer, H {H}, heads {setup.draft_cfg.num_attention_heads}/{setup.draft_cfg.num_key_value_heads}, "
+        f"I {setup.draft_cfg.intermediate_size}, Vd {setup.draft_cfg.draft_vocab_size}; {_fmt_params(trainable)} trainable "
+        f"(+{_fmt_params(draft.embed_tokens.weight.numel())} frozen embedding)",
+        f"data        {len(setup.data.train)} train / {len(setup.data.heldout)} held-out samples, max_length "
+        f"{job.data.max_length}; skipped {dict(setup.data.skipped) or 'none'}",
+        f"schedule    {steps} optimizer steps = {len(train_items)} micro-batches of {job.train.batch_size} "
+        f"x accum {job.train.grad_accum}, {train_tokens} tokens; TTT K={job.train.ttt_length}; lr {job.train.lr}",
+        f"stream      {job.train.stream_slots} shared-memory slots of up to "
+        f"{job.train.batch_size * job.data.max_length} tokens x {4 * H} floats",
+        f"outputs     {run_dir}",
+    ]
+    if world > 1:
+        lines.insert(-2, f"ranks       {world} data-parallel trainer ranks, one target replica each; global batch "
+                         f"{world} x {job.train.batch_size} samples, sliced by rank")
+    print("\n".join(lines), flush=True)

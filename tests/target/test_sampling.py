@@ -1,0 +1,59 @@
+"""The sampling rule and decode loop every engine shares (target/sampling.py), and the HF
+reference's generation against transformers' own greedy `generate`."""
+from __future__ import annotations
+
+import torch
+
+from specforge_k25.target.sampling import Regeneration, generate_with, request_generator, sample_next
+
+
+def test_greedy_is_argmax_and_top_p_keeps_the_smallest_set_reaching_p():
+    logits = torch.tensor([[0.0, 3.0, 1.0, 2.0], [5.0, 0.0, 0.0, 0.0]])
+    assert sample_next(logits, 0.0, 1.0, []).tolist() == [1, 0]
+    # probabilities of row 0 at T=1: [0.032, 0.644, 0.087, 0.237]: top_p 0.6 keeps token 1 alone
+    gens = [torch.Generator().manual_seed(s) for s in range(2)]
+    for _ in range(20):
+        assert sample_next(logits, 1.0, 0.6, gens)[0] == 1
+    # top_p 0.85 keeps {1, 3}: never 0 or 2, both kept tokens drawn
+    seen = {int(sample_next(logits, 1.0, 0.85, gens)[0]) for _ in range(200)}
+    assert seen == {1, 3}
+
+
+def test_a_prompts_random_stream_is_reproducible_and_its_own():
+    p, q = torch.tensor([1, 2, 3]), torch.tensor([1, 2, 4])
+    a = torch.rand(4, generator=request_generator(7, p))
+    assert torch.equal(a, torch.rand(4, generator=request_generator(7, p)))
+    assert not torch.equal(a, torch.rand(4, generator=request_generator(7, q)))
+    assert not torch.equal(a, torch.rand(4, generator=request_generator(8, p)))
+
+
+def test_decode_loop_stops_at_a_stop_id_or_the_budget():
+    """A fake engine whose next token is (last fed token + 1) % 10: request 0 reaches the stop id
+    9, request 1 runs out of budget, request 2 has none."""
+    prompts = [torch.tensor([5]), torch.tensor([0]), torch.tensor([3])]
+    fed = [[int(p[-1])] for p in prompts]
+
+    def step(tokens):
+        if tokens is not None:
+            for b, t in enumerate(tokens.tolist()):
+                fed[b].append(t)
+        return torch.nn.functional.one_hot(torch.tensor([(f[-1] + 1) % 10 for f in fed]), 10).float()
+
+    out = generate_with(step, prompts, [8, 3, 0], Regeneration(stop_ids=(9,)))
+    assert out == [[6, 7, 8, 9], [1, 2, 3], []]
+
+
+def test_hf_reference_generates_what_transformers_generates(smollm2_path):
+    """Greedy answers of our decode loop on HF's model == transformers' own greedy generate."""
+    from transformers import AutoTokenizer
+
+    from specforge_k25.target.hf_reference import HFTarget
+
+    tok = AutoTokenizer.from_pretrained(smollm2_path)
+    target = HFTarget(smollm2_path, [2, 15, 27])
+    prompts = [torch.tensor(tok(t)["input_ids"]) for t in ("The capital of France is", "def add(a, b):")]
+    ours = target.generate(prompts, [12, 12], Regeneration(stop_ids=(tok.eos_token_id,)))
+    for prompt, answer in zip(prompts, ours):
+        ref = target.model.generate(prompt[None], max_new_tokens=12, do_sample=False,
+                                    eos_token_id=tok.eos_token_id, pad_token_id=tok.eos_token_id)[0, len(prompt):]
+        assert answer == ref.tolist()[:len(answer)] and len(answer) == len(ref)
