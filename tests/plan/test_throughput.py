@@ -57,7 +57,7 @@ def test_kimi_activated_params_hand_computed():
     }
     assert target_params_per_token(KIMI_K25) == expected
     assert sum(expected.values()) == 30_511_661_056
-    # with the embedding and lm_head (2 x 163840 x 7168) that is 32.9B, the model card's "32B activated"
+    # counting the embedding and lm_head (2 x 163840 x 7168) too: 32.9B (the "activated parameters" usually quoted)
     assert round((30_511_661_056 + 2 * 163840 * 7168) / 1e9, 1) == 32.9
 
 
