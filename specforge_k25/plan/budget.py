@@ -406,9 +406,9 @@ def check_fits(job, target_facts: TargetFacts | None = None) -> MemoryPlan:
                 f"before any activation (target {gib(sum(i.bytes for i in worst.items if i.owner == 'target'))}, "
                 f"trainer {gib(sum(i.bytes for i in worst.items if i.owner == 'trainer' and i.phase is None))}"
                 f"), so no data.max_length, batch size or draft.intermediate_size >= 256 fits, even with "
-                + (f"train.activation_checkpointing=true; the co-located trainer ranks do not fit beside the TP "
-                   f"ranks: use hw.trainer_layout=dedicated" if colocated(job.hw) else
-                   f"train.activation_checkpointing=true train.optimizer_device=cpu; the trainer must move to a GPU "
-                   f"of its own (hw.trainer_gpu) or the target to more GPUs")
+                + ("train.activation_checkpointing=true; the co-located trainer ranks do not fit beside the TP "
+                   "ranks: use hw.trainer_layout=dedicated" if colocated(job.hw) else
+                   "train.activation_checkpointing=true train.optimizer_device=cpu; the trainer must move to a GPU "
+                   "of its own (hw.trainer_gpu) or the target to more GPUs")
                 + " (see `python -m specforge_k25.plan`)")
     raise PlanError("\n".join(lines))

@@ -18,7 +18,6 @@ Arithmetic on the target's facts, the draft's shapes and the hw profile; nothing
 from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
-from typing import Optional
 
 from ..draft.model import DraftConfig
 from .budget import LAYOUTS, colocated, gpu_layout, optimizer_device, target_batch_tokens
@@ -170,7 +169,7 @@ class Throughput:
         return g, max(g.parts, key=g.parts.get)
 
 
-def predict(job, facts: TargetFacts, layout: Optional[str] = None) -> Throughput:
+def predict(job, facts: TargetFacts, layout: str | None = None) -> Throughput:
     """The throughput of `job` in `layout` (default hw.trainer_layout); PlanError when the profile
     has no throughput inputs (hw.peak_tflops, hw.memory_gbps, hw.link_gbps)."""
     hw = job.hw if layout is None else replace(job.hw, trainer_layout=layout)
@@ -250,8 +249,8 @@ def predict(job, facts: TargetFacts, layout: Optional[str] = None) -> Throughput
         ("trainer efficiency", f"{hw.trainer_efficiency:.3f}",
          f"hw.trainer_efficiency ({src}: measured on an H200, docs/PERFORMANCE.md §3)"),
         ("target FLOPs per token", f"{tflops['total'] / 1e9:.2f} GFLOP",
-         f"2 x {sum(target_params_per_token(facts).values()) / 1e9:.2f}B activated params + attention at "
-         f"max_length {L} + lm_head (target facts)"),
+         (f"2 x {sum(target_params_per_token(facts).values()) / 1e9:.2f}B activated params + attention at "
+          f"max_length {L} + lm_head (target facts)")),
         ("target batch", f"{batch:,} tokens", "train.batch_size x data.max_length" + (" x tp" if coloc else "")),
         ("TP all-reduce per token", f"{ar_bytes / 1e6:.3f} MB", f"(2 x {facts.num_layers} layers + 1) x Ht x {elem} B"),
         ("trainer FLOPs per token", f"{flops['total'] / (B * L) / 1e9:.2f} GFLOP",
