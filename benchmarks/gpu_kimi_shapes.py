@@ -24,25 +24,10 @@ process. A shape that runs out of memory is reported as OOM. The table is printe
     python benchmarks/gpu_kimi_shapes.py --activation-checkpointing --optimizer-device cpu  # RTX PRO 6000 profile
     python benchmarks/gpu_kimi_shapes.py --device cpu --small # tiny shapes, seconds (smoke test)
 
-FLOP count (executed multiply-adds x2, per step of N = B*T tokens, K TTT steps, S_k = (k+1)*T):
-  forward  = N*2*(3Ht*H)                                  fc, once
-           + K*N*2*(2H*(nh+2nkv)*hd + nh*hd*H + 3H*I + H*Vd)   q,k,v (input 2H), o, SwiGLU, lm_head
-           + sum_k B*4*nh*T*S_k*hd                         QK^T and PV of the fused SDPA of step k:
-             = 2*B*nh*T^2*hd*K(K+1)                        every query against the keys of steps
-                                                          0..k ([T, (k+1)T]; K/V repeated to nh
-                                                          heads); the masked kernel computes every
-                                                          block, so the masked-out ones are counted
-  backward = fc: weight grad only (aux needs no grad) = 1 x its forward
-           + linears: 2 x forward (input and weight grads)
-           + attention: 2.5 x forward (the fused backward recomputes QK^T, then dP = dO V^T,
-             dV = P^T dO, dQ = dS K, dK = dS^T Q: 5 matmuls of the forward's 2)
-  recompute (--activation-checkpointing only) = one more forward of every TTT step (linears +
-             attention, not fc), run inside backward
-  teacher  = 2*N*V*Ht (matmul in lm_head's dtype: bf16 under bf16 autocast, fp32 with --no-bf16;
-             no backward)
-Element-wise work (norms, softmax, RoPE, AdamW) is not counted. This equals torch.utils.flop_counter's
-count of the same step exactly, its SDPA formulas included (tests/benchmarks/test_benchmarks.py; on CPU the
-flash kernel for CPU is counted with torch's flash-attention formulas).
+FLOP count: `specforge_k25.plan.throughput.draft_step_flops` (its docstring; the throughput plan
+uses the same count). It equals torch.utils.flop_counter's count of the same step exactly, its
+SDPA formulas included (tests/benchmarks/test_benchmarks.py; on CPU the flash kernel for CPU is
+counted with torch's flash-attention formulas).
 """
 from __future__ import annotations
 
@@ -56,6 +41,7 @@ from pathlib import Path
 import torch
 
 from _common import RESULTS, GiB, machine_info, new_figure, print_table, save_figure, set_threads, write_json
+from specforge_k25.plan.throughput import draft_step_flops as step_flops  # one FLOP count: the plan's
 
 REPO = Path(__file__).resolve().parent.parent
 KIMI_DRAFT_YAML = REPO / "conf" / "draft" / "kimi.yaml"
@@ -108,27 +94,6 @@ def draft_config(small: bool):
     for key, value in yaml.safe_load(Path(KIMI_DRAFT_YAML).read_text()).items():
         setattr(spec, key, value)
     return resolve_draft(spec, KIMI_K25)
-
-
-def step_flops(cfg, batch: int, seq_len: int, ttt_length: int, checkpoint: bool = False) -> dict:
-    """Analytic FLOPs of one training step (see the module docstring). checkpoint: activation
-    checkpointing, one more forward of every TTT step (`recompute`, run inside backward)."""
-    H, Ht, I, Vd, V = (cfg.hidden_size, cfg.target_hidden_size, cfg.intermediate_size, cfg.draft_vocab_size,
-                       cfg.vocab_size)
-    nh, nkv, hd = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
-    N, T, K = batch * seq_len, seq_len, ttt_length
-    fc = 2 * N * 3 * Ht * H
-    linear_per_step = 2 * N * (2 * H * (nh + 2 * nkv) * hd + nh * hd * H + 3 * H * I + H * Vd)
-    # step k: QK^T and PV, [T, hd] x [hd, (k+1)T] and [T, (k+1)T] x [(k+1)T, hd] per batch row and head
-    attention_fwd = sum(batch * 4 * nh * T * (k + 1) * T * hd for k in range(K))
-    attention_bwd = sum(batch * 10 * nh * T * (k + 1) * T * hd for k in range(K))  # 5 matmuls of the same size
-    fwd = fc + K * linear_per_step + attention_fwd
-    bwd = fc + 2 * K * linear_per_step + attention_bwd
-    recompute = K * linear_per_step + attention_fwd if checkpoint else 0
-    teacher = 2 * N * V * Ht
-    return {"teacher": teacher, "draft_fwd": fwd, "draft_bwd": bwd, "draft_recompute": recompute,
-            "attention_fwd": attention_fwd, "attention_bwd": attention_bwd,
-            "total": teacher + fwd + bwd + recompute}
 
 
 def planned_bytes(cfg, batch: int, seq_len: int, ttt_length: int, chunk: int, bf16: bool, *, checkpoint: bool,
@@ -432,8 +397,8 @@ def main(argv=None) -> dict:
                    "fp32_allow_tf32": torch.backends.cuda.matmul.allow_tf32},
         "memory_method": ("torch.cuda.max_memory_allocated over the shape (setup + warm-up + timed steps)"
                           if device.type == "cuda" else "not measured on CPU"),
-        "flop_method": ("analytic, see the module docstring (fused masked SDPA per TTT step over (k+1)T keys, "
-                        "all blocks counted; backward 2.5x its forward)"),
+        "flop_method": ("analytic, specforge_k25.plan.throughput.draft_step_flops (fused masked SDPA per TTT step "
+                        "over (k+1)T keys, all blocks counted; backward 2.5x its forward)"),
         "frozen_dtype": str(frozen_dtype(bf16)).removeprefix("torch."), "optimizer_device": opt_device,
         "shapes": shapes, "args": vars(args), "machine": machine_info(threads=args.threads),
         "total_wall_s": time.perf_counter() - t_start,

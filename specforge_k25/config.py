@@ -43,6 +43,12 @@ class HwConfig:
     cuda_context_gib: float = doc(0.75, "memory plan: CUDA context per process per GPU (GiB)")
     target_runtime_gib: float = doc(2.0, "memory plan: SGLang non-static memory per TP rank: activations, workspaces (GiB)")
     target_weight_gb: Optional[float] = doc(None, "memory plan: target weight size in GB (all ranks); null = its safetensors files / known default")
+    trainer_layout: str = doc("dedicated", "plan only (the trainer runs dedicated): dedicated = trainer ranks on trainer_gpus beside TP rank 0 of their replica | colocated = one trainer rank beside every TP rank, draft state sharded")
+    peak_tflops: float = doc(0.0, "throughput plan: dense bf16 tensor-core peak of one GPU in TFLOP/s (datasheet); 0 = no throughput plan")
+    memory_gbps: float = doc(0.0, "throughput plan: memory bandwidth of one GPU in GB/s (datasheet): the target's weight reads, the GPU AdamW step")
+    link_gbps: float = doc(0.0, "throughput plan: all-reduce bus bandwidth between the node's GPUs in GB/s (nccl-tests busbw; PCIe or NVLink): TP all-reduce, gradient traffic")
+    trainer_efficiency: float = doc(0.433, "throughput plan: share of peak_tflops the trainer's step reaches (teacher + TTT fwd/bwd; measured on an H200, docs/PERFORMANCE.md §3)")
+    target_efficiency: float = doc(0.35, "throughput plan: share of peak_tflops SGLang's prefill matmuls and attention reach, all-reduce apart (assumed; docs/PERFORMANCE.md §5)")
 
     def trainer_gpu_ids(self) -> list[int]:
         """The GPU of each trainer rank on a node (rank r reads the replica starting there)."""

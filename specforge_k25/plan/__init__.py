@@ -1,19 +1,23 @@
 """The resource plan of a run, checked before any process starts: facts (target and draft),
-memory items (what each part holds), the per-GPU budget and the one fit search.
+memory items (what each part holds), the per-GPU budget and the one fit search, and the
+throughput of both trainer layouts (seconds per token on every GPU, node tokens/s).
 
 `python -m specforge_k25.plan` prints it; `check_fits(job)` returns the `MemoryPlan` or raises
-`PlanError` naming an override that fits.
+`PlanError` naming an override that fits; `predict_layouts(job, facts)` returns the throughput.
 """
-from .budget import GpuBudget, MemoryPlan, check_fits, plan_memory, suggest_override
+from .budget import GpuBudget, MemoryPlan, check_fits, longest_fitting_length, plan_memory, suggest_override
 from .facts import (KIMI_K25, GiB, MiB, PlanError, TargetFacts, draft_param_counts, facts_from_folder, resolve_draft,
                     target_facts_for, trainable_params, with_hw_overrides)
 from .memory import (PHASE_OPT, PHASE_TEACHER, PHASE_TTT, Item, optimizer_items, trainer_items, ttt_saved_bytes,
                      ttt_step_bytes)
+from .throughput import (Throughput, allreduce_bytes_per_token, draft_step_flops, predict, predict_layouts,
+                         target_flops_per_token, target_params_per_token)
 
 __all__ = [
     "GpuBudget",
     "MemoryPlan",
     "check_fits",
+    "longest_fitting_length",
     "plan_memory",
     "suggest_override",
     "KIMI_K25",
@@ -35,4 +39,11 @@ __all__ = [
     "trainer_items",
     "ttt_saved_bytes",
     "ttt_step_bytes",
+    "Throughput",
+    "allreduce_bytes_per_token",
+    "draft_step_flops",
+    "predict",
+    "predict_layouts",
+    "target_flops_per_token",
+    "target_params_per_token",
 ]

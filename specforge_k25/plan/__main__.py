@@ -2,16 +2,21 @@
 
 Composes the same config as `python -m specforge_k25.train` (conf/ + the typed schema) and prints
 the per-GPU memory budget, the SGLang `mem_fraction_static` it implies and the tokens per
-optimizer step. Starts nothing. Exit status 0 when the run fits, 2 (with the override that would
-fit) when it does not.
+optimizer step, then the throughput plan of both trainer layouts (when the hw profile has its
+inputs: hw.peak_tflops, hw.memory_gbps, hw.link_gbps). Starts nothing. Exit status 0 when the run
+fits, 2 (with the override that would fit) when it does not.
 """
 from __future__ import annotations
 
 import sys
 
+from dataclasses import replace
+
 from ..config import compose_job
 from . import (PHASE_OPT, PHASE_TEACHER, PHASE_TTT, GiB, MemoryPlan, PlanError, check_fits, draft_param_counts,
                plan_memory, target_facts_for, with_hw_overrides)
+from .budget import longest_fitting_length
+from .throughput import PARTS, predict_layouts
 
 
 def _g(n: int) -> str:
@@ -109,17 +114,81 @@ def render(job, plan: MemoryPlan) -> None:
         console.print(f"note: {escape(note)}")
 
 
+def _memory_verdict(job, facts) -> str:
+    """Whether `job`'s memory plan fits, the longest max_length that does, else the refusal's first lines."""
+    longest = longest_fitting_length(job, facts)
+    more = f"; longest data.max_length that fits: {longest}" if longest else ""
+    try:
+        check_fits(job, facts)
+        return "fits" + more
+    except PlanError as err:  # the first problem and the override that fits, when named
+        lines = [line.strip(" -") for line in str(err).splitlines()[1:]]
+        fix = [line for line in lines if line.startswith(("fits with", "no single override"))]
+        return "refused: " + "; ".join(lines[:1] + fix) + more
+
+
+def render_throughput(job, facts) -> None:
+    """Both layouts' per-GPU seconds per token, node tokens/s, bottleneck, idle shares and bound."""
+    from rich.console import Console
+    from rich.markup import escape
+    from rich.table import Table
+
+    console = Console(width=max(Console().width, 140))
+    try:
+        layouts = predict_layouts(job, facts)
+    except PlanError as err:
+        console.print(f"throughput plan: {escape(str(err))}")
+        return
+    names = list(layouts)
+    inputs = Table(title="throughput plan: inputs")
+    inputs.add_column("input")
+    for name in names:
+        inputs.add_column(name, justify="right")
+    inputs.add_column("source", overflow="fold", max_width=70)
+    for rows in zip(*(layouts[n].inputs for n in names)):
+        sources = list(dict.fromkeys(r[2] for r in rows))
+        source = sources[0] if len(sources) == 1 else "; ".join(f"{n}: {r[2]}" for n, r in zip(names, rows))
+        inputs.add_row(rows[0][0], *[r[1] for r in rows], escape(source))
+    console.print(inputs)
+
+    table = Table(title="throughput plan: microseconds per replica token on each GPU (a GPU does one thing at a time)")
+    for col in ("layout", "GPUs", "role", *PARTS, "busy", "idle"):
+        table.add_column(col, justify="left" if col in ("layout", "GPUs", "role") else "right")
+    for name, t in layouts.items():
+        merged: dict[tuple, list] = {}
+        for g in t.gpus:
+            merged.setdefault((g.role, tuple(round(v, 12) for v in g.parts.values())), []).append(g)
+        for gs in merged.values():
+            g = gs[0]
+            table.add_row(name, _ranges([x.gpu for x in gs]), g.role, *[f"{g.parts[p] * 1e6:.1f}" for p in PARTS],
+                          f"{g.busy * 1e6:.1f}", f"{100 * t.idle(g):.0f} %")
+        table.add_section()
+    console.print(table)
+    for name, t in layouts.items():
+        g, part = t.bottleneck
+        verdict = _memory_verdict(replace(job, hw=replace(job.hw, trainer_layout=name)), facts)
+        console.print(f"{name}: [bold]{t.tokens_per_s:,.0f} tokens/s[/bold] per node ({t.replicas} replica(s)); "
+                      f"bottleneck GPU {g.gpu} ({part}); balanced bound {t.balanced_tokens_per_s:,.0f} tokens/s, "
+                      f"{t.of_bound:.2f} of it; memory: {escape(verdict)}")
+        for note in t.notes:
+            console.print(f"  note: {escape(note)}")
+    fast, slow = sorted(names, key=lambda n: -layouts[n].tokens_per_s)
+    console.print(f"{fast} is faster: {layouts[fast].tokens_per_s / layouts[slow].tokens_per_s:.2f}x the {slow} "
+                  f"layout's tokens/s (this run: hw.trainer_layout={job.hw.trainer_layout}; the trainer runs dedicated)")
+
+
 def main(argv: list[str]) -> int:
     if "--help" in argv or "-h" in argv:
         print(__doc__)
         print("Overrides as for `python -m specforge_k25.train` (see its --help); the plan uses hw.*, target.*, "
               "draft.*, data.max_length and train.{batch_size,grad_accum,ttt_length,teacher_chunk,stream_slots,"
-              "activation_checkpointing,optimizer_device}.")
+              "activation_checkpointing,optimizer_device}; hw.trainer_layout=colocated plans the co-located layout.")
         return 0
     job = compose_job(argv)
     try:
         facts = with_hw_overrides(job, target_facts_for(job))
         render(job, plan_memory(job, facts))
+        render_throughput(job, facts)
         check_fits(job, facts)
     except (PlanError, FileNotFoundError) as err:
         print(f"\nrefused: {err}", file=sys.stderr)

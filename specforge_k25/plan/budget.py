@@ -78,12 +78,33 @@ class MemoryPlan:
         return next(g for g in self.gpus if g.gpu == gpu_id)
 
 
-def _gpu_layout(hw) -> tuple[list[list[int]], list[int]]:
+LAYOUTS = ("dedicated", "colocated")
+
+
+def colocated(hw) -> bool:
+    """hw.trainer_layout: dedicated (trainer ranks on hw.trainer_gpus) or colocated (one trainer
+    rank beside every TP rank of the node). Read by the plan only: the trainer runs dedicated."""
+    if hw.trainer_layout not in LAYOUTS:
+        raise PlanError(f"hw.trainer_layout={hw.trainer_layout!r}: expected one of {', '.join(LAYOUTS)}")
+    return hw.trainer_layout == "colocated"
+
+
+def gpu_layout(hw) -> tuple[list[list[int]], list[int]]:
+    """(the TP groups of the node's replicas, the GPU of each trainer rank)."""
     # a target spanning nodes (hw.target_nnodes) holds target_tp / target_nnodes ranks per node; this plans node 0
     tp, replicas = hw.target_tp // hw.target_nnodes, hw.target_replicas
     groups = [[hw.target_gpu + r * tp + i for i in range(tp)] for r in range(replicas)]
+    if colocated(hw):  # rank order = GPU order; replica r's ranks read replica r's TP ranks
+        return groups, [g for group in groups for g in group]
     trainers = list(hw.trainer_gpus) if hw.trainer_gpus else [hw.trainer_gpu]
     return groups, trainers
+
+
+def target_batch_tokens(hw, batch_size: int, max_length: int) -> int:
+    """Tokens of one target batch (at most): a dedicated trainer rank's micro-batch, or under
+    colocated one micro-batch for each trainer rank of the replica (whole sequences shared out)."""
+    ranks_per_replica = hw.target_tp // hw.target_nnodes if colocated(hw) else 1
+    return batch_size * max_length * ranks_per_replica
 
 
 def optimizer_device(value: Optional[str], device: str, trainer_gpus: list[int]) -> str | int | None:
@@ -108,24 +129,32 @@ def plan_memory(job, facts: TargetFacts, *, max_length: int | None = None, batch
     spec = job.draft if intermediate_size is None else replace(job.draft, intermediate_size=intermediate_size)
     cfg = resolve_draft(spec, facts)
     bf16 = hw.autocast == "bf16"
-    groups, trainers = _gpu_layout(hw)
-    ranks = len(trainers)
+    groups, trainers = gpu_layout(hw)
+    ranks, coloc = len(trainers), colocated(hw)
     tokens_per_step = B * L * tr.grad_accum * ranks
-    kv_tokens = max(hw.max_total_tokens, B * L)
+    batch_tokens = target_batch_tokens(hw, B, L)
+    kv_tokens = max(hw.max_total_tokens, batch_tokens)
     ctx = int(hw.cuda_context_gib * GiB) if hw.device == "cuda" else 0
     elem = 2 if hw.target_dtype in ("bfloat16", "float16") else 4  # the target's dtype: ring, frozen tensors
-    opt_dev = optimizer_device(tr.optimizer_device, hw.device, trainers)
+    # colocated: AdamW lives sharded on the GPUs (the layout's point), so train.optimizer_device does not apply
+    opt_dev = None if coloc else optimizer_device(tr.optimizer_device, hw.device, trainers)
     t_items = trainer_items(cfg, batch=B, seq_len=L, ttt_length=tr.ttt_length, teacher_chunk=tr.teacher_chunk,
                             bf16=bf16, data_parallel=ranks > 1, context_bytes=ctx, frozen_bytes=elem,
-                            checkpoint=tr.activation_checkpointing, optimizer_offloaded=opt_dev is not None)
+                            checkpoint=tr.activation_checkpointing, optimizer_offloaded=opt_dev is not None,
+                            shards=ranks if coloc else 1)
     notes = [_host_optimizer_note(trainable_params(cfg), ranks)] if opt_dev == "cpu" else []
+    if coloc:
+        notes.append(f"hw.trainer_layout=colocated is planned only (the trainer runs dedicated today): {ranks} "
+                     f"trainer ranks, one beside each TP rank, the draft state sharded 1/{ranks} each (FSDP2), "
+                     f"AdamW on the GPUs" + (f"; train.optimizer_device={tr.optimizer_device} does not apply"
+                                             if tr.optimizer_device not in (None, "", "none") else ""))
     if hw.device != "cuda":
         g = GpuBudget(-1, "trainer rank (host memory, not checked)", 0, t_items)
         return MemoryPlan(facts, cfg, [g], kv_tokens, tokens_per_step, None, None,
                           length_problems(hw, facts, B, L, fits=None), notes)
 
     problems = _layout_problems(hw, facts, groups, trainers, opt_dev)
-    target_items = _target_items(hw, facts, B * L, kv_tokens, ctx)
+    target_items = _target_items(hw, facts, batch_tokens, kv_tokens, ctx)
     ring = Item("stream ring slots (aux + final)", tr.stream_slots * B * L * 4 * facts.hidden_size * elem,
                 owner="stream", note=f"{tr.stream_slots} x {B * L} tokens x 4Ht x {elem} B")
     budgets, preloaded = _place_items(hw, ring, groups, trainers, target_items, t_items, opt_dev,
@@ -160,7 +189,7 @@ def plan_memory(job, facts: TargetFacts, *, max_length: int | None = None, batch
                                 f"(peak phase: {b.peak_phase() or '-'})")
     problems += length_problems(hw, facts, B, L, capacity_ok)
     notes.append(activation_note(cfg, B, L, tr.ttt_length, bf16, tr.activation_checkpointing))
-    if ranks > 1 or hw.target_replicas > 1:
+    if not coloc and (ranks > 1 or hw.target_replicas > 1):
         notes.append(f"data-parallel: launch with torchrun --nproc-per-node {hw.target_replicas} (one trainer rank "
                      f"per replica)")
     return MemoryPlan(facts, cfg, budgets, kv_tokens, tokens_per_step, frac, frac_min, problems, notes, capacity_ok,
@@ -172,10 +201,12 @@ def length_problems(hw, facts: TargetFacts, batch_size: int, max_length: int, fi
     sample the target's context. `fits`: whether the memory plan holds that pool (None: unplanned)."""
     memory = {True: " (it fits)", False: " (the memory above counts that pool)", None: ""}[fits]
     problems = []
-    if batch_size * max_length > hw.max_total_tokens:
-        problems.append(f"a batch holds up to {batch_size * max_length} tokens but the KV pool is capped at "
-                        f"hw.max_total_tokens={hw.max_total_tokens}: set hw.max_total_tokens={batch_size * max_length}"
-                        + memory)
+    tokens = target_batch_tokens(hw, batch_size, max_length)
+    if tokens > hw.max_total_tokens:
+        share = (f" ({batch_size} x {max_length} for each of the {tokens // (batch_size * max_length)} co-located "
+                 f"trainer ranks of a replica)" if colocated(hw) else "")
+        problems.append(f"a batch holds up to {tokens} tokens{share} but the KV pool is capped at "
+                        f"hw.max_total_tokens={hw.max_total_tokens}: set hw.max_total_tokens={tokens}" + memory)
     if max_length > facts.max_position_embeddings:
         problems.append(f"data.max_length={max_length} exceeds the target's context ({facts.max_position_embeddings}): "
                         f"lower data.max_length")
@@ -194,6 +225,8 @@ def _layout_problems(hw, facts: TargetFacts, groups, trainers, opt_dev) -> list[
     """What no size override can fix: unknown sizes, GPUs that do not exist or overlap."""
     problems = []
     ranks = len(trainers)
+    if colocated(hw) and hw.target_nnodes > 1:
+        problems.append("hw.trainer_layout=colocated is planned for one node only (hw.target_nnodes=1)")
     if hw.gpu_memory_mib <= 0:
         problems.append("hw.gpu_memory_mib is not set: the plan needs the GPU size (MiB, as nvidia-smi shows)")
     if facts.weight_bytes <= 0:
@@ -206,6 +239,8 @@ def _layout_problems(hw, facts: TargetFacts, groups, trainers, opt_dev) -> list[
             problems.append(f"trainer GPU {t} is not one of the {hw.num_gpus} GPUs")
     if isinstance(opt_dev, int) and not 0 <= opt_dev < hw.num_gpus:
         problems.append(f"train.optimizer_device=cuda:{opt_dev} is not one of the {hw.num_gpus} GPUs")
+    if colocated(hw):  # hw.trainer_gpu(s) do not apply: every TP rank's GPU has a trainer rank
+        return problems
     if len(set(trainers)) != ranks:
         problems.append(f"hw.trainer_gpus={trainers}: one trainer rank per GPU")
     if hw.trainer_gpus and trainers[0] != hw.trainer_gpu:
@@ -246,9 +281,14 @@ def _place_items(hw, ring: Item, groups, trainers, target: list[Item], t_items: 
         roles.setdefault(gpu, []).append(role)
         preloaded[gpu] = preloaded.get(gpu, 0) + before_engine
 
+    coloc = colocated(hw)
     for r, group in enumerate(groups):
         for gpu in group:
             add(gpu, ROLE_TARGET, list(target))
+            if coloc:  # every TP rank fills its own trainer rank's ring on the same GPU
+                add(gpu, "stream ring", [ring], ring.bytes)
+        if coloc:
+            continue
         ring_gpu = group[0]  # TargetStream puts the slots on cuda:{target_gpu}, allocated by the trainer process
         add(ring_gpu, "stream ring", [ring], ring.bytes)
         if r < len(trainers) and trainers[r] != ring_gpu:  # the trainer process also opens a context there
@@ -313,6 +353,12 @@ def _largest_fitting(fits, upper: int, step: int = 256) -> Optional[int]:
     return best
 
 
+def longest_fitting_length(job, facts: TargetFacts) -> Optional[int]:
+    """The longest data.max_length (a multiple of 256, up to the target's context) whose memory fits
+    with the job's other settings, the KV pool grown to hold the batch; None when none does."""
+    return _largest_fitting(lambda length: _fits(job, facts, max_length=length), facts.max_position_embeddings + 1)
+
+
 def suggest_override(job, facts: TargetFacts) -> Optional[str]:
     """One override (or one pair) that makes the plan fit, or None. Switches that keep the tokens
     per step come first (batch split into accumulation, activation checkpointing, AdamW state on
@@ -323,7 +369,7 @@ def suggest_override(job, facts: TargetFacts) -> Optional[str]:
     switches = []
     if not tr.activation_checkpointing:
         switches.append(("train.activation_checkpointing=true", {"activation_checkpointing": True}))
-    if optimizer_device(tr.optimizer_device, job.hw.device, _gpu_layout(job.hw)[1]) is None:
+    if not colocated(job.hw) and optimizer_device(tr.optimizer_device, job.hw.device, gpu_layout(job.hw)[1]) is None:
         switches.append(("train.optimizer_device=cpu", {"optimizer_device": "cpu"}))
     for n in range(1, len(switches) + 1):
         names = " ".join(name for name, _ in switches[:n])
@@ -360,6 +406,9 @@ def check_fits(job, target_facts: TargetFacts | None = None) -> MemoryPlan:
                 f"before any activation (target {gib(sum(i.bytes for i in worst.items if i.owner == 'target'))}, "
                 f"trainer {gib(sum(i.bytes for i in worst.items if i.owner == 'trainer' and i.phase is None))}"
                 f"), so no data.max_length, batch size or draft.intermediate_size >= 256 fits, even with "
-                f"train.activation_checkpointing=true train.optimizer_device=cpu; the trainer must move to a GPU "
-                f"of its own (hw.trainer_gpu) or the target to more GPUs (see `python -m specforge_k25.plan`)")
+                + ("train.activation_checkpointing=true; the co-located trainer ranks do not fit beside the TP "
+                   "ranks: use hw.trainer_layout=dedicated" if colocated(job.hw) else
+                   "train.activation_checkpointing=true train.optimizer_device=cpu; the trainer must move to a GPU "
+                   "of its own (hw.trainer_gpu) or the target to more GPUs")
+                + " (see `python -m specforge_k25.plan`)")
     raise PlanError("\n".join(lines))

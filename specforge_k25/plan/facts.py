@@ -40,6 +40,12 @@ class TargetFacts:
     q_lora_rank: Optional[int] = None
     n_routed_experts: int = 0
     num_moe_layers: int = 0
+    # the compute of one token (throughput plan): experts a token activates and their width, MLA head widths
+    num_experts_per_tok: int = 0
+    n_shared_experts: int = 0
+    moe_intermediate_size: int = 0
+    qk_nope_head_dim: Optional[int] = None
+    v_head_dim: Optional[int] = None
     kv_dtype_bytes: int = 2  # KV cache element (bf16)
     weight_dtype_bytes: int = 2  # element of the replicated (unquantized) weights
     multimodal: bool = False  # SGLang reserves SGLANG_VLM_CACHE_SIZE_MB out of the KV budget
@@ -77,11 +83,13 @@ class TargetFacts:
 
 # Kimi-K2.5 (docs/KIMI_K25.md §2): 61 layers (1 dense + 60 MoE), hidden 7168, 64 heads,
 # MLA q_lora 1536 / kv_lora 512 / rope 64, dense I 18432, 384 routed experts, vocab 163840,
-# INT4 (group 32) experts ~595 GB on disk. A real `target.path` replaces all of these.
+# INT4 (group 32) experts ~595 GB on disk; each token runs 8 routed + 1 shared expert of width
+# 2048, MLA heads qk_nope 128 / v 128. A real `target.path` replaces all of these.
 KIMI_K25 = TargetFacts(
     name="kimi_k25", num_layers=61, hidden_size=7168, vocab_size=163840, num_attention_heads=64,
     num_key_value_heads=64, intermediate_size=18432, head_dim=112, weight_bytes=595_000_000_000,
     kv_lora_rank=512, qk_rope_head_dim=64, q_lora_rank=1536, n_routed_experts=384, num_moe_layers=60,
+    num_experts_per_tok=8, n_shared_experts=1, moe_intermediate_size=2048, qk_nope_head_dim=128, v_head_dim=128,
     multimodal=True, max_position_embeddings=262144,
 )
 KNOWN_TARGETS = {"kimi_k25": KIMI_K25}
@@ -109,6 +117,10 @@ def facts_from_folder(path: str | Path, name: str | None = None) -> TargetFacts:
         weight_bytes=sum(f.stat().st_size for f in path.glob("*.safetensors")),
         kv_lora_rank=text.get("kv_lora_rank"), qk_rope_head_dim=text.get("qk_rope_head_dim"),
         q_lora_rank=text.get("q_lora_rank"), n_routed_experts=experts, num_moe_layers=moe_layers,
+        num_experts_per_tok=int(text.get("num_experts_per_tok") or 0),
+        n_shared_experts=int(text.get("n_shared_experts") or 0),
+        moe_intermediate_size=int(text.get("moe_intermediate_size") or 0),
+        qk_nope_head_dim=text.get("qk_nope_head_dim"), v_head_dim=text.get("v_head_dim"),
         multimodal="text_config" in config, max_position_embeddings=info.max_position_embeddings,
         rms_norm_eps=float(text.get("rms_norm_eps") or 1e-6),
     )

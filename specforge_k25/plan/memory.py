@@ -11,7 +11,9 @@ dtype; the teacher holds [B, T, Vd] fp32 draft logits; each TTT step keeps its a
 [T, (k+1)T] mask; never [B, nh, T, T] probabilities) or, with `train.activation_checkpointing`,
 only its inputs and recomputes one step at a time in backward. `ttt_saved_bytes` counts those
 tensors exactly (tests/plan/test_memory_plan.py measures them with saved-tensor hooks); the
-backward working set and the runtime reserves are estimates.
+backward working set and the runtime reserves are estimates. The co-located layout
+(hw.trainer_layout=colocated, planned only) shards the trainable state over the trainer ranks as
+FSDP2 would (`_sharded_trainer_items`).
 """
 from __future__ import annotations
 
@@ -110,23 +112,21 @@ def optimizer_items(P: int, on_gpu: bool) -> list[Item]:
 
 def trainer_items(cfg: DraftConfig, *, batch: int, seq_len: int, ttt_length: int, teacher_chunk: int, bf16: bool,
                   data_parallel: bool, context_bytes: int, frozen_bytes: int = 4, checkpoint: bool = False,
-                  optimizer_offloaded: bool = False) -> list[Item]:
+                  optimizer_offloaded: bool = False, shards: int = 1) -> list[Item]:
     """One trainer rank's memory on its GPU. Resident items are allocated before the target starts
     (weights, frozen tensors) or persist across steps (grads, AdamW state); phase items are peaks of
     the three phases of a micro-batch, which do not overlap.
 
     frozen_bytes: element size of the frozen embedding and lm_head (the target's dtype);
     checkpoint: train.activation_checkpointing; optimizer_offloaded: AdamW state elsewhere
-    (`optimizer_items` on train.optimizer_device)."""
+    (`optimizer_items` on train.optimizer_device); shards > 1: the co-located layout's draft state
+    sharded over `shards` ranks (`_sharded_trainer_items`; optimizer_offloaded and data_parallel then
+    do not apply)."""
+    if shards > 1:
+        return _sharded_trainer_items(cfg, shards, batch=batch, seq_len=seq_len, ttt_length=ttt_length,
+                                      teacher_chunk=teacher_chunk, bf16=bf16, context_bytes=context_bytes,
+                                      frozen_bytes=frozen_bytes, checkpoint=checkpoint)
     P = trainable_params(cfg)
-    V, H, Ht, Vd = cfg.vocab_size, cfg.hidden_size, cfg.target_hidden_size, cfg.draft_vocab_size
-    N = batch * seq_len
-    # DraftBatch: aux fp32 [N, 3Ht], input_ids int64, loss_mask bool, teacher: draft logits fp32
-    # [N, Vd], logsumexp fp32, argmax int64; plus lengths (negligible)
-    batch_bytes = N * (12 * Ht + 8 + 1 + 4 * Vd + 4 + 8)
-    saved = ttt_saved_bytes(cfg, batch, seq_len, ttt_length, bf16, checkpoint)
-    chunk = min(teacher_chunk, N)
-    dtype = {2: "bf16", 4: "fp32"}.get(frozen_bytes, f"{frozen_bytes} B")
     items = [
         Item("CUDA context (trainer process)", context_bytes),
         Item("draft weights fp32", 4 * P, note=f"{P:,} trainable params" + ("" if optimizer_offloaded else
@@ -135,23 +135,87 @@ def trainer_items(cfg: DraftConfig, *, batch: int, seq_len: int, ttt_length: int
     ]
     if not optimizer_offloaded:
         items.append(Item("AdamW m, v fp32", 8 * P))
-    items += [
-        Item(f"frozen embedding [V, H] {dtype}", frozen_bytes * V * H),
-        Item(f"target lm_head [V, Ht] {dtype} (teacher)", frozen_bytes * V * Ht),
-        Item("vocab maps d2t int64 + t2d bool", 8 * Vd + V),
-    ]
+    items += _frozen_items(cfg, frozen_bytes)
     if data_parallel:
         items.append(Item("DP gradient buckets fp32 (DDP, assumed)", 4 * P,
                           note="upper bound: train/step.py all-reduces each grad in place"))
+    items += _teacher_items(cfg, batch * seq_len, teacher_chunk, frozen_bytes)
+    items += [Item("batch: aux fp32 [B,T,3Ht] + teacher [B,T,Vd] fp32", _batch_bytes(cfg, batch * seq_len), PHASE_TTT),
+              Item("bf16 autocast weight copies", 2 * P if bf16 else 0, PHASE_TTT)]
+    items += _ttt_items(cfg, batch, seq_len, ttt_length, bf16, checkpoint)
+    items.append(Item("batch: aux fp32 [B,T,3Ht] + teacher [B,T,Vd] fp32", _batch_bytes(cfg, batch * seq_len), PHASE_OPT))
+    if not optimizer_offloaded:
+        items.append(Item("AdamW foreach temporaries fp32", 4 * P, PHASE_OPT))
+    return [i for i in items if i.bytes]
+
+
+def _sharded_trainer_items(cfg: DraftConfig, shards: int, *, batch: int, seq_len: int, ttt_length: int,
+                           teacher_chunk: int, bf16: bool, context_bytes: int, frozen_bytes: int,
+                           checkpoint: bool) -> list[Item]:
+    """One co-located trainer rank (hw.trainer_layout=colocated): the draft's trainable state
+    sharded over `shards` ranks as FSDP2 (`fully_shard`, one unit for the whole draft) keeps it:
+    fp32 master weights, grads and AdamW m/v, 1/shards each (the last rank's shard is rounded
+    up). In a micro-batch the unit's parameters are all-gathered in the compute dtype and kept
+    until backward ends (the TTT loop runs the one decoder layer K times), and the full fp32
+    gradient exists before its reduce-scatter: both counted whole in the TTT phase (an upper
+    bound: a per-module wrap would hold less). The frozen embedding and lm_head stay whole on
+    every rank."""
+    P = trainable_params(cfg)
+    shard = -(-P // shards)  # ceil: the largest shard
+    a = 2 if bf16 else 4
+    items = [
+        Item("CUDA context (trainer process)", context_bytes),
+        Item(f"draft weights fp32 (shard 1/{shards})", 4 * shard, note=f"{P:,} trainable params / {shards} ranks "
+                                                                          f"(= AdamW's master copy)"),
+        Item(f"draft grads fp32 (shard 1/{shards})", 4 * shard),
+        Item(f"AdamW m, v fp32 (shard 1/{shards})", 8 * shard),
+    ]
+    items += _frozen_items(cfg, frozen_bytes)
+    items += _teacher_items(cfg, batch * seq_len, teacher_chunk, frozen_bytes)
+    items += [Item("batch: aux fp32 [B,T,3Ht] + teacher [B,T,Vd] fp32", _batch_bytes(cfg, batch * seq_len), PHASE_TTT),
+              Item(f"all-gathered draft params {'bf16' if bf16 else 'fp32'} (FSDP2)", a * P, PHASE_TTT,
+                   note="whole unit, kept from forward through backward"),
+              Item("unsharded grads fp32 before reduce-scatter", 4 * P, PHASE_TTT, note="upper bound: one unit")]
+    items += _ttt_items(cfg, batch, seq_len, ttt_length, bf16, checkpoint)
+    items += [Item("batch: aux fp32 [B,T,3Ht] + teacher [B,T,Vd] fp32", _batch_bytes(cfg, batch * seq_len), PHASE_OPT),
+              Item(f"AdamW foreach temporaries fp32 (shard 1/{shards})", 4 * shard, PHASE_OPT)]
+    return [i for i in items if i.bytes]
+
+
+def _batch_bytes(cfg: DraftConfig, tokens: int) -> int:
+    # DraftBatch: aux fp32 [N, 3Ht], input_ids int64, loss_mask bool, teacher: draft logits fp32
+    # [N, Vd], logsumexp fp32, argmax int64; plus lengths (negligible)
+    return tokens * (12 * cfg.target_hidden_size + 8 + 1 + 4 * cfg.draft_vocab_size + 4 + 8)
+
+
+def _frozen_items(cfg: DraftConfig, frozen_bytes: int) -> list[Item]:
+    V, Vd = cfg.vocab_size, cfg.draft_vocab_size
+    dtype = {2: "bf16", 4: "fp32"}.get(frozen_bytes, f"{frozen_bytes} B")
+    return [
+        Item(f"frozen embedding [V, H] {dtype}", frozen_bytes * V * cfg.hidden_size),
+        Item(f"target lm_head [V, Ht] {dtype} (teacher)", frozen_bytes * V * cfg.target_hidden_size),
+        Item("vocab maps d2t int64 + t2d bool", 8 * Vd + V),
+    ]
+
+
+def _teacher_items(cfg: DraftConfig, tokens: int, teacher_chunk: int, frozen_bytes: int) -> list[Item]:
+    V = cfg.vocab_size
+    batch_bytes = _batch_bytes(cfg, tokens)
     # teacher logits: [chunk, V] in the lm_head's dtype, its fp32 copy (not made for fp32) and logsumexp's exp
     chunk_elem = frozen_bytes + (4 if frozen_bytes != 4 else 0) + 4
-    items += [
+    return [
         Item("batch: aux fp32 [B,T,3Ht] + teacher [B,T,Vd] fp32", batch_bytes, PHASE_TEACHER),
-        Item("next batch + its final hidden fp32 [B,T,Ht]", batch_bytes + 4 * N * Ht, PHASE_TEACHER,
-             note="built while the previous batch is still referenced"),
-        Item("teacher chunk [chunk, V]: logits, fp32 copy, logsumexp", chunk_elem * chunk * V + 8 * V, PHASE_TEACHER),
-        Item("batch: aux fp32 [B,T,3Ht] + teacher [B,T,Vd] fp32", batch_bytes, PHASE_TTT),
-        Item("bf16 autocast weight copies", 2 * P if bf16 else 0, PHASE_TTT),
+        Item("next batch + its final hidden fp32 [B,T,Ht]", batch_bytes + 4 * tokens * cfg.target_hidden_size,
+             PHASE_TEACHER, note="built while the previous batch is still referenced"),
+        Item("teacher chunk [chunk, V]: logits, fp32 copy, logsumexp", chunk_elem * min(teacher_chunk, tokens) * V
+             + 8 * V, PHASE_TEACHER),
+    ]
+
+
+def _ttt_items(cfg: DraftConfig, batch: int, seq_len: int, ttt_length: int, bf16: bool,
+               checkpoint: bool) -> list[Item]:
+    saved = ttt_saved_bytes(cfg, batch, seq_len, ttt_length, bf16, checkpoint)
+    items = [
         Item("TTT saved: per-token tensors (K steps)", saved["per_token"], PHASE_TTT,
              note=("checkpointed: each step's hidden input + K/V" if checkpoint else
                    "incl. [B,T,Vd] fp32 log-probs + teacher probs per step")),
@@ -161,14 +225,9 @@ def trainer_items(cfg: DraftConfig, *, batch: int, seq_len: int, ttt_length: int
         per_token, mask = ttt_step_bytes(cfg, batch, seq_len, ttt_length - 1, bf16)
         items.append(Item("TTT one step recomputed in backward", per_token + mask, PHASE_TTT,
                           note="activation checkpointing: the largest step's saved tensors"))
-    items += [
-        Item("TTT backward working set (estimate)", ttt_backward_working_bytes(cfg, batch, seq_len, ttt_length, bf16),
-             PHASE_TTT),
-        Item("batch: aux fp32 [B,T,3Ht] + teacher [B,T,Vd] fp32", batch_bytes, PHASE_OPT),
-    ]
-    if not optimizer_offloaded:
-        items.append(Item("AdamW foreach temporaries fp32", 4 * P, PHASE_OPT))
-    return [i for i in items if i.bytes]
+    items.append(Item("TTT backward working set (estimate)",
+                      ttt_backward_working_bytes(cfg, batch, seq_len, ttt_length, bf16), PHASE_TTT))
+    return items
 
 
 def activation_note(cfg: DraftConfig, batch: int, seq_len: int, ttt_length: int, bf16: bool, checkpoint: bool) -> str:

@@ -1,0 +1,271 @@
+"""Throughput plan of a node: seconds per token on every GPU for the target's prefill and for the
+draft trainer, in either trainer layout (hw.trainer_layout), and the node tokens/s they imply.
+
+Arithmetic on the target's facts, the draft's shapes and the hw profile; nothing is measured here.
+
+- Tokens are counted per replica. Every TP rank of a replica prefills every token of its batches
+  (its 1/tp of the FLOPs, plus the TP all-reduces); a trainer rank trains a share s of them:
+  dedicated s = 1 on the replica's trainer GPU, colocated s = 1/tp on every GPU of the replica.
+- A GPU does one thing at a time, so its busy seconds per replica token add up: target compute +
+  target all-reduce + s x (trainer compute + its optimizer step and gradient traffic per token).
+  A replica runs at 1 / max(busy): its TP ranks move in lock step (every layer all-reduces) and the
+  stream's back-pressure ties the target to its trainer. Conservative where a GPU holds both: the
+  trainer's kernels could fill the target's all-reduce waits.
+- Idle share of a GPU = 1 - busy x rate. The balanced bound is the node with every GPU busy on the
+  work each layout must do (the prefill with its all-reduces, the trainer's FLOPs): optimizer
+  steps and gradient traffic, which the layouts pay differently, are left out of it.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field, replace
+
+from ..draft.model import DraftConfig
+from .budget import LAYOUTS, colocated, gpu_layout, optimizer_device, target_batch_tokens
+from .facts import PlanError, TargetFacts, resolve_draft, trainable_params
+
+# NVIDIA H200 SXM datasheet: dense BF16 tensor-core peak and HBM3e bandwidth; the GPU the trainer was measured on
+H200_PEAK_TFLOPS = 989.5
+H200_MEMORY_GBPS = 4800.0
+# The optimizer step of the 963,407,872-parameter Kimi draft on that H200 (median optim_s at T=2048):
+# foreach AdamW next to the weights (docs/gpu_h200/shapes_default.json: 0.0227 s), and OffloadedAdamW
+# on the host: grads to pinned memory, fused CPU AdamW on 16 threads, weights back (shapes_rtx.json: 0.367 s)
+GPU_ADAMW_S_PER_PARAM = 0.0227 / 963_407_872  # memory bound: scaled by H200_MEMORY_GBPS / hw.memory_gbps
+HOST_ADAMW_S_PER_PARAM = 0.367 / 963_407_872  # the H200 host's; the profiles' host CPUs are unknown
+
+TARGET_COMPUTE, TARGET_ALLREDUCE = "target compute", "target all-reduce"
+TRAINER_COMPUTE, TRAINER_OPTIMIZER, TRAINER_GRADS = "trainer compute", "optimizer step", "gradient traffic"
+PARTS = (TARGET_COMPUTE, TARGET_ALLREDUCE, TRAINER_COMPUTE, TRAINER_OPTIMIZER, TRAINER_GRADS)
+
+
+# ------------------------------------------------------------------------------- trainer
+def draft_step_flops(cfg: DraftConfig, batch: int, seq_len: int, ttt_length: int, checkpoint: bool = False) -> dict:
+    """Analytic FLOPs of one draft training step (multiply-adds x 2) of N = B*T tokens, K TTT steps,
+    S_k = (k+1)*T keys at step k; torch.utils.flop_counter counts the same step exactly
+    (tests/benchmarks/test_benchmarks.py, its SDPA formulas included).
+
+      forward  = N*2*(3Ht*H)                                 fc, once
+               + K*N*2*(2H*(nh+2nkv)*hd + nh*hd*H + 3H*I + H*Vd)  q,k,v (input 2H), o, SwiGLU, lm_head
+               + sum_k B*4*nh*T*S_k*hd                        QK^T and PV of step k's fused SDPA: the
+                                                              masked kernel computes every block
+      backward = fc: weight grad only (aux needs no grad) = 1 x its forward
+               + linears: 2 x forward (input and weight grads)
+               + attention: 2.5 x forward (QK^T recomputed, then dP, dV, dQ, dK: 5 matmuls of 2)
+      recompute (checkpoint: train.activation_checkpointing) = one more forward of every TTT step
+      teacher  = 2*N*V*Ht (the target's lm_head over the final hidden states; no backward)
+    Element-wise work (norms, softmax, RoPE, AdamW) is not counted."""
+    H, Ht, I, Vd, V = (cfg.hidden_size, cfg.target_hidden_size, cfg.intermediate_size, cfg.draft_vocab_size,
+                       cfg.vocab_size)
+    nh, nkv, hd = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
+    N, T, K = batch * seq_len, seq_len, ttt_length
+    fc = 2 * N * 3 * Ht * H
+    linear_per_step = 2 * N * (2 * H * (nh + 2 * nkv) * hd + nh * hd * H + 3 * H * I + H * Vd)
+    # step k: QK^T and PV, [T, hd] x [hd, (k+1)T] and [T, (k+1)T] x [(k+1)T, hd] per batch row and head
+    attention_fwd = sum(batch * 4 * nh * T * (k + 1) * T * hd for k in range(K))
+    attention_bwd = sum(batch * 10 * nh * T * (k + 1) * T * hd for k in range(K))  # 5 matmuls of the same size
+    fwd = fc + K * linear_per_step + attention_fwd
+    bwd = fc + 2 * K * linear_per_step + attention_bwd
+    recompute = K * linear_per_step + attention_fwd if checkpoint else 0
+    teacher = 2 * N * V * Ht
+    return {"teacher": teacher, "draft_fwd": fwd, "draft_bwd": bwd, "draft_recompute": recompute,
+            "attention_fwd": attention_fwd, "attention_bwd": attention_bwd,
+            "total": teacher + fwd + bwd + recompute}
+
+
+# -------------------------------------------------------------------------------- target
+def target_params_per_token(facts: TargetFacts) -> dict[str, int]:
+    """The weights one token multiplies in a prefill (the activated parameters), by module. The
+    embedding is a lookup, not a matmul; the lm_head is in `target_flops_per_token`."""
+    Ht, nh, L = facts.hidden_size, facts.num_attention_heads, facts.num_layers
+    if facts.is_mla:
+        if facts.qk_nope_head_dim is None or facts.v_head_dim is None:
+            raise PlanError(f"target {facts.name}: MLA without qk_nope_head_dim / v_head_dim in its config")
+        qk, v, latent = facts.qk_nope_head_dim + facts.qk_rope_head_dim, facts.v_head_dim, facts.kv_lora_rank
+        q = Ht * facts.q_lora_rank + facts.q_lora_rank * nh * qk if facts.q_lora_rank else Ht * nh * qk
+        # q (down + up), kv_a [Ht, latent + rope], kv_b [latent, nh*(nope + v)] (prefill decompresses K/V), o
+        attn = q + Ht * (latent + facts.qk_rope_head_dim) + latent * nh * (facts.qk_nope_head_dim + v) + nh * v * Ht
+    else:
+        hd, nkv = facts.head_dim, facts.num_key_value_heads
+        attn = Ht * nh * hd + 2 * Ht * nkv * hd + nh * hd * Ht
+    moe = facts.num_moe_layers if facts.n_routed_experts else 0
+    experts = facts.num_experts_per_tok + facts.n_shared_experts
+    return {
+        "attention projections": L * attn,
+        "dense MLP": (L - moe) * 3 * Ht * facts.intermediate_size,
+        "MoE experts (routed top-k + shared)": moe * experts * 3 * Ht * facts.moe_intermediate_size,
+        "MoE router": moe * facts.n_routed_experts * Ht,
+    }
+
+
+def target_flops_per_token(facts: TargetFacts, seq_len: int) -> dict[str, float]:
+    """Prefill FLOPs per token of samples of `seq_len` tokens: 2 x the activated parameters; the
+    causal attention (a token at position t meets t keys: QK^T over the q/k head width, PV over the
+    value width; mean (seq_len + 1) / 2 keys); the lm_head for the last position of each sample
+    only (the engine asks for no prompt logprobs: target/sglang_engine.py logprob_start_len=-1)."""
+    params = sum(target_params_per_token(facts).values())
+    nh = facts.num_attention_heads
+    if facts.is_mla:  # SGLang's MLA prefill runs as MHA on the decompressed K/V
+        qk, v = facts.qk_nope_head_dim + facts.qk_rope_head_dim, facts.v_head_dim
+    else:
+        qk = v = facts.head_dim
+    out = {
+        "matmuls (2 x activated params)": 2.0 * params,
+        "attention (causal, mean over positions)": facts.num_layers * 2 * nh * (qk + v) * (seq_len + 1) / 2,
+        "lm_head (last position of a sample)": 2.0 * facts.vocab_size * facts.hidden_size / seq_len,
+    }
+    out["total"] = sum(out.values())
+    return out
+
+
+def allreduce_bytes_per_token(facts: TargetFacts, elem: int) -> int:
+    """Bytes one token adds to the target's TP all-reduces: SGLang 0.5.23's DeepSeek/Llama layers
+    reduce the residual stream twice per layer (after attention, after the MLP/MoE) and the
+    vocab-parallel embedding once, [tokens, Ht] in the target's dtype each time."""
+    return (2 * facts.num_layers + 1) * facts.hidden_size * elem
+
+
+# ---------------------------------------------------------------------------- prediction
+@dataclass
+class GpuTime:
+    gpu: int
+    role: str
+    parts: dict[str, float] = field(default_factory=dict)  # seconds per replica token, by PARTS
+
+    @property
+    def busy(self) -> float:
+        return sum(self.parts.values())
+
+
+@dataclass
+class Throughput:
+    layout: str
+    gpus: list[GpuTime]
+    replicas: int
+    balanced_tokens_per_s: float
+    inputs: list[tuple[str, str, str]]  # (input, value, source)
+    notes: list[str] = field(default_factory=list)
+
+    @property
+    def replica_tokens_per_s(self) -> float:
+        return 1.0 / max(g.busy for g in self.gpus)
+
+    @property
+    def tokens_per_s(self) -> float:
+        return self.replicas * self.replica_tokens_per_s
+
+    @property
+    def of_bound(self) -> float:
+        return self.tokens_per_s / self.balanced_tokens_per_s
+
+    def idle(self, g: GpuTime) -> float:
+        return 1.0 - g.busy * self.replica_tokens_per_s
+
+    def gpu(self, gpu_id: int) -> GpuTime:
+        return next(g for g in self.gpus if g.gpu == gpu_id)
+
+    @property
+    def bottleneck(self) -> tuple[GpuTime, str]:
+        """The busiest GPU and the largest part of its time."""
+        g = max(self.gpus, key=lambda x: x.busy)
+        return g, max(g.parts, key=g.parts.get)
+
+
+def predict(job, facts: TargetFacts, layout: str | None = None) -> Throughput:
+    """The throughput of `job` in `layout` (default hw.trainer_layout); PlanError when the profile
+    has no throughput inputs (hw.peak_tflops, hw.memory_gbps, hw.link_gbps)."""
+    hw = job.hw if layout is None else replace(job.hw, trainer_layout=layout)
+    missing = [k for k in ("peak_tflops", "memory_gbps", "link_gbps") if getattr(hw, k) <= 0]
+    if missing:
+        raise PlanError(f"no throughput plan for hw={hw.name}: set " + ", ".join(f"hw.{k}" for k in missing))
+    if hw.target_nnodes != 1:
+        raise PlanError("the throughput plan covers a target on one node (hw.target_nnodes=1)")
+    tr, coloc = job.train, colocated(hw)
+    B, L, K, accum = tr.batch_size, job.data.max_length, tr.ttt_length, tr.grad_accum
+    cfg = resolve_draft(job.draft, facts)
+    groups, trainers = gpu_layout(hw)
+    tp, ranks = len(groups[0]), len(trainers)
+    P = trainable_params(cfg)
+    elem = 2 if hw.target_dtype in ("bfloat16", "float16") else 4
+    a = 2 if hw.autocast == "bf16" else 4  # the trainer's compute dtype: FSDP2 gathers its params in it
+    peak, link, mem = hw.peak_tflops * 1e12, hw.link_gbps * 1e9, hw.memory_gbps * 1e9
+
+    # target, on each TP rank per replica token: its 1/tp of the FLOPs, or reading its weights once per
+    # batch if that takes longer; then the all-reduces (ring: 2(tp-1)/tp of the bytes cross each link)
+    tflops = target_flops_per_token(facts, L)
+    batch = target_batch_tokens(hw, B, L)
+    t_compute = max(tflops["total"] / tp / (peak * hw.target_efficiency),
+                    facts.weight_bytes_per_gpu(hw.target_tp) / mem / batch)
+    ar_bytes = allreduce_bytes_per_token(facts, elem)
+    t_allreduce = ar_bytes * 2 * (tp - 1) / tp / link
+
+    # trainer, per token it trains; optimizer and gradient traffic once per step of `step_tokens`
+    flops = draft_step_flops(cfg, B, L, K, tr.activation_checkpointing)
+    c_compute = flops["total"] / (B * L) / (peak * hw.trainer_efficiency)
+    step_tokens = B * L * accum
+    gpu_adamw = GPU_ADAMW_S_PER_PARAM * H200_MEMORY_GBPS * 1e9 / mem  # seconds per parameter on this GPU
+    opt_dev = None if coloc else optimizer_device(tr.optimizer_device, hw.device, trainers)
+    if coloc:  # FSDP2: AdamW on this rank's shard; reduce-scatter fp32 grads per step, all-gather params per micro-batch
+        shard = -(-P // ranks)
+        opt_s, opt_how = shard * gpu_adamw, f"AdamW on a 1/{ranks} shard on the GPU"
+        grads_s = (4 * P + accum * a * P) * (ranks - 1) / ranks / link
+        grads_how = f"reduce-scatter 4P + {accum} x all-gather {a}P over {ranks} ranks"
+    else:
+        if opt_dev == "cpu":
+            opt_s, opt_how = P * HOST_ADAMW_S_PER_PARAM, "host AdamW (train.optimizer_device=cpu)"
+        elif isinstance(opt_dev, int):  # grads to that GPU and weights back over the link
+            opt_s, opt_how = P * gpu_adamw + 8 * P / link, f"AdamW on cuda:{opt_dev} (+ 8P over the link)"
+        else:
+            opt_s, opt_how = P * gpu_adamw, "AdamW on the trainer GPU"
+        grads_s = 4 * P * 2 * (ranks - 1) / ranks / link if ranks > 1 else 0.0
+        grads_how = f"DDP all-reduce of 4P over {ranks} ranks" if ranks > 1 else "none (one rank)"
+
+    gpus: dict[int, GpuTime] = {}
+
+    def add(gpu: int, role: str, part: str, seconds: float) -> None:
+        g = gpus.setdefault(gpu, GpuTime(gpu, ""))
+        if role not in g.role:
+            g.role = f"{g.role} + {role}" if g.role else role
+        g.parts[part] = g.parts.get(part, 0.0) + seconds
+
+    share = 1.0 / tp if coloc else 1.0
+    for group in groups:
+        for gpu in group:
+            add(gpu, "TP rank", TARGET_COMPUTE, t_compute)
+            add(gpu, "TP rank", TARGET_ALLREDUCE, t_allreduce)
+    for gpu in trainers:
+        add(gpu, "trainer rank", TRAINER_COMPUTE, share * c_compute)
+        add(gpu, "trainer rank", TRAINER_OPTIMIZER, share * opt_s / step_tokens)
+        add(gpu, "trainer rank", TRAINER_GRADS, share * grads_s / step_tokens)
+    for g in gpus.values():
+        for part in PARTS:
+            g.parts.setdefault(part, 0.0)
+    balanced = len(gpus) / (tp * (t_compute + t_allreduce) + c_compute)
+
+    src = f"conf/hw/{hw.name}.yaml"
+    inputs = [
+        ("GPU peak (dense bf16)", f"{hw.peak_tflops:,.1f} TFLOP/s", f"hw.peak_tflops ({src})"),
+        ("GPU memory bandwidth", f"{hw.memory_gbps:,.0f} GB/s", f"hw.memory_gbps ({src})"),
+        ("all-reduce bus bandwidth", f"{hw.link_gbps:,.0f} GB/s", f"hw.link_gbps ({src})"),
+        ("target efficiency", f"{hw.target_efficiency:.3f}", "hw.target_efficiency (assumed; docs/PERFORMANCE.md §5)"),
+        ("trainer efficiency", f"{hw.trainer_efficiency:.3f}",
+         f"hw.trainer_efficiency ({src}: measured on an H200, docs/PERFORMANCE.md §3)"),
+        ("target FLOPs per token", f"{tflops['total'] / 1e9:.2f} GFLOP",
+         (f"2 x {sum(target_params_per_token(facts).values()) / 1e9:.2f}B activated params + attention at "
+          f"max_length {L} + lm_head (target facts)")),
+        ("target batch", f"{batch:,} tokens", "train.batch_size x data.max_length" + (" x tp" if coloc else "")),
+        ("TP all-reduce per token", f"{ar_bytes / 1e6:.3f} MB", f"(2 x {facts.num_layers} layers + 1) x Ht x {elem} B"),
+        ("trainer FLOPs per token", f"{flops['total'] / (B * L) / 1e9:.2f} GFLOP",
+         f"draft_step_flops, T {L}, K {K}, checkpointing {'on' if tr.activation_checkpointing else 'off'}"),
+        ("optimizer step", f"{opt_s:.4f} s", f"{opt_how}; H200 measured (plan/throughput.py)"),
+        ("gradient traffic per step", f"{grads_s:.4f} s", grads_how),
+        ("tokens per optimizer step per rank", f"{step_tokens:,}", "batch_size x max_length x grad_accum"),
+    ]
+    notes = []
+    if t_compute > tflops["total"] / tp / (peak * hw.target_efficiency):
+        notes.append(f"the target reads its weights slower than it computes at {batch} tokens per batch")
+    return Throughput(hw.trainer_layout, sorted(gpus.values(), key=lambda g: g.gpu), len(groups), balanced, inputs,
+                      notes)
+
+
+def predict_layouts(job, facts: TargetFacts) -> dict[str, Throughput]:
+    """Both layouts on the job's settings (colocated: AdamW sharded on the GPUs)."""
+    return {layout: predict(job, facts, layout) for layout in LAYOUTS}
