@@ -156,7 +156,7 @@ class Trainer:
         self.schedule, self.steps = build_schedule(
             len(setup.data.train), len(setup.data.heldout), batch_size=tr.batch_size * ranks.world,
             grad_accum=tr.grad_accum, epochs=tr.epochs, max_steps=tr.max_steps, eval_every=tr.eval_every, seed=tr.seed)
-        self.trainer = build_trainer(job, setup, self.steps, self.device, ranks)
+        self.draft_trainer = build_trainer(job, setup, self.steps, self.device, ranks)
         self.fingerprint = run_fingerprint(job, setup, len(self.schedule), ranks.world)
         self.samples = setup.data.train + setup.data.heldout
         self.saved = Progress()  # at the last optimizer-step boundary
@@ -183,7 +183,7 @@ class Trainer:
         path = find_resume_checkpoint(self.job.train.resume, self.run_dir)
         if path is not None:
             check_fingerprint(read_state(path).get("fingerprint", {}), self.fingerprint, path)
-            t = self.trainer
+            t = self.draft_trainer
             state = load_checkpoint(path, t.draft, t.optimizer, t.scheduler)
             self.saved = Progress(**{k: state[k] for k in dataclasses.asdict(Progress())})
             self.evals = state.get("evals", {})
@@ -198,7 +198,7 @@ class Trainer:
         an optimizer step at every train.grad_accum-th one."""
         if self._t_train is None:
             self._t_train, self._wait_at_train_start = time.perf_counter(), self.stream.wait_s
-        res = self.trainer.train_micro(batch)  # None: no share of this micro-batch (it still joins the counts)
+        res = self.draft_trainer.train_micro(batch)  # None: no share of this micro-batch (it still joins the counts)
         if res is not None:
             self._train_stats.add(res)
         p = self.progress
@@ -211,22 +211,22 @@ class Trainer:
 
     def optimizer_step(self, index: int, last) -> None:
         tr, p = self.job.train, self.progress
-        grad_norm = self.trainer.optimizer_step()
+        grad_norm = self.draft_trainer.optimizer_step()
         p.step += 1
         p.schedule_item = index + 1
         self.saved = dataclasses.replace(p)
         elapsed = time.perf_counter() - self._t_train
-        loss = self.trainer.loss_value(last)
+        loss = self.draft_trainer.loss_value(last)
         log_now = p.step % tr.log_every == 0 or p.step == self.steps
         if log_now:
-            self.trainer.sum_stats(self._train_stats)
+            self.draft_trainer.sum_stats(self._train_stats)
         summary = self._train_stats.summary("train")
         self.bar.set_postfix(tok_s=f"{self._session_tokens / elapsed:.0f}", loss=f"{loss:.3f}",
                              acc0=f"{summary.get('train/acc_0', 0):.2f}", q=self.stream.depth())
         self.bar.update(1)
         if log_now:
             self.logger.log({**summary, "train/loss": loss, "train/grad_norm": grad_norm,
-                             "train/lr": self.trainer.scheduler.get_last_lr()[0],
+                             "train/lr": self.draft_trainer.scheduler.get_last_lr()[0],
                              "perf/tokens_per_s": self._session_tokens / elapsed, "stream/depth": self.stream.depth(),
                              "stream/wait_frac": self.stream.wait_s / elapsed}, p.step)
             self._train_stats = TTTStats()
@@ -238,14 +238,14 @@ class Trainer:
         if self._eval is None:
             self._eval = (item.tag, TTTStats())
         if batch is not None:
-            self._eval[1].add(self.trainer.evaluate(batch))
+            self._eval[1].add(self.draft_trainer.evaluate(batch))
 
     def finish_evaluation(self) -> None:
         if self._eval is None:
             return
         tag, stats = self._eval
         self._eval = None
-        self.evals[tag] = {k.split("/", 1)[1]: v for k, v in self.trainer.sum_stats(stats).summary("eval").items()}
+        self.evals[tag] = {k.split("/", 1)[1]: v for k, v in self.draft_trainer.sum_stats(stats).summary("eval").items()}
         self.logger.log({f"eval/{k}": v for k, v in self.evals[tag].items()}, self.progress.step)
         if self.ranks.main:
             self.bar.write(f"eval[{tag}] " + eval_line(self.evals[tag], self.job.train.ttt_length))
@@ -258,7 +258,7 @@ class Trainer:
         extra = {**dataclasses.asdict(self.saved), "evals": self.evals, "fingerprint": self.fingerprint}
         if done:
             extra["schedule_item"] = len(self.schedule)
-        t = self.trainer
+        t = self.draft_trainer
         self.checkpoint = save_checkpoint(self.run_dir, self.saved.step, t.draft, t.optimizer, t.scheduler, extra,
                                           self.job.train.keep_checkpoints)
         self.artifact_bytes += allocated_bytes(self.checkpoint)
@@ -275,7 +275,7 @@ class Trainer:
         self.progress = dataclasses.replace(self.saved)
         start = self.saved.schedule_item
         if self.ranks.main:
-            print_overview(self.job, self.setup, self.schedule, self.steps, self.trainer.draft, self.run_dir,
+            print_overview(self.job, self.setup, self.schedule, self.steps, self.draft_trainer.draft, self.run_dir,
                            self.ranks.world)
             self.logger = MetricsLogger(tr.logger, project=tr.wandb_project, mode=tr.wandb_mode,
                                         run_dir=str(self.run_dir), config={"job": dataclasses.asdict(self.job),
@@ -293,7 +293,7 @@ class Trainer:
                 trainer_written = io().write_bytes - written_before
             self.bar.close()
             self.save(done=True)
-            export = (export_draft(self.trainer.draft.cpu(), self.run_dir / "export", self.setup.eagle_layer_ids,
+            export = (export_draft(self.draft_trainer.draft.cpu(), self.run_dir / "export", self.setup.eagle_layer_ids,
                                    self.setup.info.bos_token_id, self.setup.info.eos_token_id,
                                    capture_points=self.setup.capture_points)
                       if self.ranks.main else None)
@@ -307,7 +307,7 @@ class Trainer:
     def _walk(self, start: int, shares: list[list[int]]) -> None:
         regen = self.setup.regeneration
         rebuild = rebuild_regenerated(regen, self.job.data.regen_cut) if regen is not None else None
-        batches = take_batches(self.stream, shares, self.samples, self.trainer.make_batch, rebuild)
+        batches = take_batches(self.stream, shares, self.samples, self.draft_trainer.make_batch, rebuild)
         for index, (share, batch, regenerated) in enumerate(batches, start):
             item = self.schedule[index]
             if regenerated is not None:

@@ -206,7 +206,7 @@ def test_resume_continues_from_the_step_boundary_exactly(tiny_setup, tmp_path):
     resumed, resumed_batches = _run(_job(tmp_path / "resume", resume="auto"), tiny_setup)
     assert resumed_batches == full_batches[5:]
     assert dataclasses.asdict(resumed.progress) == dataclasses.asdict(full.progress)
-    for (name, a), b in zip(full.trainer.draft.state_dict().items(), resumed.trainer.draft.state_dict().values()):
+    for (name, a), b in zip(full.draft_trainer.draft.state_dict().items(), resumed.draft_trainer.draft.state_dict().values()):
         assert torch.equal(a, b), name
     assert resumed.evals["end"] == full.evals["end"]
 
@@ -282,5 +282,5 @@ def test_regenerated_answers_are_what_the_loop_trains_on_and_a_resume_redoes_the
     _run_regen(_job(tmp_path / "resume", checkpoint_every=1), setup, fail_at=6)
     resumed, _ = _run_regen(_job(tmp_path / "resume", resume="auto"), setup)
     assert dataclasses.asdict(resumed.progress) == dataclasses.asdict(full.progress)
-    for (name, a), b in zip(full.trainer.draft.state_dict().items(), resumed.trainer.draft.state_dict().values()):
+    for (name, a), b in zip(full.draft_trainer.draft.state_dict().items(), resumed.draft_trainer.draft.state_dict().values()):
         assert torch.equal(a, b), name
