@@ -16,6 +16,7 @@ import signal
 import sys
 import time
 import traceback
+from collections import Counter
 
 import psutil
 import torch
@@ -90,38 +91,55 @@ FORWARD, GENERATE = torch.tensor([0]), torch.tensor([1])
 class _Regenerated:
     """TP rank 0's answers, generated ahead of the forwards in groups of up to
     regeneration.group_sequences prompts (decoding a batch of prompts costs about as much per step
-    as decoding one), each group within the engine's KV pool. Memory stays bounded by one group."""
+    as decoding one), each group within the engine's KV pool. A conversation used again later (a
+    held-out sample at every evaluation) is kept for that use while the kept ones stay under
+    KEEP_TOKENS, else regenerated (identically: seeded). Memory stays bounded."""
+
+    KEEP_TOKENS = 1 << 20
 
     def __init__(self, target, spec: TargetSpec, tokens: torch.Tensor, offsets: torch.Tensor, batches: list,
                  pool: int | None):
         self.target, self.spec, self.batches, self.pool = target, spec, batches, pool
-        self.prompts = lambda batch: [tokens[offsets[i]:offsets[i + 1]] for i in batch]
-        self.done: dict[int, tuple[list[torch.Tensor], list[int]]] = {}
+        self.prompt = lambda i: tokens[offsets[i]:offsets[i + 1]]
+        self.ready: dict[int, torch.Tensor] = {}  # sample -> its conversation, until its last use
+        self.uses = Counter(i for batch in batches for i in batch)
+        self.kept: set[int] = set()  # used again later, kept meanwhile
+        self.kept_tokens = 0
 
     def take(self, item: int) -> tuple[list[torch.Tensor], list[int]]:
         """Batch `item`'s conversations (prompt + answer) and prompt lengths."""
-        if item not in self.done:
+        batch = self.batches[item]
+        if any(i not in self.ready for i in batch):
             self._generate_from(item)
-        return self.done.pop(item)
+        conversations = [self.ready[i] for i in batch]
+        for i in batch:
+            self.uses[i] -= 1
+            if self.uses[i] > 0 and (i in self.kept or self.kept_tokens + len(self.ready[i]) <= self.KEEP_TOKENS):
+                if i not in self.kept:
+                    self.kept.add(i)
+                    self.kept_tokens += len(self.ready[i])
+                continue
+            conversation = self.ready.pop(i)
+            if i in self.kept:
+                self.kept.discard(i)
+                self.kept_tokens -= len(conversation)
+        return conversations, [len(self.prompt(i)) for i in batch]
 
     def _generate_from(self, first: int) -> None:
         regen = self.spec.regeneration
-        group, prompts, room = [], [], 0
+        wanted, room = [], 0
         for item in range(first, len(self.batches)):
-            batch_prompts = self.prompts(self.batches[item])
-            batch_room = sum(len(p) + regen.budget(len(p)) for p in batch_prompts)
-            if group and (len(prompts) + len(batch_prompts) > regen.group_sequences
-                          or (self.pool is not None and room + batch_room > self.pool)):
+            need = [i for i in dict.fromkeys(self.batches[item]) if i not in self.ready and i not in wanted]
+            need_room = sum(len(self.prompt(i)) + regen.budget(len(self.prompt(i))) for i in need)
+            if wanted and (len(wanted) + len(need) > regen.group_sequences
+                           or (self.pool is not None and room + need_room > self.pool)):
                 break
-            group.append(item)
-            prompts += batch_prompts
-            room += batch_room
+            wanted += need
+            room += need_room
+        prompts = [self.prompt(i) for i in wanted]
         if self.spec.tp_size > 1:
             self.target.share_batch([GENERATE, *prompts])
-        conversations = iter(_regenerate(self.target, prompts, regen))
-        for item in group:
-            batch_prompts = self.prompts(self.batches[item])
-            self.done[item] = ([next(conversations) for _ in batch_prompts], [len(p) for p in batch_prompts])
+        self.ready.update(zip(wanted, _regenerate(self.target, prompts, regen)))
 
 
 def _regenerate(target, prompts: list[torch.Tensor], regen) -> list[torch.Tensor]:
