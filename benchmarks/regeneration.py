@@ -27,7 +27,7 @@ bound of tests/target/test_target.py), for aux and final, against the packed pre
 
 Prints two tables and writes JSON (benchmarks/results/regeneration.json). No assertion on any number.
 
-    .venv/bin/python benchmarks/regeneration.py                  # N=8, M=64: ~2-3 min on 1 busy core
+    .venv/bin/python benchmarks/regeneration.py                  # N=8, M=64: ~1.5 min on 1 busy core
     .venv/bin/python benchmarks/regeneration.py --smoke          # N=2, M=4 (the smoke test)
 """
 from __future__ import annotations
