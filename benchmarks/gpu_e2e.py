@@ -288,7 +288,8 @@ def check_spec(args, setup, trainer, export_dir: Path, size: dict) -> list[dict]
         rows.append({"cuda_graph": graphs, "prompts": len(prompts), "identical": sum(same),
                      "completion_tokens": sum(spec.completion_tokens), "verify_steps": steps,
                      "accept_length": sum(spec.completion_tokens) / steps if steps else None,
-                     "engine_start_s": [greedy.start_s, spec.start_s], "generate_s": [greedy.generate_s, spec.generate_s],
+                     "engine_start_s": [greedy.start_s, spec.start_s],
+                     "generate_s": [greedy.generate_s, spec.generate_s],
                      "ok": all(same) and sum(greedy.completion_tokens) > 0})
     return rows
 
@@ -312,7 +313,8 @@ class Run:
         try:
             fn()
         except Exception as err:  # noqa: BLE001 - reported, and the other checks still run
-            self.emit("FAIL", f"{name} raised {type(err).__name__}: {str(err).splitlines()[0][:300] if str(err) else ''}")
+            first_line = str(err).splitlines()[0][:300] if str(err) else ""
+            self.emit("FAIL", f"{name} raised {type(err).__name__}: {first_line}")
             self.result["errors"][name] = traceback.format_exc()[-6000:]
         self.result.setdefault("check_wall_s", {})[name] = time.perf_counter() - t0
         self.save()
@@ -350,8 +352,9 @@ def main(argv=None) -> dict:
             ph, r, m = res["b_stream"]["phases"], res["b_stream"], res["b_stream"]["memory"]
             run.emit(res["a_hidden_bf16"]["ok"], f"a) bf16 hidden states vs HF: {describe_a(res['a_hidden_bf16'])}")
             run.emit("PASS", f"b) online {ph['online']['tokens_per_s']:.0f} tok/s, target-only "
-                             f"{ph['target_only']['tokens_per_s']:.0f}, trainer-only {ph['trainer_only']['tokens_per_s']:.0f}"
-                             f": online / min = {r['ratio_online_over_min']:.3f} ({r['batches']} batches)")
+                             f"{ph['target_only']['tokens_per_s']:.0f}, trainer-only "
+                             f"{ph['trainer_only']['tokens_per_s']:.0f}: online / min = "
+                             f"{r['ratio_online_over_min']:.3f} ({r['batches']} batches)")
             if not m:
                 return run.emit("SKIP", "b) peak memory vs the plan: the plan counts GPU memory only (CPU mode)")
             run.emit(m["ok"], f"b) peak device memory during online {m['device_peak_used'] / GiB:.2f} GiB <= plan "

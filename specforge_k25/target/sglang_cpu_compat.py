@@ -79,9 +79,8 @@ class _MissingKernelModule(types.ModuleType):
 
 
 class _StandInFinder(importlib.abc.MetaPathFinder, importlib.abc.Loader):
-    """`sgl_kernel` and the named submodules. Only those: SGLang guards its other
-    `sgl_kernel.<submodule>` imports with `except ImportError` fallbacks (e.g. scalar_type),
-    which must keep failing."""
+    """`sgl_kernel` and the named submodules only: SGLang guards its other `sgl_kernel.<submodule>`
+    imports with `except ImportError` fallbacks (e.g. scalar_type), which must keep failing."""
 
     def __init__(self, kind: str, expected: str, submodules=(), attributes: dict | None = None):
         self.names = {"sgl_kernel", *(f"sgl_kernel.{m}" for m in submodules)}
@@ -173,10 +172,6 @@ def apply(mla_fix: bool = True, spec_patches: bool = True) -> None:
     _applied = True
 
 
-def _no_pdl() -> bool:  # PDL (programmatic dependent launch) only overlaps kernel launches
-    return False
-
-
 def _default_attention_without_sgl_kernel(model_override_base) -> None:
     # only the default: an explicit attention_backend is still honoured by SGLang
     model_override_base.get_default_attn_backend = lambda server_args, use_mla, model_config: GPU_ATTENTION_BACKEND
@@ -193,9 +188,9 @@ def apply_gpu() -> bool:
         return True
     if importlib.util.find_spec("sgl_kernel") is not None:
         return False  # a real GPU install: nothing to do
-    sys.meta_path.insert(0, _StandInFinder(
+    sys.meta_path.insert(0, _StandInFinder(  # is_arch_support_pdl: False (PDL only overlaps kernel launches)
         "gpu", "SGLANG_FORCE_FUSED_OP_BACKEND=torch and the triton attention backend expected",
-        GPU_STAND_IN_SUBMODULES, {"sgl_kernel.utils": {"is_arch_support_pdl": _no_pdl}}))
+        GPU_STAND_IN_SUBMODULES, {"sgl_kernel.utils": {"is_arch_support_pdl": lambda: False}}))
     os.environ["SGLANG_FORCE_FUSED_OP_BACKEND"] = "torch"
     os.environ["SGLANG_SKIP_SGL_KERNEL_VERSION_CHECK"] = "1"
     patch_when_imported("sglang.srt.arg_groups.model_override_base", _default_attention_without_sgl_kernel)

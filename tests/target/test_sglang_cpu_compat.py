@@ -221,7 +221,8 @@ def test_gpu_stand_in_needed():
     attention on Hopper is fa3, whose kernels come from sgl_kernel."""
     assert "from sgl_kernel.quantization import" in _sglang_source("srt/layers/quantization/gguf.py")
     assert "from sgl_kernel.kvcacheio import" in _sglang_source("srt/mem_cache/memory_pool_host.py")
-    assert "from sgl_kernel.utils import is_arch_support_pdl" in _sglang_source("srt/layers/attention/triton_backend.py")
+    pdl = "from sgl_kernel.utils import is_arch_support_pdl"
+    assert pdl in _sglang_source("srt/layers/attention/triton_backend.py")
     engine = _sglang_source("srt/entrypoints/engine.py")
     assert '"sglang-kernel",' in engine and "SGLANG_SKIP_SGL_KERNEL_VERSION_CHECK" in engine
     assert 'return "fa3"' in _sglang_source("srt/arg_groups/model_override_base.py")
@@ -264,7 +265,8 @@ _GPU_WORKS = """
     ref = s * torch.rsqrt(s.pow(2).mean(-1, keepdim=True) + 1e-6) * norm.weight.double()
     errs = [(out.double() - ref).abs().max(), (res.double() - s).abs().max()]
     h = torch.randn(5, 128, generator=g)
-    errs.append((SiluAndMul()(h).double() - torch.nn.functional.silu(h[:, :64].double()) * h[:, 64:].double()).abs().max())
+    silu_ref = torch.nn.functional.silu(h[:, :64].double()) * h[:, 64:].double()
+    errs.append((SiluAndMul()(h).double() - silu_ref).abs().max())
     rope = get_rope(64, 64, 256, 10000.0, is_neox_style=True, dtype=torch.float32)
     pos = torch.tensor([0, 3, 7, 100, 255])
     q, k = torch.randn(5, 128, generator=g), torch.randn(5, 64, generator=g)
