@@ -1,7 +1,8 @@
-"""Workarounds that let stock SGLang run on a CPU-only machine (tests + embedded default).
+"""Workarounds that let stock SGLang run on a CPU-only machine (tests + embedded default), and on
+a CUDA machine that lacks the `sgl_kernel` wheel (workaround 5, `apply_gpu`).
 
 Applies to **sglang==0.5.23** with torch 2.13.0 (CPU build), `attention_backend="torch_native"`.
-Nothing here is used on GPU machines. Each workaround states why it exists; the test
+Workarounds 1-4 are never used on GPU machines. Each workaround states why it exists; the test
 `tests/target/test_sglang_cpu_compat.py` fails if one stops being needed or stops working, so a
 version bump forces a review of this file.
 
@@ -23,8 +24,20 @@ version bump forces a review of this file.
    `torch_native` attention backend usable for chain drafts (topk=1): the draft-decode backend
    factory knows no `torch_native` (`_patch_draft_backends`), and TARGET_VERIFY batches carry
    no `extend_*` lengths, which torch_native's extend path needs (`_patch_target_verify`).
+5. `sgl_kernel` on CUDA without its wheel (a bare GPU image; benchmarks/gpu_e2e.py). On CUDA
+   sglang 0.5.23 imports `sgl_kernel` names at module load (layernorm.py, activation.py,
+   sampler.py) and three submodules: `quantization` (layers/quantization/gguf.py), `kvcacheio`
+   (mem_cache/memory_pool_host.py), `utils.is_arch_support_pdl` (layers/attention/
+   triton_backend.py, called in TritonAttnBackend.__init__: ours says False). The stand-in's
+   ops raise, so nothing may call them: SGLANG_FORCE_FUSED_OP_BACKEND=torch sends RMSNorm,
+   SiluAndMul, rope and TopK to forward_native (kernels/fused_op.py BaseFusedOp.forward);
+   SGLANG_SKIP_SGL_KERNEL_VERSION_CHECK=1 skips the `sglang-kernel` assertion
+   (entrypoints/engine.py _set_envs_and_config -> utils/common.py assert_pkg_version); the
+   default attention backend becomes triton (arg_groups/model_override_base.py
+   get_default_attn_backend picks fa3 on Hopper, from sgl_kernel.flash_attn, trtllm or flashinfer).
 
-Call `apply()` in every process that builds an SGLang model, before importing sglang.
+Call `apply()` (CPU) or `apply_gpu()` (CUDA) in every process that builds an SGLang model,
+before importing sglang.
 """
 from __future__ import annotations
 
@@ -42,6 +55,9 @@ import torch
 
 SGLANG_VERSION = "0.5.23"
 _applied = False
+_gpu_applied = False
+GPU_STAND_IN_SUBMODULES = ("quantization", "kvcacheio", "utils")  # workaround 5
+GPU_ATTENTION_BACKEND = "triton"  # the CUDA attention backend that needs no sgl_kernel op
 
 
 class _MissingKernelModule(types.ModuleType):
@@ -50,12 +66,12 @@ class _MissingKernelModule(types.ModuleType):
     def __getattr__(self, name: str):
         if name.startswith("__"):
             raise AttributeError(name)
-        qualified = f"{self.__name__}.{name}"
+        qualified, expected = f"{self.__name__}.{name}", getattr(self, "_expected", "")
 
         def missing_op(*args, **kwargs):
             raise NotImplementedError(
-                f"{qualified} was called, but specforge_k25's CPU stand-in for sgl_kernel has no "
-                f"implementation (sglang {SGLANG_VERSION}, torch_native backend expected)"
+                f"{qualified} was called, but specforge_k25's stand-in for sgl_kernel has no "
+                f"implementation (sglang {SGLANG_VERSION}, {expected})"
             )
 
         missing_op.__name__ = name
@@ -63,19 +79,25 @@ class _MissingKernelModule(types.ModuleType):
 
 
 class _StandInFinder(importlib.abc.MetaPathFinder, importlib.abc.Loader):
+    """`sgl_kernel` and the named submodules only: SGLang guards its other `sgl_kernel.<submodule>`
+    imports with `except ImportError` fallbacks (e.g. scalar_type), which must keep failing."""
+
+    def __init__(self, kind: str, expected: str, submodules=(), attributes: dict | None = None):
+        self.names = {"sgl_kernel", *(f"sgl_kernel.{m}" for m in submodules)}
+        self.kind, self.expected, self.attributes = kind, expected, attributes or {}
+
     def find_spec(self, fullname, path=None, target=None):
-        # Only the top-level name: SGLang guards its `sgl_kernel.<submodule>` imports with
-        # `except ImportError` fallbacks (e.g. scalar_type), which must keep failing.
-        if fullname == "sgl_kernel":
+        if fullname in self.names:
             return importlib.machinery.ModuleSpec(fullname, self, is_package=True)
         return None
 
     def create_module(self, spec):
         module = _MissingKernelModule(spec.name)
-        module.__path__ = []  # a package with no submodules
-        module.__version__ = "0.0.0+specforge-cpu-stand-in"
-        for op in SPEC_OPS:  # workaround 4: the ops speculative decoding calls
-            setattr(module, op.__name__, op)
+        module.__path__ = []  # a package with no submodules of its own
+        module.__version__ = f"0.0.0+specforge-{self.kind}-stand-in"
+        module._expected = self.expected
+        for name, value in self.attributes.get(spec.name, {}).items():
+            setattr(module, name, value)
         return module
 
     def exec_module(self, module):
@@ -128,10 +150,13 @@ def apply(mla_fix: bool = True, spec_patches: bool = True) -> None:
     global _applied
     if _applied:
         return
+    if _gpu_applied:
+        raise RuntimeError("sglang_cpu_compat.apply_gpu() already ran in this process (CUDA)")
     os.environ["SGLANG_USE_CPU_ENGINE"] = "1"
-
     if importlib.util.find_spec("sgl_kernel") is None or os.environ.get("SPECFORGE_FORCE_SGL_KERNEL_STAND_IN"):
-        sys.meta_path.insert(0, _StandInFinder())
+        # workaround 4: the ops speculative decoding calls
+        sys.meta_path.insert(0, _StandInFinder("cpu", "torch_native backend expected",
+                                               attributes={"sgl_kernel": {op.__name__: op for op in SPEC_OPS}}))
         # With the stand-in, model files that need kernels absent on CPU fail to import, which
         # SGLang already skips -- but with one WARNING line per model (~20 lines of noise).
         for name in ("sglang.srt.models.registry", "sglang.srt.managers.multimodal_processor"):
@@ -145,6 +170,32 @@ def apply(mla_fix: bool = True, spec_patches: bool = True) -> None:
         patch_when_imported("sglang.srt.speculative.draft_utils", _patch_draft_backends)
         patch_when_imported("sglang.srt.layers.attention.torch_native_backend", _patch_target_verify)
     _applied = True
+
+
+def _default_attention_without_sgl_kernel(model_override_base) -> None:
+    # only the default: an explicit attention_backend is still honoured by SGLang
+    model_override_base.get_default_attn_backend = lambda server_args, use_mla, model_config: GPU_ATTENTION_BACKEND
+
+
+def apply_gpu() -> bool:
+    """Workaround 5 in this process, on CUDA, only when the real `sgl_kernel` is not installed
+    (idempotent). Returns whether the stand-in is in use. Set before sglang is imported: the
+    attention default is patched as its module loads, before others import the name."""
+    global _gpu_applied
+    if _applied:
+        raise RuntimeError("sglang_cpu_compat.apply() (CPU) already ran in this process")
+    if _gpu_applied:
+        return True
+    if importlib.util.find_spec("sgl_kernel") is not None:
+        return False  # a real GPU install: nothing to do
+    sys.meta_path.insert(0, _StandInFinder(  # is_arch_support_pdl: False (PDL only overlaps kernel launches)
+        "gpu", "SGLANG_FORCE_FUSED_OP_BACKEND=torch and the triton attention backend expected",
+        GPU_STAND_IN_SUBMODULES, {"sgl_kernel.utils": {"is_arch_support_pdl": lambda: False}}))
+    os.environ["SGLANG_FORCE_FUSED_OP_BACKEND"] = "torch"
+    os.environ["SGLANG_SKIP_SGL_KERNEL_VERSION_CHECK"] = "1"
+    patch_when_imported("sglang.srt.arg_groups.model_override_base", _default_attention_without_sgl_kernel)
+    _gpu_applied = True
+    return True
 
 
 def check_deepseek_config(config) -> None:

@@ -85,6 +85,10 @@ class SGLangTarget:
             from . import sglang_cpu_compat
 
             sglang_cpu_compat.apply()
+        elif device == "cuda":  # without the sgl_kernel wheel (a bare GPU image): its stand-in
+            from . import sglang_cpu_compat
+
+            sglang_cpu_compat.apply_gpu()
         import sglang
 
         if sglang.__version__ != SGLANG_VERSION:

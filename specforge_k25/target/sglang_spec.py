@@ -22,6 +22,10 @@ if os.environ.get("SPECFORGE_SGLANG_CPU") == "1":
     from specforge_k25.target import sglang_cpu_compat
 
     sglang_cpu_compat.apply()
+elif os.environ.get("SPECFORGE_SGLANG_GPU") == "1":  # CUDA: the sgl_kernel stand-in if its wheel is absent
+    from specforge_k25.target import sglang_cpu_compat
+
+    sglang_cpu_compat.apply_gpu()
 
 
 @dataclass
@@ -50,8 +54,9 @@ def generate(model_path: str, prompts: list[list[int]], *, max_new_tokens: int, 
              max_running_requests: int = 8, mem_fraction_static: float = 0.05, max_total_tokens: int = 16384,
              num_threads: int = 1, gpu_id: int = 0, tp_size: int = 1, trust_remote_code: bool = False,
              attention_backend: str | None = None, draft_attention_backend: str | None = None,
-             timeout_s: float = 1800) -> Generation:
-    """Runs one engine over `prompts` (token ids) at temperature 0 in a worker process."""
+             timeout_s: float = 1800, cuda_graph: bool | None = None) -> Generation:
+    """Runs one engine over `prompts` (token ids) at temperature 0 in a worker process.
+    `cuda_graph`: None = SGLang's default on GPU (on), off on CPU."""
     if (draft_path is None) != (chain is None):
         raise ValueError("speculation needs both a draft folder and a chain")
     if device == "cpu" and chain is not None and chain.topk != 1:
@@ -62,8 +67,11 @@ def generate(model_path: str, prompts: list[list[int]], *, max_new_tokens: int, 
                        random_seed=0, trust_remote_code=trust_remote_code)
     if device == "cpu":
         engine_args.update(attention_backend="torch_native", disable_cuda_graph=True, disable_overlap_schedule=True)
-    elif attention_backend:  # hw.target_attention_backend; None: SGLang's choice per GPU
-        engine_args["attention_backend"] = attention_backend
+    else:
+        if attention_backend:  # hw.target_attention_backend; None: SGLang's choice per GPU
+            engine_args["attention_backend"] = attention_backend
+        if cuda_graph is not None:
+            engine_args["disable_cuda_graph"] = not cuda_graph
     if chain is not None:
         engine_args.update(speculative_algorithm="EAGLE3", speculative_draft_model_path=str(draft_path),
                            speculative_num_steps=chain.steps, speculative_eagle_topk=chain.topk,
@@ -73,6 +81,8 @@ def generate(model_path: str, prompts: list[list[int]], *, max_new_tokens: int, 
     env = dict(os.environ)
     if device == "cpu":
         env.update(SPECFORGE_SGLANG_CPU="1", OMP_NUM_THREADS=str(num_threads))
+    elif device == "cuda":
+        env["SPECFORGE_SGLANG_GPU"] = "1"
     with tempfile.TemporaryDirectory(prefix="specforge-eval-") as tmp:
         request, result = Path(tmp, "request.json"), Path(tmp, "result.json")
         request.write_text(json.dumps({"engine": engine_args, "prompts": prompts, "max_new_tokens": max_new_tokens,

@@ -4,7 +4,10 @@ from __future__ import annotations
 import importlib
 import json
 import math
+import os
+import subprocess
 import sys
+import textwrap
 from pathlib import Path
 
 import pytest
@@ -221,3 +224,117 @@ def test_stream_plot_from_result(tmp_path):
     out.write_text(json.dumps(result))
     s.main(["--replot", "--out", str(out)])
     assert out.with_suffix(".png").stat().st_size > 0
+
+
+# ------------------------------------------------------------------------------------ gpu_e2e
+ROOT = BENCHMARKS.parent
+GPU_IMAGE_SITE = Path(__file__).resolve().parents[1] / "fixtures" / "gpu_image_site"
+
+
+def image_only_env() -> dict:
+    """A process (and its children) that sees only the H200 image's packages, the wheels carried to it
+    and this project (tests/fixtures/gpu_image_site): an import the wheel list misses fails here."""
+    path = [str(GPU_IMAGE_SITE), str(ROOT)] + [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]
+    return {**os.environ, "SPECFORGE_GPU_IMAGE_ONLY": "1", "PYTHONPATH": os.pathsep.join(path),
+            "PYTHONWARNINGS": "ignore"}
+
+
+def test_gpu_e2e_cpu_mode(tmp_path):
+    """The GPU check's CPU mode: every check passes (CUDA-only parts say SKIP), with the image's packages
+    and the carried wheels only."""
+    out = tmp_path / "gpu_e2e.json"
+    proc = subprocess.run([sys.executable, str(BENCHMARKS / "gpu_e2e.py"), "--device", "cpu", "--small", "--out",
+                           str(out)], capture_output=True, text=True, timeout=900, cwd=ROOT, env=image_only_env())
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    lines = [ln for ln in proc.stdout.splitlines() if ln.split(" ", 1)[0] in ("PASS", "FAIL", "SKIP", "INFO")]
+    assert [ln[:12] for ln in lines] == ["PASS a) bf16", "PASS b) onli", "SKIP b) peak", "PASS a) fp32",
+                                         "PASS c) slot", "PASS d) EAGL", "SKIP d) CUDA"], lines
+    result = json.loads(out.read_text())
+    assert result["ok"] and result["lines"] == lines
+    assert result["a_hidden_fp32"]["aux"]["max_diff_over_bound"] <= 1.0
+    phases = result["b_stream"]["phases"]
+    assert all(finite(phases[p]["tokens_per_s"]) for p in ("target_only", "trainer_only", "online"))
+    assert finite(result["b_stream"]["ratio_online_over_min"]) and result["b_stream"]["memory"] == {}
+    c = result["c_slots"]
+    assert c["batches"] == 16 and c["mismatched_items"] == [] and c["distinct_checksums"] > 1
+    (d,) = result["d_spec"]
+    assert d["identical"] == d["prompts"] == 4 and d["cuda_graph"] is False and d["completion_tokens"] > 0
+
+
+def test_gpu_e2e_slot_check_catches_a_copy_tied_to_the_slot(tmp_path, one_torch_thread):
+    """c) can fail: a trainer whose DraftBatch still reads the slot after release (what an unfinished
+    CUDA copy does) is caught, because the producer refills the slot while the consumer sleeps."""
+    g = bench("gpu_e2e")
+    from specforge_k25.train.step import DraftTrainer
+
+    args = g.parse_args(["--device", "cpu", "--small"])
+    size = dict(g.SIZES["small"], samples=8)
+    path = g.build_random_target(tmp_path / "target", small=True, seed=0)
+    job = g.make_job(args, path, size, "float32")
+    setup = g.make_setup(job, path, g.random_samples(size["samples"], size["lengths"], g.SMALL["vocab_size"], 0))
+    copy_batch = DraftTrainer.make_batch
+
+    def tied_to_the_slot(self, samples, lengths, aux_packed, final_packed):
+        batch = copy_batch(self, samples, lengths, aux_packed, final_packed)
+        batch.aux_hidden = aux_packed[None]  # a view into the slot instead of the copy
+        return batch
+
+    DraftTrainer.make_batch = tied_to_the_slot
+    try:
+        res, _, _ = g.check_slots(job, setup, torch.device("cpu"), 4, 0.3, hf_batches=0)
+    finally:
+        DraftTrainer.make_batch = copy_batch
+    assert not res["ok"] and len(res["mismatched_items"]) >= 2, res  # the last 2 slots are never refilled
+
+
+def test_gpu_e2e_reports_a_check_that_raises(tmp_path, monkeypatch, capsys, one_torch_thread):
+    """One lent GPU run must say as much as it can: a check that raises is a FAIL line (traceback in the
+    JSON) and the run goes on; the JSON is written."""
+    g = bench("gpu_e2e")
+
+    def broken(*args, **kwargs):
+        raise RuntimeError("engine did not start")
+
+    monkeypatch.setattr(g, "check_stream", broken)
+    out = tmp_path / "r.json"
+    result = g.main(["--device", "cpu", "--small", "--checks", "b", "--out", str(out)])
+    assert result["lines"] == ["FAIL b raised RuntimeError: engine did not start"] and not result["ok"]
+    assert "engine did not start" in json.loads(out.read_text())["errors"]["b"]
+
+
+_CUDA_IMPORTS = """
+    import torch
+    torch.cuda.is_available = lambda: True  # sglang's is_cuda(): the CUDA import paths, on this CPU
+    torch.version.cuda = "13.0"
+    torch.cuda.get_device_capability = lambda *a, **k: (9, 0)
+    torch.cuda.get_device_name = lambda *a, **k: "NVIDIA H200"
+    torch.cuda.device_count = lambda: 1
+    from specforge_k25.target import sglang_cpu_compat
+    assert sglang_cpu_compat.apply_gpu()
+    for name in ("sglang.srt.entrypoints.engine", "sglang.benchmark.one_batch", "sglang.srt.managers.scheduler",
+                 "sglang.srt.managers.tokenizer_manager", "sglang.srt.managers.detokenizer_manager",
+                 "sglang.srt.function_call.function_call_parser", "sglang.srt.model_executor.model_runner",
+                 "sglang.srt.models.llama", "sglang.srt.models.llama_eagle3", "sglang.srt.speculative.eagle_worker_v2",
+                 "sglang.srt.layers.attention.triton_backend", "sglang.kernels.ops.kvcache.kvcache"):
+        __import__(name)
+    print("IMPORTED")
+"""
+
+
+def test_gpu_wheels_cover_sglang_cuda_imports():
+    """SGLang's CUDA-side modules (CUDA faked, the GPU stand-in for sgl_kernel) import with the image's
+    packages and the carried wheels only."""
+    proc = subprocess.run([sys.executable, "-c", textwrap.dedent(_CUDA_IMPORTS)], capture_output=True, text=True,
+                          timeout=600, cwd=ROOT, env={k: v for k, v in image_only_env().items()
+                                                      if not k.startswith("SGLANG_")})
+    assert proc.returncode == 0 and "IMPORTED" in proc.stdout, proc.stderr[-3000:]
+
+
+def test_gpu_wheel_list_is_pinned_and_small():
+    pins = [ln.split("#")[0].split() for ln in (BENCHMARKS / "gpu_wheels.txt").read_text().splitlines()]
+    pins = [p[0] for p in pins if p]
+    assert all("==" in p for p in pins) and len({p.split("==")[0] for p in pins}) == len(pins)
+    assert "sglang==0.5.23" in pins
+    sizes = [float(ln.split("#")[1].split()[0]) for ln in (BENCHMARKS / "gpu_wheels.txt").read_text().splitlines()
+             if "==" in ln.split("#")[0]]
+    assert len(sizes) == len(pins) and sum(sizes) < 56, sum(sizes)  # 64 MiB per device run, the tree included

@@ -1,10 +1,12 @@
-"""Each CPU workaround in specforge_k25/target/sglang_cpu_compat.py is still needed AND still works.
+"""Each workaround in specforge_k25/target/sglang_cpu_compat.py (CPU, and the GPU stand-in for
+sgl_kernel) is still needed AND still works.
 
 If SGLang (pinned 0.5.23) fixes one of these upstream, the "needed" test fails: delete the
 workaround and its tests. If a version bump breaks one, the "works" test fails.
 """
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import subprocess
@@ -183,3 +185,136 @@ def test_spec_patches_needed_and_working():
     assert "FACTORY ChainDraftBackends 2" in with_.stdout, with_.stdout
     diff = float(with_.stdout.split("VERIFY-DIFF")[-1].split()[0])
     assert diff < 1e-5 and "SEQ_LENS_RESTORED True" in with_.stdout, with_.stdout
+
+
+# ------------------------------------------------------- 5. sgl_kernel on CUDA without its wheel
+# SGLang's CUDA import paths run on this CPU machine once torch says CUDA is there (sglang's
+# utils.is_cuda: torch.cuda.is_available() and torch.version.cuda); nothing reaches a GPU.
+_FAKE_CUDA = """
+    import torch
+    torch.cuda.is_available = lambda: True
+    torch.version.cuda = "13.0"
+    torch.cuda.get_device_capability = lambda *a, **k: (9, 0)
+    torch.cuda.get_device_name = lambda *a, **k: "NVIDIA H200"
+    torch.cuda.device_count = lambda: 1
+"""
+_GPU_IMPORTS = ("sglang.srt.model_executor.model_runner", "sglang.srt.layers.quantization.gguf",
+                "sglang.srt.mem_cache.memory_pool_host", "sglang.srt.layers.attention.triton_backend",
+                "sglang.benchmark.one_batch", "sglang.srt.entrypoints.engine")
+
+
+def _run_cuda(code: str) -> subprocess.CompletedProcess:
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("SGLANG_", "SPECFORGE_SGLANG"))}
+    return subprocess.run([PY, "-c", textwrap.dedent(_FAKE_CUDA) + textwrap.dedent(code)], capture_output=True,
+                          text=True, timeout=600, env={**env, "PYTHONWARNINGS": "ignore"})
+
+
+def _sglang_source(relative: str) -> str:
+    from pathlib import Path
+
+    return Path(importlib.util.find_spec("sglang").submodule_search_locations[0], relative).read_text()
+
+
+def test_gpu_stand_in_needed():
+    """sglang 0.5.23 on CUDA imports the three submodules and asserts the sglang-kernel package;
+    its fused ops go to sgl_kernel unless forced to torch (see the works test); its default
+    attention on Hopper is fa3, whose kernels come from sgl_kernel."""
+    assert "from sgl_kernel.quantization import" in _sglang_source("srt/layers/quantization/gguf.py")
+    assert "from sgl_kernel.kvcacheio import" in _sglang_source("srt/mem_cache/memory_pool_host.py")
+    pdl = "from sgl_kernel.utils import is_arch_support_pdl"
+    assert pdl in _sglang_source("srt/layers/attention/triton_backend.py")
+    engine = _sglang_source("srt/entrypoints/engine.py")
+    assert '"sglang-kernel",' in engine and "SGLANG_SKIP_SGL_KERNEL_VERSION_CHECK" in engine
+    assert 'return "fa3"' in _sglang_source("srt/arg_groups/model_override_base.py")
+    assert "from sgl_kernel" in _sglang_source("srt/layers/attention/flashattention_backend.py")
+    assert importlib.util.find_spec("sgl_kernel") is None, "a real sgl_kernel is installed here: the test means nothing"
+    without = _run_cuda("import sglang.srt.model_executor.model_runner")
+    assert without.returncode != 0 and "No module named 'sgl_kernel'" in without.stderr, without.stderr[-2000:]
+
+
+_GPU_WORKS = """
+    import os, torch
+    from specforge_k25.target import sglang_cpu_compat
+    print("APPLIED", sglang_cpu_compat.apply_gpu(), sglang_cpu_compat.apply_gpu())
+    print("ENV", os.environ["SGLANG_FORCE_FUSED_OP_BACKEND"], os.environ["SGLANG_SKIP_SGL_KERNEL_VERSION_CHECK"])
+    for name in {imports}:
+        __import__(name)
+    import sgl_kernel.utils
+    print("PDL", sgl_kernel.utils.is_arch_support_pdl())
+    try:
+        import sgl_kernel.scalar_type  # SGLang's guarded fallbacks must keep seeing ImportError
+        print("SCALAR_TYPE found")
+    except ImportError:
+        print("SCALAR_TYPE missing")
+    from sglang.srt.arg_groups import model_override_base, overrides
+    print("DEFAULT", model_override_base.get_default_attn_backend(None, False, None),
+          overrides.get_default_attn_backend(None, True, None))
+    from sglang.kernels import fused_op
+    from sglang.srt.layers.activation import SiluAndMul
+    from sglang.srt.layers.layernorm import RMSNorm
+    from sglang.srt.layers.rotary_embedding import get_rope
+    print("FORCED", fused_op.get_fused_op_backend().value)
+    # SGLang's own torch paths (reached through the forced backend) vs float64
+    g = torch.Generator().manual_seed(0)
+    x, r = torch.randn(5, 64, generator=g), torch.randn(5, 64, generator=g)
+    norm = RMSNorm(64, eps=1e-6)
+    with torch.no_grad():
+        norm.weight.copy_(1 + 0.1 * torch.randn(64, generator=g))
+    out, res = norm(x.clone(), r.clone())
+    s = x.double() + r.double()
+    ref = s * torch.rsqrt(s.pow(2).mean(-1, keepdim=True) + 1e-6) * norm.weight.double()
+    errs = [(out.double() - ref).abs().max(), (res.double() - s).abs().max()]
+    h = torch.randn(5, 128, generator=g)
+    silu_ref = torch.nn.functional.silu(h[:, :64].double()) * h[:, 64:].double()
+    errs.append((SiluAndMul()(h).double() - silu_ref).abs().max())
+    rope = get_rope(64, 64, 256, 10000.0, is_neox_style=True, dtype=torch.float32)
+    pos = torch.tensor([0, 3, 7, 100, 255])
+    q, k = torch.randn(5, 128, generator=g), torch.randn(5, 64, generator=g)
+    q_out, k_out = rope(pos, q.clone(), k.clone())
+    angle = pos.double()[:, None, None] * 10000.0 ** (-torch.arange(0, 64, 2, dtype=torch.float64) / 64)
+    for got, t in ((q_out, q), (k_out, k)):
+        t = t.double().view(5, -1, 64)
+        a, b = t[..., :32], t[..., 32:]
+        want = torch.cat([a * angle.cos() - b * angle.sin(), b * angle.cos() + a * angle.sin()], -1)
+        errs.append((got.double().view(5, -1, 64) - want).abs().max())
+    print("ERRS", " ".join(f"{{float(e):.3g}}" for e in errs))
+    fused_op.set_fused_op_backend(None)  # not forced: the CUDA path calls the stand-in, which says so
+    try:
+        RMSNorm(64)(x)
+        print("UNFORCED ran")
+    except NotImplementedError as e:
+        print("UNFORCED raised", e)
+"""
+
+
+def test_gpu_stand_in_works():
+    out = _run_cuda(_GPU_WORKS.format(imports=_GPU_IMPORTS))
+    assert out.returncode == 0, out.stderr[-3000:]
+    lines = dict(line.split(" ", 1) for line in out.stdout.splitlines() if " " in line)
+    assert lines["APPLIED"] == "True True" and lines["ENV"] == "torch 1", out.stdout
+    assert lines["PDL"] == "False" and lines["SCALAR_TYPE"] == "missing", out.stdout
+    assert lines["DEFAULT"] == "triton triton" and lines["FORCED"] == "torch", out.stdout
+    rms, residual, silu, rope_q, rope_k = (float(e) for e in lines["ERRS"].split())
+    assert max(rms, residual, silu) < 1e-5 and max(rope_q, rope_k) < 5e-5, lines["ERRS"]  # fp32 vs float64
+    assert lines["UNFORCED"].startswith("raised sgl_kernel.rmsnorm"), out.stdout
+
+
+def test_gpu_stand_in_only_without_the_real_package(tmp_path):
+    """A real sgl_kernel (here: a package of that name) leaves the process untouched; and the CPU and
+    GPU workarounds refuse to mix in one process."""
+    (tmp_path / "sgl_kernel").mkdir()
+    (tmp_path / "sgl_kernel" / "__init__.py").write_text("")
+    out = _run_cuda(f"""
+        import os, sys
+        sys.path.insert(0, {str(tmp_path)!r})
+        from specforge_k25.target import sglang_cpu_compat
+        print("APPLIED", sglang_cpu_compat.apply_gpu(), os.environ.get("SGLANG_FORCE_FUSED_OP_BACKEND"))
+        sys.path.pop(0)
+        sglang_cpu_compat.apply()
+        try:
+            sglang_cpu_compat.apply_gpu()
+        except RuntimeError as e:
+            print("MIXED", e)
+    """)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert "APPLIED False None" in out.stdout and "MIXED" in out.stdout, out.stdout
