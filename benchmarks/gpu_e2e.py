@@ -273,7 +273,8 @@ def check_slots(job, setup, device: torch.device, n_batches: int, sleep_s: float
 
 # ---------------------------------------------------------------------------- d) EAGLE-3 in SGLang
 def check_spec(args, setup, trainer, export_dir: Path, size: dict) -> list[dict]:
-    export_draft(trainer.draft, export_dir, setup.eagle_layer_ids, setup.info.bos_token_id, setup.info.eos_token_id)
+    export_draft(trainer.draft, export_dir, setup.eagle_layer_ids, setup.info.bos_token_id, setup.info.eos_token_id,
+                 capture_points=setup.capture_points)
     g = torch.Generator().manual_seed(args.seed + 1)
     prompts = [torch.randint(3, setup.info.vocab_size, (int(n),), generator=g).tolist() for n in (12, 20, 31, 24)]
     kw = dict(max_new_tokens=size["new_tokens"], device=args.device, dtype="float32", num_threads=args.threads,
