@@ -146,7 +146,7 @@ _LAYER_IDS_PROBE = """
         exported = {}
         for trained in ([2, 4, 5], [3, 5, 6], [2, 3, 7]):
             ids = sglang_layer_ids(trained, layer_id_rule(info.architecture))
-            eagle = json.loads(json.dumps(serving_config(cfg, ids, 1, 2, "float32")))["eagle_config"]
+            eagle = json.loads(json.dumps(serving_config(cfg, ids, 1, 2, "float32", trained)))["eagle_config"]
             model.set_eagle3_layers_to_capture(eagle["eagle_aux_hidden_state_layer_ids"])
             exported[str(trained)] = list(text.layers_to_capture)
         result["exported"] = exported
