@@ -2,7 +2,7 @@
 
 On the device machine (one H200, no network; .whl/ carried, see scripts/gpu_wheels.sh), in the repo root:
 
-    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl && export PYTHONPATH=/tmp/site:$PWD && python3 benchmarks/gpu_e2e.py --device cuda
+    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target .site .whl/*.whl && export PYTHONPATH=$PWD/.site:$PWD && python3 benchmarks/gpu_e2e.py --device cuda
 
 Through the device tool only $OUT comes back: add `--out $OUT/gpu_e2e.json` (then copy it to
 docs/gpu_h200/); `--checks ac` / `--checks bd` split a run that would not fit in 10 minutes.
