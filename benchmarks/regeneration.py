@@ -2,7 +2,7 @@
 
 With `data.regenerate=true` the target answers each prompt with SGLang's own extend/decode steps
 (`SGLangTarget.generate`) and then prefills prompt + answer (`SGLangTarget.forward`) to capture the
-aux / final hidden states (`_regenerate` in stream/producer.py). The alternative keeps the states the
+aux / final hidden states (`regenerate` in stream/target_process.py). The alternative keeps the states the
 text model already computes while generating: the extend step gives the prompt tokens' states, each
 decode step the state of the token fed in; no second pass.
 

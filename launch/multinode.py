@@ -4,8 +4,9 @@ for each node, prints them (--dry-run) or runs this node's command (exec, no clu
 
 Two layouts:
 
-* --target-nodes 1 (default), data parallel: every node runs hw.target_replicas trainer ranks, each
-  with its own target replica inside the node (TP hw.target_tp). One torchrun per node:
+* --target-nodes 1 (default), data parallel: every node runs hw.target_replicas target replicas
+  inside the node (TP hw.target_tp) and their trainer ranks: one per replica
+  (hw.trainer_layout=dedicated) or one beside every TP rank (colocated). One torchrun per node:
       torchrun --nnodes N --node-rank I --nproc-per-node R --rdzv-backend static
                --rdzv-endpoint MASTER:PORT -m specforge_k25.train OVERRIDES
 * --target-nodes N (= --nodes), one target spanning the nodes: SGLang's multi-node tensor
@@ -64,7 +65,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     parser.add_argument("--target-port", type=int, default=29600,
                         help="SGLang's TP rendezvous port on node 0 (hw.target_dist_init_addr) when --target-nodes > 1")
     parser.add_argument("--nproc-per-node", type=int, default=None,
-                        help="trainer ranks per node; default: hw.target_replicas of the composed config")
+                        help="trainer ranks per node; default: what the composed config's hw profile runs "
+                             "(hw.target_replicas, x hw.target_tp when hw.trainer_layout=colocated)")
     parser.add_argument("--python", default="python", help="interpreter on the nodes (default: python)")
     parser.add_argument("--torchrun", default="torchrun", help="torchrun executable on the nodes (default: torchrun)")
     parser.add_argument("--dry-run", action="store_true", help="print the commands of every node (or --node-rank's)")
@@ -72,17 +74,23 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     return parser.parse_args(argv)
 
 
-def hw_layout(overrides: list[str]) -> tuple[int, int]:
-    """(hw.target_tp, hw.target_replicas) of the config the overrides compose (the same config the
-    nodes will run: a bad override fails here, before any node starts)."""
+def hw_layout(overrides: list[str]) -> tuple[int, int, int, bool]:
+    """(hw.target_tp, hw.target_replicas, trainer ranks per node, co-located?) of the config the
+    overrides compose (the same config the nodes will run: a bad override fails here, before any
+    node starts)."""
     sys.path.insert(0, str(REPO))
     from specforge_k25.config import compose_job
+    from specforge_k25.setup.layout import ranks_per_node
 
     try:
         job = compose_job(overrides)
     except Exception as err:  # hydra's errors (unknown key, wrong type, missing group)
         raise LaunchError(f"the overrides do not compose: {err}") from None
-    return job.hw.target_tp, job.hw.target_replicas
+    try:
+        ranks = ranks_per_node(job.hw)
+    except ValueError as err:
+        raise LaunchError(str(err)) from None
+    return job.hw.target_tp, job.hw.target_replicas, ranks, job.hw.trainer_layout == "colocated"
 
 
 def check_args(args: argparse.Namespace) -> None:
@@ -107,7 +115,8 @@ def check_args(args: argparse.Namespace) -> None:
         args.node_rank = 0
 
 
-def node_commands(args: argparse.Namespace, target_tp: int, target_replicas: int) -> list[NodeCommand]:
+def node_commands(args: argparse.Namespace, target_tp: int, target_replicas: int, ranks_per_node: int | None = None,
+                  colocated: bool = False) -> list[NodeCommand]:
     """Every node's command (`args` passed check_args)."""
     n = args.nodes
     master = args.master_addr or "127.0.0.1"
@@ -115,12 +124,17 @@ def node_commands(args: argparse.Namespace, target_tp: int, target_replicas: int
     train = ["-m", "specforge_k25.train", *args.overrides]
 
     if args.target_nodes == 1:
-        per_node = args.nproc_per_node or target_replicas
-        return [NodeCommand(i, f"{per_node} trainer rank(s), each with a TP {target_tp} target replica",
+        per_node = args.nproc_per_node or ranks_per_node or target_replicas
+        role = (f"{per_node} co-located trainer ranks beside {target_replicas} TP {target_tp} target replica(s)"
+                if colocated else f"{per_node} trainer rank(s), each with a TP {target_tp} target replica")
+        return [NodeCommand(i, role,
                             [args.torchrun, "--nnodes", str(n), "--node-rank", str(i), "--nproc-per-node",
                              str(per_node), "--rdzv-backend", "static", "--rdzv-endpoint", rdzv, *train])
                 for i in range(n)]
 
+    if colocated:
+        raise LaunchError(f"--target-nodes {n}: co-located trainer ranks run beside a target on one node; "
+                          f"add hw.trainer_layout=dedicated")
     if target_replicas != 1 or (args.nproc_per_node or 1) != 1:
         raise LaunchError(f"--target-nodes {n}: one target over all nodes has one trainer rank "
                           f"(hw.target_replicas=1, got {target_replicas})")

@@ -174,7 +174,7 @@ def render_throughput(job, facts) -> None:
             console.print(f"  note: {escape(note)}")
     fast, slow = sorted(names, key=lambda n: -layouts[n].tokens_per_s)
     console.print(f"{fast} is faster: {layouts[fast].tokens_per_s / layouts[slow].tokens_per_s:.2f}x the {slow} "
-                  f"layout's tokens/s (this run: hw.trainer_layout={job.hw.trainer_layout}; the trainer runs dedicated)")
+                  f"layout's tokens/s (this run: hw.trainer_layout={job.hw.trainer_layout})")
 
 
 def main(argv: list[str]) -> int:

@@ -83,7 +83,7 @@ LAYOUTS = ("dedicated", "colocated")
 
 def colocated(hw) -> bool:
     """hw.trainer_layout: dedicated (trainer ranks on hw.trainer_gpus) or colocated (one trainer
-    rank beside every TP rank of the node). Read by the plan only: the trainer runs dedicated."""
+    rank beside every TP rank of the node)."""
     if hw.trainer_layout not in LAYOUTS:
         raise PlanError(f"hw.trainer_layout={hw.trainer_layout!r}: expected one of {', '.join(LAYOUTS)}")
     return hw.trainer_layout == "colocated"
@@ -105,6 +105,12 @@ def target_batch_tokens(hw, batch_size: int, max_length: int) -> int:
     colocated one micro-batch for each trainer rank of the replica (whole sequences shared out)."""
     ranks_per_replica = hw.target_tp // hw.target_nnodes if colocated(hw) else 1
     return batch_size * max_length * ranks_per_replica
+
+
+def kv_pool_tokens(hw, batch_size: int, max_length: int) -> int:
+    """The engine's KV pool cap: hw.max_total_tokens, raised to one whole target batch when that is
+    larger (the engine cannot run a batch its pool does not hold; the memory plan counts the pool)."""
+    return max(hw.max_total_tokens, target_batch_tokens(hw, batch_size, max_length))
 
 
 def optimizer_device(value: Optional[str], device: str, trainer_gpus: list[int]) -> str | int | None:
@@ -133,7 +139,7 @@ def plan_memory(job, facts: TargetFacts, *, max_length: int | None = None, batch
     ranks, coloc = len(trainers), colocated(hw)
     tokens_per_step = B * L * tr.grad_accum * ranks
     batch_tokens = target_batch_tokens(hw, B, L)
-    kv_tokens = max(hw.max_total_tokens, batch_tokens)
+    kv_tokens = kv_pool_tokens(hw, B, L)
     ctx = int(hw.cuda_context_gib * GiB) if hw.device == "cuda" else 0
     elem = 2 if hw.target_dtype in ("bfloat16", "float16") else 4  # the target's dtype: ring, frozen tensors
     # colocated: AdamW lives sharded on the GPUs (the layout's point), so train.optimizer_device does not apply
@@ -144,14 +150,14 @@ def plan_memory(job, facts: TargetFacts, *, max_length: int | None = None, batch
                             shards=ranks if coloc else 1)
     notes = [_host_optimizer_note(trainable_params(cfg), ranks)] if opt_dev == "cpu" else []
     if coloc:
-        notes.append(f"hw.trainer_layout=colocated is planned only (the trainer runs dedicated today): {ranks} "
+        notes.append(f"hw.trainer_layout=colocated: {ranks} "
                      f"trainer ranks, one beside each TP rank, the draft state sharded 1/{ranks} each (FSDP2), "
                      f"AdamW on the GPUs" + (f"; train.optimizer_device={tr.optimizer_device} does not apply"
                                              if tr.optimizer_device not in (None, "", "none") else ""))
     if hw.device != "cuda":
         g = GpuBudget(-1, "trainer rank (host memory, not checked)", 0, t_items)
         return MemoryPlan(facts, cfg, [g], kv_tokens, tokens_per_step, None, None,
-                          length_problems(hw, facts, B, L, fits=None), notes)
+                          length_problems(facts, L), notes)
 
     problems = _layout_problems(hw, facts, groups, trainers, opt_dev)
     target_items = _target_items(hw, facts, batch_tokens, kv_tokens, ctx)
@@ -187,7 +193,7 @@ def plan_memory(job, facts: TargetFacts, *, max_length: int | None = None, batch
                 capacity_ok = False
                 problems.append(f"GPU {b.gpu} ({b.role}) needs {gib(b.total())} of {gib(capacity)} "
                                 f"(peak phase: {b.peak_phase() or '-'})")
-    problems += length_problems(hw, facts, B, L, capacity_ok)
+    problems += length_problems(facts, L)
     notes.append(activation_note(cfg, B, L, tr.ttt_length, bf16, tr.activation_checkpointing))
     if not coloc and (ranks > 1 or hw.target_replicas > 1):
         notes.append(f"data-parallel: launch with torchrun --nproc-per-node {hw.target_replicas} (one trainer rank "
@@ -196,17 +202,10 @@ def plan_memory(job, facts: TargetFacts, *, max_length: int | None = None, batch
                       free_before_load)
 
 
-def length_problems(hw, facts: TargetFacts, batch_size: int, max_length: int, fits: bool | None) -> list[str]:
-    """The length limits of a run, on every device: a batch must fit the engine's KV pool cap and a
-    sample the target's context. `fits`: whether the memory plan holds that pool (None: unplanned)."""
-    memory = {True: " (it fits)", False: " (the memory above counts that pool)", None: ""}[fits]
+def length_problems(facts: TargetFacts, max_length: int) -> list[str]:
+    """The length limits of a run, on every device: a sample must fit the target's context (the KV
+    pool grows to hold a batch: `kv_pool_tokens`)."""
     problems = []
-    tokens = target_batch_tokens(hw, batch_size, max_length)
-    if tokens > hw.max_total_tokens:
-        share = (f" ({batch_size} x {max_length} for each of the {tokens // (batch_size * max_length)} co-located "
-                 f"trainer ranks of a replica)" if colocated(hw) else "")
-        problems.append(f"a batch holds up to {tokens} tokens{share} but the KV pool is capped at "
-                        f"hw.max_total_tokens={hw.max_total_tokens}: set hw.max_total_tokens={tokens}" + memory)
     if max_length > facts.max_position_embeddings:
         problems.append(f"data.max_length={max_length} exceeds the target's context ({facts.max_position_embeddings}): "
                         f"lower data.max_length")

@@ -12,8 +12,8 @@ dtype; the teacher holds [B, T, Vd] fp32 draft logits; each TTT step keeps its a
 only its inputs and recomputes one step at a time in backward. `ttt_saved_bytes` counts those
 tensors exactly (tests/plan/test_memory_plan.py measures them with saved-tensor hooks); the
 backward working set and the runtime reserves are estimates. The co-located layout
-(hw.trainer_layout=colocated, planned only) shards the trainable state over the trainer ranks as
-FSDP2 would (`_sharded_trainer_items`).
+(hw.trainer_layout=colocated) shards the trainable state over the trainer ranks with FSDP2
+(train/sharding.py; `_sharded_trainer_items`).
 """
 from __future__ import annotations
 
@@ -153,12 +153,13 @@ def _sharded_trainer_items(cfg: DraftConfig, shards: int, *, batch: int, seq_len
                            teacher_chunk: int, bf16: bool, context_bytes: int, frozen_bytes: int,
                            checkpoint: bool) -> list[Item]:
     """One co-located trainer rank (hw.trainer_layout=colocated): the draft's trainable state
-    sharded over `shards` ranks as FSDP2 (`fully_shard`, one unit for the whole draft) keeps it:
+    sharded over `shards` ranks by FSDP2 (train/sharding.py: `fully_shard` per trainable module):
     fp32 master weights, grads and AdamW m/v, 1/shards each (the last rank's shard is rounded
     up). In a micro-batch the unit's parameters are all-gathered in the compute dtype and kept
     until backward ends (the TTT loop runs the one decoder layer K times), and the full fp32
     gradient exists before its reduce-scatter: both counted whole in the TTT phase (an upper
-    bound: a per-module wrap would hold less). The frozen embedding and lm_head stay whole on
+    bound as if one unit: the per-module units free each module's unsharded gradient at its
+    reduce-scatter). The frozen embedding and lm_head stay whole on
     every rank."""
     P = trainable_params(cfg)
     shard = -(-P // shards)  # ceil: the largest shard

@@ -1,9 +1,12 @@
 """Which trainer ranks and target replicas a launch has on a node, checked against the hw profile
-before any process starts (torchrun: one trainer rank per target replica)."""
+before any process starts (torchrun: hw.trainer_layout=dedicated, one trainer rank per target
+replica; colocated, one trainer rank per TP rank of every replica)."""
 from __future__ import annotations
 
 import os
 from dataclasses import dataclass
+
+from ..plan.budget import colocated
 
 
 @dataclass(frozen=True)
@@ -23,14 +26,24 @@ class World:
                    local_size=int(env.get("LOCAL_WORLD_SIZE", size)))
 
 
+def ranks_per_node(hw) -> int:
+    """Trainer ranks torchrun starts on a node."""
+    return hw.target_replicas * hw.target_tp if colocated(hw) else hw.target_replicas
+
+
 def rank_gpus(hw, local_rank: int) -> tuple[int, int]:
     """(trainer GPU, first GPU of the target replica) of a rank on its node.
+
+    colocated: rank r sits on GPU target_gpu + r, beside TP rank r % target_tp of replica
+    r // target_tp.
 
     The trainer GPU is hw.trainer_gpus[local_rank]; its replica is the one whose first GPU that is
     (b300x8: trainer_gpus [0, 4], TP 4 -> rank 0 reads GPUs 0-3, rank 1 GPUs 4-7), else replica
     number local_rank (a trainer on a GPU of its own).
     """
     firsts = [hw.target_gpu + r * hw.target_tp for r in range(hw.target_replicas)]
+    if colocated(hw):
+        return hw.target_gpu + local_rank, firsts[local_rank // hw.target_tp]
     gpu = hw.trainer_gpu_ids()[local_rank]
     return gpu, (gpu if gpu in firsts else firsts[local_rank])
 
@@ -44,6 +57,20 @@ def check_layout(hw, world: World) -> None:
     replicas = hw.target_replicas
     if replicas < 1:
         raise ValueError(f"hw.target_replicas={replicas}: need at least one target replica")
+    if colocated(hw):
+        if hw.target_nnodes > 1:
+            raise ValueError("hw.trainer_layout=colocated runs a target on one node (hw.target_nnodes=1): "
+                             "use hw.trainer_layout=dedicated for a target spanning nodes")
+        wanted = ranks_per_node(hw)
+        if world.local_size != wanted:
+            raise ValueError(f"{world.local_size} trainer rank(s) were started on this node but the hw profile "
+                             f"{hw.name!r} with hw.trainer_layout=colocated has {replicas} replica(s) x TP "
+                             f"{hw.target_tp} = {wanted} trainer ranks, one beside each TP rank: start "
+                             f"`torchrun --nproc-per-node {wanted} -m specforge_k25.train ...` or set "
+                             f"hw.trainer_layout=dedicated")
+        if world.size % world.local_size:
+            raise ValueError(f"WORLD_SIZE={world.size} is not a multiple of the {world.local_size} ranks per node")
+        return
     if hw.trainer_gpus is not None and len(hw.trainer_gpus) != replicas:
         raise ValueError(f"hw.trainer_gpus={list(hw.trainer_gpus)} lists {len(hw.trainer_gpus)} trainer rank(s) but "
                          f"hw.target_replicas={replicas}: one trainer rank per target replica")

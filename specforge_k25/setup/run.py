@@ -15,6 +15,7 @@ from ..data.regenerate import regeneration_prompt
 from ..draft.model import DraftConfig, Eagle3Draft
 from ..draft.vocab import build_vocab_maps, count_tokens
 from ..plan import check_fits, facts_from_folder, resolve_draft
+from ..plan.budget import kv_pool_tokens
 from ..stream.producer import TargetStream
 from ..target.base import TargetInfo
 from ..target.factory import TargetSpec, check_tp_layout
@@ -136,7 +137,7 @@ def target_spec(job: JobConfig, engine: str = "sglang", tokenizer=None) -> Targe
     spec = TargetSpec(engine=engine, model_path=model_path, architecture=info.architecture,
                       capture_points=resolve_capture_points(job.target.aux_layers, info.num_layers),
                       device=hw.device, dtype=hw.target_dtype, tp_size=hw.target_tp, gpu_id=hw.target_gpu,
-                      max_total_tokens=hw.max_total_tokens, mem_fraction_static=hw.mem_fraction_static,
+                      max_total_tokens=kv_pool_tokens(hw, job.train.batch_size, job.data.max_length), mem_fraction_static=hw.mem_fraction_static,
                       attention_backend=hw.target_attention_backend, num_threads=hw.target_threads, trust_remote_code=job.target.trust_remote_code,
                       nnodes=hw.target_nnodes, node_rank=hw.target_node_rank, dist_init_addr=hw.target_dist_init_addr)
     if job.data.regenerate:
@@ -150,13 +151,26 @@ def target_spec(job: JobConfig, engine: str = "sglang", tokenizer=None) -> Targe
 
 
 def make_target_stream(job: JobConfig, setup: RunSetup, samples, batches: list[list[int]],
-                       engine: str = "sglang") -> TargetStream:
+                       engine: str = "sglang", keep: list[list[int]] | None = None, ranks=None) -> TargetStream:
     """The target process over `batches` (lists of indices into `samples`), not yet started.
-    Regenerating, the target gets each sample's prompt (data/regenerate.py) and answers it."""
+    Regenerating, the target gets each sample's prompt (data/regenerate.py) and answers it.
+
+    Co-located (`ranks` with several trainer ranks per replica, train/distributed.py): only this
+    rank's TP rank, its ring on this rank's GPU carrying the positions `keep` of each batch; the
+    replica's TP rank 0 stream serves the rendezvous and its port reaches the others (a collective)."""
     sequences = ([regeneration_prompt(s) for s in samples] if setup.regeneration is not None
                  else [s.input_ids for s in samples])
-    return TargetStream(target_spec(job, engine, setup.tokenizer), sequences, batches,
-                        hidden_size=setup.info.hidden_size, slots=job.train.stream_slots,
-                        timeout_s=job.train.stream_timeout_s, start_timeout_s=job.train.engine_start_timeout_s,
-                        dtype=getattr(torch, job.hw.target_dtype),
-                        device="cpu" if job.hw.device == "cpu" else f"cuda:{job.hw.target_gpu}")
+    spec = target_spec(job, engine, setup.tokenizer)
+    colocated = ranks is not None and ranks.per_replica > 1
+    gpu = job.hw.trainer_gpu if colocated else job.hw.target_gpu  # colocated: the trainer's GPU is its TP rank's
+    stream = TargetStream(spec, sequences, batches, hidden_size=setup.info.hidden_size, slots=job.train.stream_slots,
+                          timeout_s=job.train.stream_timeout_s, start_timeout_s=job.train.engine_start_timeout_s,
+                          dtype=getattr(torch, job.hw.target_dtype),
+                          device="cpu" if job.hw.device == "cpu" else f"cuda:{gpu}",
+                          tp_rank=ranks.replica_rank if colocated else None, keep=keep if colocated else None)
+    if colocated:
+        port = stream.open_rendezvous() if ranks.replica_rank == 0 else None
+        ports = ranks.gather(port)  # every rank takes part
+        if port is None:
+            stream.join_rendezvous(ports[ranks.replica * ranks.per_replica])
+    return stream

@@ -1,189 +1,33 @@
-"""The target process: runs the frozen target over a fixed list of batches and streams the
-hidden states into a `SlotRing`. The trainer side (`TargetStream`) starts it, iterates the
-batches, and notices within `poll_s` + `timeout_s` if the process dies or stalls.
+"""The trainer's side of the target processes (stream/target_process.py): `TargetStream` starts
+them, iterates the batches they stream into a `SlotRing`, and notices within `poll_s` + `timeout_s`
+if one dies or stalls.
 
 Tensor parallelism (tp_size > 1): one process per TP rank, as SGLang's own one_batch benchmark
-runs them. TP rank 0 (`_producer_main`) walks the batches and broadcasts each batch's token ids to
-the other ranks (`_tp_rank_main`), which run the same forward (or, regenerating, the same decoding
-of a group of prompts) and discard its output; only rank 0 writes into the ring. The TP group may span nodes (SGLang's nnodes / node_rank / dist_init_addr):
-the trainer's node starts its local ranks here, every other node runs only its own ranks
-(`run_tp_node`, `python -m specforge_k25.train.tp_node`).
+runs them. TP rank 0 (`run_producer`) walks the batches and broadcasts each batch's token ids to
+the other ranks (`run_tp_rank`), which run the same forward (or, regenerating, the same decoding
+of a group of prompts) and discard its output; only rank 0 writes into the ring. The TP group may
+span nodes (SGLang's nnodes / node_rank / dist_init_addr): the trainer's node starts its local
+ranks here, every other node runs only its own ranks (`run_tp_node`, `python -m
+specforge_k25.train.tp_node`).
+
+Co-located trainer ranks (hw.trainer_layout=colocated): each trainer rank starts only its own TP
+rank (`TargetStream(tp_rank=...)`) with a ring of its own on the same GPU. Every TP rank holds the
+whole residual stream after SGLang's all-reduce, so each writes only its trainer's share of every
+batch (`keep`: positions in the batch) and no hidden state crosses GPUs.
 """
 from __future__ import annotations
 
 import os
-import signal
-import sys
 import time
-import traceback
-from collections import Counter
 
 import psutil
 import torch
 
-from ..target.factory import TargetSpec, build_target, check_tp_layout
+from ..target.factory import TargetSpec, check_tp_layout
 from .ring import EndOfStream, ProducerFailed, SlotMessage, SlotRing
+from .target_process import run_producer, run_tp_rank, sequence_room
 
 
-def _die_with_parent() -> None:
-    """Linux: have the kernel SIGKILL this process when the trainer dies, even by SIGKILL (no orphans)."""
-    if sys.platform.startswith("linux"):
-        import ctypes
-
-        PR_SET_PDEATHSIG = 1
-        ctypes.CDLL("libc.so.6", use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
-
-
-def _producer_main(spec: TargetSpec, tokens: torch.Tensor, offsets: torch.Tensor, batches: list, ring: SlotRing,
-                   parent_pid: int):
-    """Entry point of the target process (TP rank 0). tokens: all sequences concatenated; offsets [N+1]."""
-    _die_with_parent()
-    if os.getppid() != parent_pid:  # the trainer died before prctl took effect
-        return
-    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the whole group: the trainer decides
-    torch.set_num_threads(spec.num_threads)
-    stage = "engine start"
-    try:
-        target = build_target(spec, tp_rank=0)
-        torch.set_num_threads(spec.num_threads)
-        pool = target.max_total_tokens  # SGLang sizes its KV pool from free memory at start
-        largest = max((sum(_room(spec, int(offsets[i + 1] - offsets[i])) for i in b) for b in batches), default=0)
-        if pool is not None and largest > pool:
-            raise ValueError(f"the largest batch has {largest} tokens but the engine's KV pool holds {pool}: "
-                             f"lower train.batch_size or data.max_length, or raise hw.mem_fraction_static")
-        stage = "engine warmup"
-        target.warmup()
-        io = psutil.Process().io_counters
-        ready_bytes = io().write_bytes
-        ahead = _Regenerated(target, spec, tokens, offsets, batches, pool) if spec.regeneration is not None else None
-        for item, batch in enumerate(batches):
-            stage = f"target forward of batch {item}"
-            seqs = [tokens[offsets[i]:offsets[i + 1]] for i in batch]
-            ids = prompt_lengths = None
-            if ahead is not None:
-                stage = f"regeneration up to batch {item}"
-                seqs, prompt_lengths = ahead.take(item)
-                ids = torch.cat(seqs)
-                stage = f"target forward of batch {item}"
-            if spec.tp_size > 1:
-                target.share_batch([FORWARD, *seqs])  # the other TP ranks run the same forward
-            out = target.forward(seqs)
-            ring.put(item, out.aux_hidden, out.final_hidden, out.lengths, ids, prompt_lengths)
-        if spec.tp_size > 1:
-            stage = "end of the batches (telling the other TP ranks)"
-            target.share_batch(None)
-        target.close()
-        ring.ready.put(EndOfStream(len(batches), ready_bytes, io().write_bytes - ready_bytes))
-    except BaseException as err:  # report, never hang the trainer
-        ring.ready.put(ProducerFailed(stage, f"{type(err).__name__}: {err}\n{traceback.format_exc()}"))
-        raise
-
-
-def _room(spec: TargetSpec, length: int) -> int:
-    """Tokens a sequence of `length` occupies in the engine and the ring (its answer included)."""
-    return length + (spec.regeneration.budget(length) if spec.regeneration is not None else 0)
-
-
-# what TP rank 0 broadcasts ahead of the sequences, so the other ranks take the same step
-FORWARD, GENERATE = torch.tensor([0]), torch.tensor([1])
-
-
-class _Regenerated:
-    """TP rank 0's answers, generated ahead of the forwards in groups of up to
-    regeneration.group_sequences prompts (decoding a batch of prompts costs about as much per step
-    as decoding one), each group within the engine's KV pool. A conversation used again later (a
-    held-out sample at every evaluation) is kept for that use while the kept ones stay under
-    KEEP_TOKENS, else regenerated (identically: seeded). Memory stays bounded."""
-
-    KEEP_TOKENS = 1 << 20
-
-    def __init__(self, target, spec: TargetSpec, tokens: torch.Tensor, offsets: torch.Tensor, batches: list,
-                 pool: int | None):
-        self.target, self.spec, self.batches, self.pool = target, spec, batches, pool
-        self.prompt = lambda i: tokens[offsets[i]:offsets[i + 1]]
-        self.ready: dict[int, torch.Tensor] = {}  # sample -> its conversation, until its last use
-        self.uses = Counter(i for batch in batches for i in batch)
-        self.kept: set[int] = set()  # used again later, kept meanwhile
-        self.kept_tokens = 0
-
-    def take(self, item: int) -> tuple[list[torch.Tensor], list[int]]:
-        """Batch `item`'s conversations (prompt + answer) and prompt lengths."""
-        batch = self.batches[item]
-        if any(i not in self.ready for i in batch):
-            self._generate_from(item)
-        conversations = [self.ready[i] for i in batch]
-        for i in batch:
-            self.uses[i] -= 1
-            if self.uses[i] > 0 and (i in self.kept or self.kept_tokens + len(self.ready[i]) <= self.KEEP_TOKENS):
-                if i not in self.kept:
-                    self.kept.add(i)
-                    self.kept_tokens += len(self.ready[i])
-                continue
-            conversation = self.ready.pop(i)
-            if i in self.kept:
-                self.kept.discard(i)
-                self.kept_tokens -= len(conversation)
-        return conversations, [len(self.prompt(i)) for i in batch]
-
-    def _generate_from(self, first: int) -> None:
-        regen = self.spec.regeneration
-        wanted, room = [], 0
-        for item in range(first, len(self.batches)):
-            need = [i for i in dict.fromkeys(self.batches[item]) if i not in self.ready and i not in wanted]
-            need_room = sum(len(self.prompt(i)) + regen.budget(len(self.prompt(i))) for i in need)
-            if wanted and (len(wanted) + len(need) > regen.group_sequences
-                           or (self.pool is not None and room + need_room > self.pool)):
-                break
-            wanted += need
-            room += need_room
-        prompts = [self.prompt(i) for i in wanted]
-        if self.spec.tp_size > 1:
-            self.target.share_batch([GENERATE, *prompts])
-        self.ready.update(zip(wanted, _regenerate(self.target, prompts, regen)))
-
-
-def _regenerate(target, prompts: list[torch.Tensor], regen) -> list[torch.Tensor]:
-    """prompt + the target's own answer, per sequence. The answer is generated first, then the
-    whole conversation is prefilled as any training batch is: its hidden states are exactly those of
-    a plain prefill of the same ids (capturing during decoding would give the decode kernels'
-    numbers instead; docs/PERFORMANCE.md measures both)."""
-    answers = target.generate(prompts, [regen.budget(len(p)) for p in prompts], regen)
-    return [torch.cat([p, torch.tensor(a, dtype=p.dtype)]) for p, a in zip(prompts, answers)]
-
-
-def _tp_rank_main(spec: TargetSpec, tp_rank: int, report, parent_pid: int):
-    """Entry point of a TP rank other than 0: the same engine start, warm-up and forwards as rank 0,
-    batch by batch as rank 0 broadcasts them, until rank 0 says the batches are done. Its outputs are
-    dropped (rank 0 holds the full hidden states). A failure goes to `report` (the trainer's ready
-    queue on the trainer's node; None elsewhere: the traceback and exit code tell)."""
-    _die_with_parent()
-    if os.getppid() != parent_pid:
-        return
-    signal.signal(signal.SIGINT, signal.SIG_IGN)
-    torch.set_num_threads(spec.num_threads)
-    stage = "engine start"
-    try:
-        target = build_target(spec, tp_rank=tp_rank)
-        torch.set_num_threads(spec.num_threads)
-        stage = "engine warmup"
-        target.warmup()
-        item = 0
-        while True:
-            stage = f"target step {item}"
-            message = target.share_batch(None)
-            if message is None:
-                break
-            op, seqs = message[0], message[1:]
-            if torch.equal(op, GENERATE):  # every TP rank decodes in step with rank 0 (same tokens drawn)
-                _regenerate(target, seqs, spec.regeneration)
-            else:
-                target.forward(seqs)
-            item += 1
-        target.close()
-    except BaseException as err:
-        if report is not None:
-            report.put(ProducerFailed(stage, f"{type(err).__name__}: {err}\n{traceback.format_exc()}", rank=tp_rank))
-        raise
 
 
 class Rendezvous:
@@ -204,8 +48,12 @@ class Rendezvous:
 
     def env(self) -> dict[str, str]:
         """What a rank's environment needs to join (set in the parent around process start)."""
+        return self.env_for(self.store.port)
+
+    @staticmethod
+    def env_for(port: int) -> dict[str, str]:
         return {"SGLANG_DISTRIBUTED_INIT_METHOD_OVERRIDE": "env://", "MASTER_ADDR": "127.0.0.1",
-                "MASTER_PORT": str(self.store.port), "TORCHELASTIC_USE_AGENT_STORE": "True"}
+                "MASTER_PORT": str(port), "TORCHELASTIC_USE_AGENT_STORE": "True"}
 
 
 def _start_quietly(process, env: dict[str, str] | None = None) -> None:
@@ -259,7 +107,7 @@ def run_tp_node(spec: TargetSpec, poll_s: float = 1.0) -> int:
     print(f"target TP ranks {ranks[0]}..{ranks[-1]} of {spec.tp_size} (node {spec.node_rank} of {spec.nnodes}), "
           f"rendezvous {spec.dist_init_addr}", flush=True)
     ctx = torch.multiprocessing.get_context("spawn")
-    processes = [ctx.Process(target=_tp_rank_main, args=(spec, r, None, os.getpid()), name=f"specforge-target-tp{r}",
+    processes = [ctx.Process(target=run_tp_rank, args=(spec, r, None, os.getpid()), name=f"specforge-target-tp{r}",
                              daemon=True) for r in ranks]
     try:
         for process in processes:
@@ -296,16 +144,24 @@ class TargetStream:
 
     def __init__(self, spec: TargetSpec, sequences: list[torch.Tensor], batches: list[list[int]], *,
                  hidden_size: int, slots: int = 3, timeout_s: float = 600.0, start_timeout_s: float = 3600.0,
-                 poll_s: float = 1.0,
-                 dtype: torch.dtype = torch.float32, device: str = "cpu"):
+                 poll_s: float = 1.0, dtype: torch.dtype = torch.float32, device: str = "cpu",
+                 tp_rank: int | None = None, keep: list[list[int]] | None = None):
+        """tp_rank (co-located): start only this TP rank, which fills this stream's ring with the
+        positions `keep[i]` of batch i (batches with none send nothing); the TP group meets at
+        `open_rendezvous()` of the stream holding TP rank 0 (`join_rendezvous(port)` elsewhere)."""
         self.spec, self.batches, self.poll_s = spec, batches, poll_s
+        self.tp_rank, self.keep = tp_rank, keep
+        self.producer_rank = tp_rank or 0  # the TP rank that fills this ring
+        self.expected = sum(1 for k in keep if k) if keep is not None else len(batches)  # messages to read
         self.timeout_s, self.start_timeout_s = timeout_s, start_timeout_s  # between batches / until the first
         self._received_any = False
         lengths = torch.tensor([len(s) for s in sequences], dtype=torch.int64)
         self.offsets = torch.cat([torch.zeros(1, dtype=torch.int64), lengths.cumsum(0)])
         self.tokens = torch.cat(sequences) if sequences else torch.zeros(0, dtype=torch.int64)
-        room = [_room(spec, int(n)) for n in lengths]  # regeneration: prompt + its answer budget
-        max_tokens = max((sum(room[i] for i in b) for b in batches), default=1)
+        room = [sequence_room(spec, int(n)) for n in lengths]  # regeneration: prompt + its answer budget
+        carried = [b if keep is None else [b[p] for p in k] for b, k in zip(batches, keep or batches)]
+        max_tokens = max((sum(room[i] for i in b) for b in carried), default=1)
+        self.prompt_lengths = lengths.tolist()
         self.ctx = torch.multiprocessing.get_context("spawn")
         self.ring = SlotRing(self.ctx, slots, max_tokens, hidden_size, dtype, device)
         self.process = None  # TP rank 0: the one that fills the ring
@@ -314,27 +170,48 @@ class TargetStream:
         self.target_io: EndOfStream | None = None  # the target's own write counters, sent at its end
         self.should_stop = lambda: False  # polled while waiting; True -> StreamInterrupted
         self.rendezvous: Rendezvous | None = None  # one-node TP > 1: where the ranks meet
+        self._rendezvous_env: dict[str, str] | None = None
+
+    def open_rendezvous(self) -> int:
+        """Co-located, TP rank 0's stream: serve the TP group's rendezvous; returns its port."""
+        self.rendezvous = Rendezvous(self.start_timeout_s)
+        self._rendezvous_env = self.rendezvous.env()
+        return self.rendezvous.store.port
+
+    def join_rendezvous(self, port: int) -> None:
+        """Co-located, another TP rank's stream: meet at the port TP rank 0's stream serves."""
+        self._rendezvous_env = {**Rendezvous.env_for(port)}
 
     def start(self) -> "TargetStream":
-        """Start this node's TP ranks: rank 0 (fills the ring) and, with tp_size > 1, the others."""
+        """Start this node's TP ranks: rank 0 (fills the ring) and, with tp_size > 1, the others;
+        co-located, only this stream's TP rank."""
         spec = self.spec
         check_tp_layout(spec)
-        ranks = spec.local_tp_ranks()
-        if 0 not in ranks:
+        ranks = spec.local_tp_ranks() if self.tp_rank is None else [self.tp_rank]
+        if self.tp_rank is None and 0 not in ranks:
             raise ValueError(f"target node rank {spec.node_rank} does not hold TP rank 0: the trainer runs on "
                              f"node 0; this node runs `python -m specforge_k25.train.tp_node` instead")
-        env = None
-        if spec.tp_size > 1 and spec.nnodes == 1:  # several nodes meet at hw.target_dist_init_addr instead
+        env = self._rendezvous_env
+        if env is None and spec.tp_size > 1 and spec.nnodes == 1:  # several nodes meet at hw.target_dist_init_addr instead
+            if self.tp_rank is not None:
+                raise ValueError("a co-located TP rank needs the rendezvous of TP rank 0 (open_rendezvous / join_rendezvous)")
             self.rendezvous = Rendezvous(self.start_timeout_s)
             env = self.rendezvous.env()
         for rank in ranks:
             if rank == 0:
                 process = self.ctx.Process(
-                    target=_producer_main, args=(spec, self.tokens, self.offsets, self.batches, self.ring, os.getpid()),
+                    target=run_producer, args=(spec, self.tokens, self.offsets, self.batches, self.ring, os.getpid(),
+                                                 self.keep),
                     name="specforge-target", daemon=True)
                 self.process = process
+            elif self.tp_rank is not None:  # co-located: this rank fills the ring too
+                process = self.ctx.Process(
+                    target=run_tp_rank, args=(spec, rank, self.ring.ready, os.getpid(), self.ring,
+                                                (self.prompt_lengths, self.batches, self.keep)),
+                    name=f"specforge-target-tp{rank}", daemon=True)
+                self.process = process
             else:
-                process = self.ctx.Process(target=_tp_rank_main, args=(spec, rank, self.ring.ready, os.getpid()),
+                process = self.ctx.Process(target=run_tp_rank, args=(spec, rank, self.ring.ready, os.getpid()),
                                            name=f"specforge-target-tp{rank}", daemon=True)
             self.tp_processes[rank] = process
             _start_quietly(process, env)
@@ -346,10 +223,10 @@ class TargetStream:
         return f"target process {process.name} ({tp}pid {process.pid})"
 
     def _dead_ranks(self) -> list[str]:
-        """Ranks that are gone before their time: rank 0 ends only after its end message, the others
-        end with exit code 0 once rank 0 has told them the batches are done."""
-        return [f"{self._describe(rank)} died with exit code {p.exitcode}"
-                for rank, p in self.tp_processes.items() if not p.is_alive() and (rank == 0 or p.exitcode != 0)]
+        """Ranks that are gone before their time: the rank filling the ring ends only after its end
+        message, the others end with exit code 0 once rank 0 has told them the batches are done."""
+        return [f"{self._describe(rank)} died with exit code {p.exitcode}" for rank, p in self.tp_processes.items()
+                if not p.is_alive() and (rank == self.producer_rank or p.exitcode != 0)]
 
     def __enter__(self):
         return self.start()
@@ -358,10 +235,10 @@ class TargetStream:
         self.close()
 
     def __iter__(self):
-        for expected in range(len(self.batches)):
+        for expected in range(self.expected):
             msg = self._next()
             if isinstance(msg, EndOfStream):
-                raise StreamError(f"target process ended after {msg.produced} of {len(self.batches)} batches")
+                raise StreamError(f"target process ended after {msg.produced} of {self.expected} batches")
             if msg.item != expected:
                 raise StreamError(f"stream out of order: got item {msg.item}, expected {expected}")
             aux, final = self.ring.view(msg)
@@ -389,7 +266,7 @@ class TargetStream:
                                    else (self.start_timeout_s, "train.engine_start_timeout_s"))
                     if waited >= limit:
                         raise StreamError(
-                            f"{self._describe(0)} produced nothing for {waited:.0f} s ({knob})"
+                            f"{self._describe(self.producer_rank)} produced nothing for {waited:.0f} s ({knob})"
                         ) from None
                     continue
                 self._received_any = True

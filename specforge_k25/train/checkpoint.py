@@ -14,7 +14,6 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file, save_file
 
-from ..draft.model import draft_state
 
 PREFIX = "step_"
 
@@ -27,8 +26,9 @@ def _fsync_dir(path: Path) -> None:
         os.close(fd)
 
 
-def optimizer_tensors(optimizer: torch.optim.Optimizer) -> tuple[dict[str, torch.Tensor], dict]:
-    sd = optimizer.state_dict()
+def optimizer_tensors(sd: dict) -> tuple[dict[str, torch.Tensor], dict]:
+    """An optimizer state dict (parameters keyed by index, or by name from a sharded run) as
+    safetensors entries `state.<param>.<name>` plus the JSON part."""
     tensors = {}
     for pid, state in sd["state"].items():
         for name, value in state.items():
@@ -36,7 +36,10 @@ def optimizer_tensors(optimizer: torch.optim.Optimizer) -> tuple[dict[str, torch
     return tensors, {"param_groups": sd["param_groups"]}
 
 
-def save_checkpoint(run_dir: Path, step: int, draft, optimizer, scheduler, extra: dict, keep: int = 2) -> Path:
+def save_checkpoint(run_dir: Path, step: int, draft_tensors: dict, optimizer_state: dict, scheduler_state: dict,
+                    extra: dict, keep: int = 2) -> Path:
+    """draft_tensors: the draft's state dict (its frozen embedding is left out); the state dicts of the
+    optimizer and the LR schedule."""
     root = Path(run_dir) / "checkpoints"
     root.mkdir(parents=True, exist_ok=True)
     final = root / f"{PREFIX}{step:08d}"
@@ -44,11 +47,12 @@ def save_checkpoint(run_dir: Path, step: int, draft, optimizer, scheduler, extra
         shutil.rmtree(stale, ignore_errors=True)
     tmp = root / f".tmp-{PREFIX}{step:08d}-{os.getpid()}"
     tmp.mkdir()
-    save_file(draft_state(draft), tmp / "draft.safetensors")
-    opt_tensors, opt_meta = optimizer_tensors(optimizer)
+    save_file({k: v.detach().contiguous() for k, v in draft_tensors.items() if not k.startswith("embed_tokens.")},
+              tmp / "draft.safetensors")
+    opt_tensors, opt_meta = optimizer_tensors(optimizer_state)
     rng = {"rng.torch": torch.get_rng_state()}
     save_file({**opt_tensors, **rng}, tmp / "optimizer.safetensors")
-    state = {"step": step, "optimizer": opt_meta, "scheduler": scheduler.state_dict(), **extra}
+    state = {"step": step, "optimizer": opt_meta, "scheduler": scheduler_state, **extra}
     (tmp / "state.json").write_text(json.dumps(state, indent=1, default=str))
     for f in tmp.iterdir():
         with open(f, "rb") as fh:
@@ -78,23 +82,35 @@ def read_state(path: Path) -> dict:
     return json.loads((Path(path) / "state.json").read_text())
 
 
-def load_checkpoint(path: Path, draft, optimizer=None, scheduler=None) -> dict:
-    """Restore into existing objects; returns state.json's content."""
+def read_checkpoint(path: Path) -> tuple[dict, dict, dict]:
+    """(state.json's content, draft tensors, optimizer state dict) of a checkpoint; restores the RNG."""
     path = Path(path)
     state = read_state(path)
-    missing, unexpected = draft.load_state_dict(load_file(path / "draft.safetensors"), strict=False)
-    missing = [k for k in missing if not k.startswith("embed_tokens.")]
+    tensors = load_file(path / "optimizer.safetensors")
+    per_param: dict = {}
+    for key, value in tensors.items():
+        if key.startswith("state."):
+            pid, name = key[len("state."):].rsplit(".", 1)  # a parameter name may hold dots, a state name not
+            per_param.setdefault(int(pid) if pid.isdigit() else pid, {})[name] = value
+    torch.set_rng_state(tensors["rng.torch"])
+    optim = {"state": per_param, "param_groups": state["optimizer"]["param_groups"]}
+    return state, load_file(path / "draft.safetensors"), optim
+
+
+def check_draft_keys(path: Path, draft, tensors: dict) -> None:
+    expected = {k for k in draft.state_dict() if not k.startswith("embed_tokens.")}
+    missing, unexpected = sorted(expected - set(tensors)), sorted(set(tensors) - expected)
     if missing or unexpected:
         raise ValueError(f"checkpoint {path} does not match the draft: missing {missing}, unexpected {unexpected}")
-    tensors = load_file(path / "optimizer.safetensors")
+
+
+def load_checkpoint(path: Path, draft, optimizer=None, scheduler=None) -> dict:
+    """Restore into existing (unsharded) objects; returns state.json's content."""
+    state, tensors, optim = read_checkpoint(path)
+    check_draft_keys(path, draft, tensors)
+    draft.load_state_dict(tensors, strict=False)
     if optimizer is not None:
-        per_param: dict[int, dict] = {}
-        for key, value in tensors.items():
-            if key.startswith("state."):
-                _, pid, name = key.split(".", 2)
-                per_param.setdefault(int(pid), {})[name] = value
-        optimizer.load_state_dict({"state": per_param, "param_groups": state["optimizer"]["param_groups"]})
+        optimizer.load_state_dict(optim)
     if scheduler is not None:
         scheduler.load_state_dict(state["scheduler"])
-    torch.set_rng_state(tensors["rng.torch"])
     return state

@@ -1,10 +1,13 @@
-"""Data-parallel trainer ranks started by torchrun: which rank this process is, its GPUs, and the
-few collectives the loop needs.
+"""Trainer ranks started by torchrun: which rank this process is, its GPUs, its share of every
+batch, and the few collectives the loop needs.
 
-One trainer rank per target replica; each rank runs its own target process (its own stream).
-Every global batch (train.batch_size samples per rank x ranks) is cut into contiguous per-rank
-slices. Each rank divides its summed loss by the GLOBAL number of loss positions and the gradients
-are summed over ranks, so W ranks x batch b make the same update as one rank x batch W*b.
+Every global batch (train.batch_size samples per rank x ranks) is cut into contiguous per-replica
+slices (train.batch_size x the replica's trainer ranks). hw.trainer_layout=dedicated: one trainer
+rank per target replica, the slice is its share. colocated: one trainer rank beside every TP rank
+of a replica; the replica's target runs the whole slice and each of its ranks takes a share of
+whole sequences balanced by tokens (`balanced_shares`). Each rank divides its summed loss by the
+GLOBAL number of loss positions and the gradients are summed over ranks, so W ranks x batch b make
+the same update as one rank x batch W*b.
 
 A single process (plain `python -m ...`, or torchrun with one rank) is rank 0 of 1: no process
 group, no collective, the code path of a one-rank run is unchanged.
@@ -38,6 +41,7 @@ class Ranks:
     rank: int = 0
     world: int = 1
     local_rank: int = 0
+    per_replica: int = 1  # trainer ranks that read one target replica (colocated: its TP size)
 
     @property
     def main(self) -> bool:
@@ -48,9 +52,32 @@ class Ranks:
     def distributed(self) -> bool:
         return self.world > 1
 
-    def share(self, sample_ids: list[int], per_rank: int) -> list[int]:
-        """This rank's contiguous slice of a global batch (rank-major; may be empty for a short batch)."""
-        return sample_ids[self.rank * per_rank:(self.rank + 1) * per_rank]
+    @property
+    def replica(self) -> int:
+        return self.rank // self.per_replica
+
+    @property
+    def replica_rank(self) -> int:
+        """This rank's place among its replica's trainer ranks (colocated: its TP rank)."""
+        return self.rank % self.per_replica
+
+    def replica_batch(self, sample_ids: list[int], per_rank: int) -> list[int]:
+        """This rank's replica's contiguous slice of a global batch (replica-major; may be empty
+        for a short batch): what that replica's target runs."""
+        n = per_rank * self.per_replica
+        return sample_ids[self.replica * n:(self.replica + 1) * n]
+
+    def share_positions(self, batch: list[int], sizes) -> list[int]:
+        """Positions in the replica's batch of this rank's share (in batch order); `sizes[i]`:
+        the tokens of sample i."""
+        if self.per_replica == 1:
+            return list(range(len(batch)))
+        return balanced_shares([sizes[i] for i in batch], self.per_replica)[self.replica_rank]
+
+    def share(self, sample_ids: list[int], per_rank: int, sizes=None) -> list[int]:
+        """This rank's samples of a global batch (may be empty for a short batch)."""
+        batch = self.replica_batch(sample_ids, per_rank)
+        return [batch[p] for p in self.share_positions(batch, sizes)]
 
     def _reduce(self, t: torch.Tensor, op) -> torch.Tensor:
         if self.world > 1:
@@ -77,6 +104,17 @@ class Ranks:
             raise ValueError(f"the trainer ranks disagree on {what} (from {-int(t[1])} to {int(t[0])}): "
                              f"train.out_dir must be one folder every rank sees")
 
+    def gather(self, obj) -> list:
+        """Every rank's value of a picklable object, in rank order, on every rank."""
+        if self.world == 1:
+            return [obj]
+        out = [None] * self.world
+        try:
+            dist.all_gather_object(out, obj)
+        except RuntimeError as err:
+            raise RankFailed(f"trainer rank {self.rank}: gathering from the other ranks failed: {err}") from None
+        return out
+
     def from_main(self, obj):
         """Rank 0's value of a picklable object, on every rank."""
         if self.world == 1:
@@ -89,11 +127,24 @@ class Ranks:
         return box[0]
 
 
+def balanced_shares(sizes: list[int], parts: int) -> list[list[int]]:
+    """Split whole items over `parts` ranks, balancing their summed sizes: longest first, each to the
+    rank with the fewest tokens so far (ties: the lower rank). Returns each rank's positions in
+    ascending order. Deterministic, so every rank computes the same split."""
+    loads, shares = [0] * parts, [[] for _ in range(parts)]
+    for pos in sorted(range(len(sizes)), key=lambda p: (-sizes[p], p)):
+        r = min(range(parts), key=lambda q: (loads[q], q))
+        loads[r] += sizes[pos]
+        shares[r].append(pos)
+    return [sorted(share) for share in shares]
+
+
 def start_ranks(job, world: World | None = None):
     """This process's job (its trainer GPU, its replica's first GPU) and its `Ranks`; with several
     ranks also the process group (gloo on CPU, nccl on CUDA; collectives time out after
     train.dist_timeout_s). Returns (job, ranks)."""
     world = world or World.from_env()
+    per_replica = job.hw.target_tp // job.hw.target_nnodes if job.hw.trainer_layout == "colocated" else 1
     if world.size == 1:
         return job, Ranks()
     timeout = datetime.timedelta(seconds=job.train.dist_timeout_s)
@@ -104,7 +155,8 @@ def start_ranks(job, world: World | None = None):
         dist.init_process_group("nccl", timeout=timeout, device_id=torch.device("cuda", trainer_gpu))
     else:
         dist.init_process_group("gloo", timeout=timeout)
-    return job, Ranks(rank=dist.get_rank(), world=dist.get_world_size(), local_rank=world.local_rank)
+    return job, Ranks(rank=dist.get_rank(), world=dist.get_world_size(), local_rank=world.local_rank,
+                      per_replica=per_replica)
 
 
 # What torchrun puts in a rank's environment (TORCHELASTIC_* too).

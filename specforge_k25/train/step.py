@@ -6,9 +6,10 @@ from dataclasses import dataclass
 import torch
 
 from ..draft.loss import Teacher, TTTResult, compute_teacher, loss_positions, ttt_loss
-from ..draft.model import Eagle3Draft
+from ..draft.model import Eagle3Draft, draft_state
 from .distributed import Ranks
 from .metrics import TTTStats
+from .sharding import full_model_state, full_state, is_sharded, load_full_state, unsharded_copy
 
 
 @dataclass
@@ -40,7 +41,9 @@ class DraftTrainer:
     With data-parallel `ranks` (train/distributed.py) each rank trains on its slice of every
     micro-batch: the loss is divided by the micro-batch's loss positions summed over all ranks and
     the gradients are summed over ranks before clipping, so the update equals one rank's on the
-    whole global micro-batch.
+    whole global micro-batch. A draft sharded with FSDP2 (train/sharding.py, the co-located layout)
+    has its gradients summed by FSDP's reduce-scatter, and a rank without a share still runs a
+    loss-free one-position batch: every rank takes part in the same collectives.
     """
 
     def __init__(self, draft: Eagle3Draft, lm_head: torch.Tensor, optimizer, scheduler, *, ttt_length: int,
@@ -52,6 +55,7 @@ class DraftTrainer:
         self.grad_clip, self.teacher_chunk = grad_clip, teacher_chunk
         self.activation_checkpointing = activation_checkpointing
         self.device = lm_head.device
+        self.sharded = is_sharded(draft)
         self.autocast = lambda: torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=autocast_bf16)
 
     def make_batch(self, samples, lengths: list[int], aux_packed: torch.Tensor, final_packed: torch.Tensor) -> DraftBatch:
@@ -69,6 +73,14 @@ class DraftTrainer:
             torch.cuda.current_stream(dev).synchronize()
         return DraftBatch(input_ids, loss_mask, torch.tensor(lengths, device=dev), aux, teacher)
 
+    def empty_batch(self) -> DraftBatch:
+        """One position, no loss position: a sharded rank's stand-in for a batch it has no share of."""
+        dev, ht = self.device, self.draft.cfg.target_hidden_size
+        final = torch.zeros(1, 1, ht, device=dev)
+        return DraftBatch(torch.zeros(1, 1, dtype=torch.int64, device=dev), torch.zeros(1, 1, dtype=torch.bool, device=dev),
+                          torch.ones(1, dtype=torch.int64, device=dev), torch.zeros(1, 1, 3 * ht, device=dev),
+                          compute_teacher(final, self.lm_head, self.draft.d2t, self.teacher_chunk))
+
     def _loss(self, batch: DraftBatch, normalizer: torch.Tensor | None = None) -> TTTResult:
         with self.autocast():
             return ttt_loss(self.draft, batch.aux_hidden, batch.input_ids, batch.loss_mask, batch.lengths,
@@ -83,11 +95,11 @@ class DraftTrainer:
             local = (loss_positions(batch.loss_mask, batch.lengths, batch.teacher, self.ttt_length) if batch is not None
                      else torch.zeros(self.ttt_length, dtype=torch.int64, device=self.device))
             normalizer = self.ranks.sum(local)  # [K] loss positions of the whole global micro-batch
-        if batch is None:
+        if batch is None and not self.sharded:
             return None
-        res = self._loss(batch, normalizer)
+        res = self._loss(batch if batch is not None else self.empty_batch(), normalizer)
         (res.loss / self.grad_accum).backward()
-        return res
+        return res if batch is not None else None
 
     def loss_value(self, res: TTTResult | None) -> float:
         """The micro-batch's loss as logged; with several ranks the sum of their parts."""
@@ -103,7 +115,7 @@ class DraftTrainer:
         return stats
 
     def optimizer_step(self) -> float:
-        if self.ranks.distributed:  # each rank's loss is already divided by the global count: sum, not mean
+        if self.ranks.distributed and not self.sharded:  # each rank's loss is already divided by the global count: sum, not mean
             for p in self.draft.trainable_parameters():
                 if p.grad is None:  # this rank had no sample in the step
                     p.grad = torch.zeros_like(p)
@@ -115,5 +127,30 @@ class DraftTrainer:
         return float(grad_norm)
 
     @torch.no_grad()
-    def evaluate(self, batch: DraftBatch) -> TTTResult:
+    def evaluate(self, batch: DraftBatch | None) -> TTTResult | None:
+        """None: this rank has no share of the batch (sharded: it still runs the forward)."""
+        if batch is None:
+            if self.sharded:
+                self._loss(self.empty_batch())
+            return None
         return self._loss(batch)
+
+    def state_dicts(self) -> tuple[dict, dict]:
+        """(draft tensors, optimizer state), unsharded. Sharded: a collective, complete on rank 0."""
+        if self.sharded:
+            return full_state(self.draft, self.optimizer)
+        return draft_state(self.draft), self.optimizer.state_dict()
+
+    def load_state_dicts(self, tensors: dict, optim: dict) -> None:
+        if self.sharded:
+            load_full_state(self.draft, self.optimizer, tensors, optim)
+        else:
+            self.draft.load_state_dict(tensors, strict=False)
+            self.optimizer.load_state_dict(optim)
+
+    def plain_draft(self) -> Eagle3Draft | None:
+        """The trained draft as a plain module on the host (sharded: a collective; None off rank 0)."""
+        if not self.sharded:
+            return self.draft.cpu()
+        model = full_model_state(self.draft)
+        return unsharded_copy(self.draft, model) if self.ranks.main else None

@@ -24,7 +24,7 @@ from ..data.regenerate import regeneration_prompt
 from ..export.serving import export_draft
 from ..setup.run import RunSetup, fresh_draft, make_target_stream, prepare
 from ..stream.producer import StreamError, StreamInterrupted, TargetStream
-from .checkpoint import list_checkpoints, load_checkpoint, read_state, save_checkpoint
+from .checkpoint import check_draft_keys, list_checkpoints, read_checkpoint, read_state, save_checkpoint
 from .distributed import RankFailed, Ranks, launcher_env_hidden, start_ranks, stop_ranks
 from .feed import rebuild_regenerated, take_batches
 from .metrics import MetricsLogger, NullLogger, TTTStats
@@ -32,6 +32,7 @@ from .regenerated import COLUMNS, RegenerationLog
 from .optim import build_optimizer, build_scheduler
 from .overview import eval_line, print_overview
 from .schedule import BatchItem, build_schedule
+from .sharding import shard_draft
 from .step import DraftTrainer
 
 
@@ -81,13 +82,19 @@ class Progress:
 # ------------------------------------------------------------------------------- builders
 def build_trainer(job: JobConfig, setup: RunSetup, steps: int, device: torch.device,
                   ranks: Ranks | None = None) -> DraftTrainer:
-    """A fresh draft (target embedding, vocab maps from the training split only), AdamW and schedule."""
+    """A fresh draft (target embedding, vocab maps from the training split only), AdamW and schedule.
+    hw.trainer_layout=colocated with several ranks: the draft sharded over them (train/sharding.py),
+    AdamW on each rank's shard (train.optimizer_device does not apply, as the plan says)."""
     tr = job.train
     draft, lm_head = fresh_draft(setup, tr.seed)
     frozen = getattr(torch, job.hw.target_dtype)  # the frozen embedding / lm_head keep the target's dtype
     draft.embed_tokens.to(frozen)
     draft.to(device)
-    optimizer = build_optimizer(draft.trainable_parameters(), tr.lr, tr.betas, tr.weight_decay, tr.optimizer_device)
+    opt_device = tr.optimizer_device
+    if job.hw.trainer_layout == "colocated" and ranks is not None and ranks.distributed:
+        shard_draft(draft, bf16=job.hw.autocast == "bf16")
+        opt_device = None
+    optimizer = build_optimizer(draft.trainable_parameters(), tr.lr, tr.betas, tr.weight_decay, opt_device)
     scheduler = build_scheduler(optimizer, steps, tr.warmup_ratio)
     return DraftTrainer(draft, lm_head.to(device, frozen), optimizer, scheduler, ttt_length=tr.ttt_length,
                         loss_decay=tr.loss_decay, grad_accum=tr.grad_accum, grad_clip=tr.grad_clip,
@@ -110,6 +117,7 @@ def run_fingerprint(job: JobConfig, setup: RunSetup, n_items: int, ranks: int = 
         "regeneration": json.loads(json.dumps(dataclasses.asdict(setup.regeneration))) if setup.regeneration else None,
         "batch_size": job.train.batch_size, "grad_accum": job.train.grad_accum, "ttt_length": job.train.ttt_length,
         **({"trainer_ranks": ranks} if ranks > 1 else {}),
+        **({"trainer_layout": "colocated"} if job.hw.trainer_layout == "colocated" and ranks > 1 else {}),
     }
 
 
@@ -184,7 +192,10 @@ class Trainer:
         if path is not None:
             check_fingerprint(read_state(path).get("fingerprint", {}), self.fingerprint, path)
             t = self.draft_trainer
-            state = load_checkpoint(path, t.draft, t.optimizer, t.scheduler)
+            state, tensors, optim = read_checkpoint(path)
+            check_draft_keys(path, t.draft, tensors)
+            t.load_state_dicts(tensors, optim)
+            t.scheduler.load_state_dict(state["scheduler"])
             self.saved = Progress(**{k: state[k] for k in dataclasses.asdict(Progress())})
             self.evals = state.get("evals", {})
             self.resumed_from = path
@@ -251,16 +262,20 @@ class Trainer:
             self.bar.write(f"eval[{tag}] " + eval_line(self.evals[tag], self.job.train.ttt_length))
 
     def save(self, done: bool = False) -> Path | None:
-        """Checkpoint at the last optimizer-step boundary (rank 0 only; the ranks' weights are equal).
+        """Checkpoint at the last optimizer-step boundary, written by rank 0 (replicated ranks hold
+        equal weights; sharded ones first gather the full state: every rank calls this).
         done: the whole schedule ran (a resume has nothing left to do)."""
+        t = self.draft_trainer
+        if not (self.ranks.main or t.sharded):
+            return None
+        tensors, optim = t.state_dicts()
         if not self.ranks.main:
             return None
         extra = {**dataclasses.asdict(self.saved), "evals": self.evals, "fingerprint": self.fingerprint}
         if done:
             extra["schedule_item"] = len(self.schedule)
-        t = self.draft_trainer
-        self.checkpoint = save_checkpoint(self.run_dir, self.saved.step, t.draft, t.optimizer, t.scheduler, extra,
-                                          self.job.train.keep_checkpoints)
+        self.checkpoint = save_checkpoint(self.run_dir, self.saved.step, tensors, optim, t.scheduler.state_dict(),
+                                          extra, self.job.train.keep_checkpoints)
         self.artifact_bytes += allocated_bytes(self.checkpoint)
         return self.checkpoint
 
@@ -280,8 +295,15 @@ class Trainer:
             self.logger = MetricsLogger(tr.logger, project=tr.wandb_project, mode=tr.wandb_mode,
                                         run_dir=str(self.run_dir), config={"job": dataclasses.asdict(self.job),
                                                                            "capture_points": self.setup.capture_points})
-        shares = [self.ranks.share(p.sample_ids, tr.batch_size) for p in self.schedule[start:]]  # this rank's slices
-        self.stream = self.stream_factory(self.job, self.setup, self.samples, [ids for ids in shares if ids])
+        sizes = [self._floor_tokens(i) for i in range(len(self.samples))]
+        batches = [self.ranks.replica_batch(p.sample_ids, tr.batch_size) for p in self.schedule[start:]]
+        keep = [self.ranks.share_positions(b, sizes) for b in batches]  # this rank's share of its replica's batch
+        shares = [[b[p] for p in k] for b, k in zip(batches, keep)]
+        if self.ranks.per_replica == 1:  # dedicated: the stream runs this rank's shares only
+            self.stream = self.stream_factory(self.job, self.setup, self.samples, [ids for ids in shares if ids])
+        else:  # colocated: this rank's TP rank runs the replica's batches, its ring carries the share
+            self.stream = self.stream_factory(self.job, self.setup, self.samples, [b for b in batches if b],
+                                              keep=[k for b, k in zip(batches, keep) if b], ranks=self.ranks)
         self.stream.should_stop = self.stop.requested
         self.bar = tqdm(total=self.steps, initial=self.saved.step, desc="train", unit="step",
                         disable=not (tr.progress and self.ranks.main), dynamic_ncols=True)
@@ -293,7 +315,8 @@ class Trainer:
                 trainer_written = io().write_bytes - written_before
             self.bar.close()
             self.save(done=True)
-            export = (export_draft(self.draft_trainer.draft.cpu(), self.run_dir / "export", self.setup.eagle_layer_ids,
+            draft = self.draft_trainer.plain_draft() if (self.ranks.main or self.draft_trainer.sharded) else None
+            export = (export_draft(draft, self.run_dir / "export", self.setup.eagle_layer_ids,
                                    self.setup.info.bos_token_id, self.setup.info.eos_token_id,
                                    capture_points=self.setup.capture_points)
                       if self.ranks.main else None)
@@ -314,8 +337,8 @@ class Trainer:
                 self.regenerated.add(item.kind, share, regenerated)
             tokens = self._item_tokens(item, batch)
             self._tokens_streamed += tokens
-            if self.stop.requested():
-                raise TrainingInterrupted(self.stop.signum, None)
+            if self._stop_agreed():
+                raise TrainingInterrupted(self.stop.signum or signal.SIGTERM, None)
             if item.kind == "eval":
                 self.evaluate(item, batch)
                 continue
@@ -323,10 +346,26 @@ class Trainer:
             self.train_micro_batch(index, item, batch, tokens)
         self.finish_evaluation()
 
+    def _stop_agreed(self) -> bool:
+        """A stop signal seen by any rank, agreed on by all at the same schedule item (a collective
+        per item with several ranks), so that sharded ranks gather their state together."""
+        if not self.ranks.distributed:
+            return self.stop.requested()
+        return bool(self.ranks.sum_ints([int(self.stop.requested())], self.device)[0])
+
     def _saved_on_failure(self, err: Exception) -> Exception:
-        """Stop the target, save the last boundary, and the error to raise (naming the checkpoint)."""
+        """Stop the target, save the last boundary, and the error to raise (naming the checkpoint).
+        Sharded ranks can gather their state only when every rank stopped together (an agreed
+        stop); after a failure the newest periodic checkpoint is the saved progress."""
         self.bar.close()
         self.stream.close()
+        if self.draft_trainer.sharded and not isinstance(err, TrainingInterrupted):
+            found = list_checkpoints(self.run_dir)
+            path = self.checkpoint or (found[-1] if found else None)
+            self.logger.close()
+            saved = (f"progress saved: {path} (sharded state: saved every train.checkpoint_every steps and on "
+                     f"SIGTERM)" if path else "no checkpoint yet (sharded state: saved every train.checkpoint_every steps)")
+            return type(err)(f"{err}\n{saved} (resume with train.resume=auto train.out_dir={self.run_dir})")
         path = self.save()
         self.logger.close()
         if isinstance(err, (TrainingInterrupted, StreamInterrupted)):

@@ -6,7 +6,7 @@ import sys
 from pathlib import Path
 
 LAUNCHER = str(Path(__file__).resolve().parents[2] / "launch" / "multinode.py")
-KIMI = ["+hw=rtxpro6000x8", "target=kimi_k25", "target.path=/models/Kimi-K2.5"]
+KIMI = ["+hw=rtxpro6000x8", "target=kimi_k25", "target.path=/models/Kimi-K2.5", "hw.trainer_layout=dedicated"]
 
 
 def _launch(*args: str) -> subprocess.CompletedProcess:
@@ -21,19 +21,22 @@ def _commands(out: subprocess.CompletedProcess) -> list[str]:
 def test_one_node_dry_run():
     out = _launch("--nodes", "1", "--dry-run", "--", "+hw=b300x8", "train.lr=1e-4")
     assert _commands(out) == [
-        "torchrun --nnodes 1 --node-rank 0 --nproc-per-node 2 --rdzv-backend static --rdzv-endpoint 127.0.0.1:29500 "
-        "-m specforge_k25.train +hw=b300x8 train.lr=1e-4",  # b300x8: two target replicas -> two trainer ranks
+        "torchrun --nnodes 1 --node-rank 0 --nproc-per-node 8 --rdzv-backend static --rdzv-endpoint 127.0.0.1:29500 "
+        "-m specforge_k25.train +hw=b300x8 train.lr=1e-4",  # b300x8: co-located, a trainer rank per GPU
     ]
-    assert out.stdout.startswith("# node 0 of 1: 2 trainer rank(s), each with a TP 4 target replica")
+    assert out.stdout.startswith("# node 0 of 1: 8 co-located trainer ranks beside 2 TP 4 target replica(s)")
+    dedicated = _launch("--nodes", "1", "--dry-run", "--", "+hw=b300x8", "hw.trainer_layout=dedicated")
+    assert " --nproc-per-node 2 " in _commands(dedicated)[0]  # two target replicas -> two trainer ranks
+    assert dedicated.stdout.startswith("# node 0 of 1: 2 trainer rank(s), each with a TP 4 target replica")
 
 
 def test_two_nodes_data_parallel_dry_run():
     out = _launch("--nodes", "2", "--master-addr", "10.0.0.1", "--dry-run", "--", *KIMI)
     assert _commands(out) == [
         "torchrun --nnodes 2 --node-rank 0 --nproc-per-node 1 --rdzv-backend static --rdzv-endpoint 10.0.0.1:29500 "
-        "-m specforge_k25.train +hw=rtxpro6000x8 target=kimi_k25 target.path=/models/Kimi-K2.5",
+        "-m specforge_k25.train +hw=rtxpro6000x8 target=kimi_k25 target.path=/models/Kimi-K2.5 hw.trainer_layout=dedicated",
         "torchrun --nnodes 2 --node-rank 1 --nproc-per-node 1 --rdzv-backend static --rdzv-endpoint 10.0.0.1:29500 "
-        "-m specforge_k25.train +hw=rtxpro6000x8 target=kimi_k25 target.path=/models/Kimi-K2.5",
+        "-m specforge_k25.train +hw=rtxpro6000x8 target=kimi_k25 target.path=/models/Kimi-K2.5 hw.trainer_layout=dedicated",
     ]
     # --node-rank with --dry-run prints that node only
     only = _launch("--nodes", "2", "--node-rank", "1", "--master-addr", "10.0.0.1", "--dry-run", "--", *KIMI)
@@ -45,10 +48,10 @@ def test_two_nodes_one_target_over_both_dry_run():
                   "--dry-run", "--", *KIMI, "hw.target_tp=16")
     assert _commands(out) == [
         "torchrun --nnodes 1 --node-rank 0 --nproc-per-node 1 --rdzv-backend static --rdzv-endpoint 10.0.0.1:29500 "
-        "-m specforge_k25.train +hw=rtxpro6000x8 target=kimi_k25 target.path=/models/Kimi-K2.5 hw.target_tp=16 "
+        "-m specforge_k25.train +hw=rtxpro6000x8 target=kimi_k25 target.path=/models/Kimi-K2.5 hw.trainer_layout=dedicated hw.target_tp=16 "
         "hw.target_nnodes=2 hw.target_node_rank=0 hw.target_dist_init_addr=10.0.0.1:29700",
         "python -m specforge_k25.train.tp_node +hw=rtxpro6000x8 target=kimi_k25 target.path=/models/Kimi-K2.5 "
-        "hw.target_tp=16 hw.target_nnodes=2 hw.target_node_rank=1 hw.target_dist_init_addr=10.0.0.1:29700",
+        "hw.trainer_layout=dedicated hw.target_tp=16 hw.target_nnodes=2 hw.target_node_rank=1 hw.target_dist_init_addr=10.0.0.1:29700",
     ]
     assert "# node 1 of 2: target TP ranks 8..15 of 16 (no trainer)" in out.stdout
 
@@ -61,8 +64,10 @@ def test_bad_input_is_refused_clearly():
         (["--nodes", "2", "--master-addr", "h", "--", *KIMI], "--node-rank is required"),
         (["--nodes", "0", "--dry-run"], "at least one node"),
         (["--nodes", "3", "--master-addr", "h", "--target-nodes", "2", "--dry-run"], "--target-nodes 2: use 1"),
+        (["--nodes", "2", "--master-addr", "h", "--target-nodes", "2", "--dry-run", "--", "+hw=b300x8",
+          "hw.trainer_layout=dedicated"], "hw.target_replicas=1, got 2"),
         (["--nodes", "2", "--master-addr", "h", "--target-nodes", "2", "--dry-run", "--", "+hw=b300x8"],
-         "hw.target_replicas=1, got 2"),
+         "add hw.trainer_layout=dedicated"),
         (["--nodes", "2", "--master-addr", "h", "--target-nodes", "2", "--dry-run", "--", *KIMI, "hw.target_tp=7"],
          "does not split evenly"),
         (["--nodes", "2", "--master-addr", "h", "--dry-run", "--", "hw.target_node_rank=1"], "set by the launcher"),

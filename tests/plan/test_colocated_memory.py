@@ -1,4 +1,4 @@
-"""Memory plan of the co-located layout (hw.trainer_layout=colocated, planned only): every GPU holds
+"""Memory plan of the co-located layout (hw.trainer_layout=colocated): every GPU holds
 a TP rank, its own trainer rank with 1/N of the draft's trainable state and AdamW (FSDP2), its own
 ring and its share of the batch. One GPU of each profile written out by hand; what fits at which
 max_length; refusals name the switch that fits.
@@ -55,12 +55,12 @@ def test_rtx_colocated_gpu_hand_computed():
     assert gpu3.get("AdamW m, v fp32") == 0 and gpu3.get("DP gradient buckets fp32 (DDP, assumed)") == 0
     # TTT phase: the dedicated trainer's (checked by hand in test_memory_plan.py) with FSDP2's
     # all-gathered bf16 params (2P) and unsharded fp32 grads (4P) in place of the autocast copies (2P)
-    dedicated = plan_memory(_job("rtxpro6000x8"), KIMI_K25).gpu(0)
+    dedicated = plan_memory(_job("rtxpro6000x8", "hw.trainer_layout=dedicated"), KIMI_K25).gpu(0)
     assert gpu3.phases()["TTT fwd+bwd"] == dedicated.phases()["TTT fwd+bwd"] - 2 * P + 2 * P + 4 * P
     assert gpu3.peak_phase() == "TTT fwd+bwd"
     assert round(gpu3.total() / GiB, 2) == 92.09 and gpu3.headroom() > 0
     assert plan.tokens_per_step == 2048 * 8
-    assert any("planned only" in n and "1/8" in n for n in plan.notes)
+    assert any("hw.trainer_layout=colocated" in n and "1/8" in n for n in plan.notes)
     assert not any("pinned host memory" in n for n in plan.notes)  # train.optimizer_device=cpu does not apply
 
 
@@ -69,7 +69,7 @@ def test_b300_colocated_gpu_hand_computed():
     plan = check_fits(job, KIMI_K25)
     gpu5 = plan.gpu(5)
     assert gpu5.resident() == _resident_by_hand(4, 4 * 8192, 8192)  # a TP4 replica: 4 sequences of 8192
-    dedicated = plan_memory(_job("b300x8"), KIMI_K25).gpu(0)
+    dedicated = plan_memory(_job("b300x8", "hw.trainer_layout=dedicated"), KIMI_K25).gpu(0)
     assert gpu5.phases()["TTT fwd+bwd"] == dedicated.phases()["TTT fwd+bwd"] + 4 * P
     assert round(gpu5.total() / GiB, 2) == 214.10
     assert plan.tokens_per_step == 8192 * 8  # 8 trainer ranks over the two replicas
@@ -85,13 +85,13 @@ def test_what_fits_at_which_length():
         assert plan_memory(job, KIMI_K25, max_length=longest).capacity_ok
         assert not plan_memory(job, KIMI_K25, max_length=longest + 256).capacity_ok
     # dedicated, for comparison: the profiles' own settings
-    assert longest_fitting_length(_job("rtxpro6000x8"), KIMI_K25) == 3584
+    assert longest_fitting_length(_job("rtxpro6000x8", "hw.trainer_layout=dedicated"), KIMI_K25) == 3584
 
 
 def test_refusals_name_the_switch_that_fits():
-    # the profile's 4096-token KV cap is too small for 8 sequences of 2048
-    with pytest.raises(PlanError, match=r"8 co-located trainer ranks.*set hw.max_total_tokens=16384 \(it fits\)"):
-        check_fits(_job("rtxpro6000x8", COLOC), KIMI_K25)
+    # the profile's 4096-token KV cap is raised to the target batch: 8 sequences of 2048 (it fits)
+    plan = check_fits(_job("rtxpro6000x8", COLOC), KIMI_K25)
+    assert plan.kv_pool_tokens == 16384 and plan.gpu(3).get("KV cache pool") == 16384 * 70_272
     # without activation checkpointing it needs more than a GPU; the switch is named, host AdamW is not
     with pytest.raises(PlanError, match=r"fits with: train.activation_checkpointing=true \(same tokens per step\)"
                        ) as err:

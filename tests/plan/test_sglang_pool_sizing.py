@@ -16,7 +16,7 @@ from specforge_k25.config import compose_job
 from specforge_k25.plan import KIMI_K25, GiB, plan_memory
 
 PROBE = Path(__file__).resolve().parents[1] / "fixtures" / "sglang_pool_probe.py"
-KIMI = ["target=kimi_k25", "draft=kimi"]
+KIMI = ["target=kimi_k25", "draft=kimi", "hw.trainer_layout=dedicated"]
 
 
 def _probe(cases: list[dict]) -> list[dict]:

@@ -111,7 +111,7 @@ def test_profile_trainer_efficiency_is_the_h200_measurement_at_its_settings(hw, 
 
 # ------------------------------------------------------------------------------ both sides
 def test_rtx_dedicated_hand_computed():
-    t = predict(_job("rtxpro6000x8"), KIMI_K25)
+    t = predict(_job("rtxpro6000x8"), KIMI_K25, "dedicated")  # the profile runs colocated
     assert t.layout == "dedicated"
     target = 63_584_243_712 / 8 / (503.8e12 * 0.35)  # its 1/8 of the FLOPs (weights read in 20.8 us: less)
     allreduce = 1_763_328 * 2 * 7 / 8 / 28e9  # ring all-reduce over 8 PCIe GPUs
@@ -151,7 +151,7 @@ def test_b300_colocated_hand_computed():
 
 
 def test_b300_dedicated_has_ddp_traffic_and_two_replicas():
-    t = predict(_job("b300x8"), KIMI_K25)
+    t = predict(_job("b300x8"), KIMI_K25, "dedicated")
     gpu0, gpu4 = t.gpu(0), t.gpu(4)
     assert gpu0.parts == gpu4.parts and t.replicas == 2
     assert gpu0.parts["gradient traffic"] == pytest.approx(4 * P * 2 * 1 / 2 / 830e9 / 8192, rel=1e-12)
@@ -170,7 +170,7 @@ def test_goal_colocated_near_the_bound_and_ahead_of_dedicated(hw):
 
 def test_weight_reads_bound_a_small_batch():
     """At 128 tokens per batch the TP8 rank reads its 71 GiB of weights slower than it computes."""
-    t = predict(_job("rtxpro6000x8", "data.max_length=128", "hw.max_total_tokens=128"), KIMI_K25)
+    t = predict(_job("rtxpro6000x8", "data.max_length=128", "hw.max_total_tokens=128"), KIMI_K25, "dedicated")
     assert t.gpu(3).parts["target compute"] == pytest.approx(KIMI_K25.weight_bytes_per_gpu(8) / 1792e9 / 128)
     assert any("weights" in n for n in t.notes)
 
@@ -190,5 +190,5 @@ def test_cli_prints_the_throughput_of_both_layouts():
     assert text.index("per-GPU memory") < text.index("throughput plan: inputs")  # after the memory table
     for needle in ("dedicated: 1,682 tokens/s", "colocated: 5,018 tokens/s", "bottleneck GPU 0 (trainer compute)",
                    "74 %", "balanced bound 5,325 tokens/s", "colocated is faster: 2.98x",
-                   "set hw.max_total_tokens=16384", "hw.link_gbps (conf/hw/rtxpro6000x8.yaml)", "fits."):
+                   "this run: hw.trainer_layout=colocated", "hw.link_gbps (conf/hw/rtxpro6000x8.yaml)", "fits."):
         assert needle in text, needle

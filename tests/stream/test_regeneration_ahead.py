@@ -1,11 +1,11 @@
-"""TP rank 0's regeneration ahead of the forwards (stream/producer.py `_Regenerated`): prompts
+"""TP rank 0's regeneration ahead of the forwards (stream/target_process.py `Regenerated`): prompts
 decoded in groups within the group size and the KV pool, each sample once while it is kept for a
 later use (held-out samples recur at every evaluation), identical conversations either way."""
 from __future__ import annotations
 
 import torch
 
-from specforge_k25.stream.producer import _Regenerated
+from specforge_k25.stream.target_process import Regenerated as _Regenerated
 from specforge_k25.target.factory import TargetSpec
 from specforge_k25.target.sampling import Regeneration
 

@@ -87,7 +87,7 @@ def test_save_load_restores_everything_and_resumes_bit_exact(tmp_path):
     assert len(opt.state_dict()["state"]) == len(draft.trainable_parameters())  # every param has AdamW state
     torch.manual_seed(1234)
     rng_at_save = torch.get_rng_state()
-    path = save_checkpoint(tmp_path, 2, draft, opt, sched, {"micro_batches": 4, "plan_item": 7}, keep=2)
+    path = save_checkpoint(tmp_path, 2, draft.state_dict(), opt.state_dict(), sched.state_dict(), {"micro_batches": 4, "plan_item": 7}, keep=2)
     assert path == tmp_path / "checkpoints" / "step_00000002"
     assert list_checkpoints(tmp_path) == [path]
 
@@ -141,7 +141,7 @@ def test_save_load_restores_everything_and_resumes_bit_exact(tmp_path):
 def test_load_without_optimizer_restores_draft_only(tmp_path):
     draft, opt, sched = make_training(seed=0)
     train_step(draft, opt, sched, seed=1)
-    path = save_checkpoint(tmp_path, 1, draft, opt, sched, {}, keep=2)
+    path = save_checkpoint(tmp_path, 1, draft.state_dict(), opt.state_dict(), sched.state_dict(), {}, keep=2)
     fresh = make_draft(seed=5)
     load_checkpoint(path, fresh)
     for k, v in draft_state(draft).items():
@@ -157,28 +157,28 @@ def test_keep_prunes_to_newest(tmp_path):
     draft, opt, sched = make_training(seed=0)
     train_step(draft, opt, sched, seed=1)
     for step in (1, 2, 3, 4, 5):
-        save_checkpoint(tmp_path, step, draft, opt, sched, {}, keep=3)
+        save_checkpoint(tmp_path, step, draft.state_dict(), opt.state_dict(), sched.state_dict(), {}, keep=3)
     assert _names(list_checkpoints(tmp_path)) == ["step_00000003", "step_00000004", "step_00000005"]
     on_disk = sorted(p.name for p in (tmp_path / "checkpoints").iterdir())
     assert on_disk == ["step_00000003", "step_00000004", "step_00000005"]  # pruned ones are really gone
-    save_checkpoint(tmp_path, 6, draft, opt, sched, {}, keep=1)
+    save_checkpoint(tmp_path, 6, draft.state_dict(), opt.state_dict(), sched.state_dict(), {}, keep=1)
     assert _names(list_checkpoints(tmp_path)) == ["step_00000006"]
     # numeric order, not insertion order: step 12 sorts after step 6 (zero padded)
-    save_checkpoint(tmp_path, 12, draft, opt, sched, {}, keep=2)
+    save_checkpoint(tmp_path, 12, draft.state_dict(), opt.state_dict(), sched.state_dict(), {}, keep=2)
     assert _names(list_checkpoints(tmp_path)) == ["step_00000006", "step_00000012"]
 
 
 def test_keep_zero_keeps_all(tmp_path):
     draft, opt, sched = make_training(seed=0)
     for step in (1, 2, 3):
-        save_checkpoint(tmp_path, step, draft, opt, sched, {}, keep=0)
+        save_checkpoint(tmp_path, step, draft.state_dict(), opt.state_dict(), sched.state_dict(), {}, keep=0)
     assert _names(list_checkpoints(tmp_path)) == ["step_00000001", "step_00000002", "step_00000003"]
 
 
 def test_list_ignores_incomplete_and_temporary(tmp_path):
     assert list_checkpoints(tmp_path) == []  # no checkpoints folder yet
     draft, opt, sched = make_training(seed=0)
-    save_checkpoint(tmp_path, 3, draft, opt, sched, {}, keep=5)
+    save_checkpoint(tmp_path, 3, draft.state_dict(), opt.state_dict(), sched.state_dict(), {}, keep=5)
     root = tmp_path / "checkpoints"
     tmp = root / ".tmp-step_00000009-12345"  # an interrupted save, even one that wrote state.json
     tmp.mkdir()
@@ -221,7 +221,7 @@ def _crash_on_replace(monkeypatch):
 def test_crash_during_save_keeps_previous_checkpoint(tmp_path, monkeypatch, crash):
     draft, opt, sched = make_training(seed=0)
     train_step(draft, opt, sched, seed=1)
-    good = save_checkpoint(tmp_path, 1, draft, opt, sched, {"tag": "good"}, keep=1)
+    good = save_checkpoint(tmp_path, 1, draft.state_dict(), opt.state_dict(), sched.state_dict(), {"tag": "good"}, keep=1)
     saved_weights = trainable_tensors(draft)
     before = _snapshot(good)
 
@@ -229,7 +229,7 @@ def test_crash_during_save_keeps_previous_checkpoint(tmp_path, monkeypatch, cras
     with monkeypatch.context() as m:
         crash(m)
         with pytest.raises(OSError, match="simulated"):
-            save_checkpoint(tmp_path, 2, draft, opt, sched, {"tag": "crashed"}, keep=1)
+            save_checkpoint(tmp_path, 2, draft.state_dict(), opt.state_dict(), sched.state_dict(), {"tag": "crashed"}, keep=1)
 
     assert list_checkpoints(tmp_path) == [good]
     assert _snapshot(good) == before
@@ -240,7 +240,7 @@ def test_crash_during_save_keeps_previous_checkpoint(tmp_path, monkeypatch, cras
         assert torch.equal(draft_state(fresh)[k], v), k
 
     # the next save works despite the leftover temporary folder, and pruning keeps the newest
-    again = save_checkpoint(tmp_path, 2, draft, opt, sched, {"tag": "retry"}, keep=1)
+    again = save_checkpoint(tmp_path, 2, draft.state_dict(), opt.state_dict(), sched.state_dict(), {"tag": "retry"}, keep=1)
     assert list_checkpoints(tmp_path) == [again]
     assert load_checkpoint(again, make_draft(seed=8))["tag"] == "retry"
 
@@ -248,7 +248,7 @@ def test_crash_during_save_keeps_previous_checkpoint(tmp_path, monkeypatch, cras
 def test_checkpoint_files_hold_no_pickle(tmp_path):
     draft, opt, sched = make_training(seed=0)
     train_step(draft, opt, sched, seed=1)
-    path = save_checkpoint(tmp_path, 1, draft, opt, sched, {"note": "x"}, keep=1)
+    path = save_checkpoint(tmp_path, 1, draft.state_dict(), opt.state_dict(), sched.state_dict(), {"note": "x"}, keep=1)
     assert sorted(p.name for p in path.iterdir()) == ["draft.safetensors", "optimizer.safetensors", "state.json"]
     d = load_file(path / "draft.safetensors")
     assert "embed_tokens.weight" not in d and set(d) == set(draft_state(draft))
@@ -268,7 +268,7 @@ def test_checkpoint_files_hold_no_pickle(tmp_path):
                          ids=["I", "Vd", "Ht"])
 def test_load_into_different_shape_raises(tmp_path, over):
     draft, opt, sched = make_training(seed=0)
-    path = save_checkpoint(tmp_path, 1, draft, opt, sched, {}, keep=1)
+    path = save_checkpoint(tmp_path, 1, draft.state_dict(), opt.state_dict(), sched.state_dict(), {}, keep=1)
     other = make_draft(seed=1, **over)
     with pytest.raises((ValueError, RuntimeError), match="size mismatch|does not match"):
         load_checkpoint(path, other)
@@ -276,7 +276,7 @@ def test_load_into_different_shape_raises(tmp_path, over):
 
 def test_load_checkpoint_missing_tensor_raises(tmp_path):
     draft, opt, sched = make_training(seed=0)
-    path = save_checkpoint(tmp_path, 1, draft, opt, sched, {}, keep=1)
+    path = save_checkpoint(tmp_path, 1, draft.state_dict(), opt.state_dict(), sched.state_dict(), {}, keep=1)
     tensors = load_file(path / "draft.safetensors")
     del tensors["midlayer.mlp.up_proj.weight"]
     save_file(tensors, path / "draft.safetensors")

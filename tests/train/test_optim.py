@@ -75,7 +75,7 @@ def test_offloaded_adamw_resumes_exactly(tmp_path):
             super().__init__()
             self.m = m
 
-    path = save_checkpoint(tmp_path, 3, _Draft(first), opt1, sched1, {})
+    path = save_checkpoint(tmp_path, 3, _Draft(first).state_dict(), opt1.state_dict(), sched1.state_dict(), {})
     resumed = _model(seed=7)  # different init: everything must come from the checkpoint
     opt2 = OffloadedAdamW(resumed.parameters(), "cpu", **{**kw, "betas": (0.9, 0.95)})
     sched2 = build_scheduler(opt2, 6, 0.3)

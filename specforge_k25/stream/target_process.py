@@ -1,0 +1,218 @@
+"""What runs inside a target process (one per TP rank): the engine over a fixed list of batches,
+the hidden states into a `SlotRing` (stream/producer.py starts these processes and reads the ring).
+
+TP rank 0 (`run_producer`) walks the batches and broadcasts each batch's token ids to the other
+ranks (`run_tp_rank`), which run the same forward (or, regenerating, the same decoding of a group
+of prompts). Dedicated trainer: only rank 0 writes into a ring. Co-located trainer ranks: every TP
+rank writes its own trainer's share of each batch (`keep`) into its own ring on the same GPU.
+"""
+from __future__ import annotations
+
+import os
+import signal
+import sys
+import traceback
+from collections import Counter
+
+import psutil
+import torch
+
+from ..target.factory import TargetSpec, build_target
+from .ring import EndOfStream, ProducerFailed, SlotRing
+
+
+def die_with_parent() -> None:
+    """Linux: have the kernel SIGKILL this process when the trainer dies, even by SIGKILL (no orphans)."""
+    if sys.platform.startswith("linux"):
+        import ctypes
+
+        PR_SET_PDEATHSIG = 1
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
+
+
+def put_share(ring: SlotRing, index: int, out, keep: list[int] | None, ids: torch.Tensor | None,
+               prompt_lengths: list[int] | None) -> None:
+    """Message `index` of the ring: the sequences of a forward's output at positions `keep` (None: all)."""
+    if keep is None:
+        ring.put(index, out.aux_hidden, out.final_hidden, out.lengths, ids, prompt_lengths)
+        return
+    starts = [0]
+    for n in out.lengths:
+        starts.append(starts[-1] + n)
+
+    def rows(t):
+        return torch.cat([t[starts[p]:starts[p + 1]] for p in keep])
+
+    ring.put(index, rows(out.aux_hidden), rows(out.final_hidden), [out.lengths[p] for p in keep],
+             rows(ids) if ids is not None else None,
+             [prompt_lengths[p] for p in keep] if prompt_lengths is not None else None)
+
+
+def run_producer(spec: TargetSpec, tokens: torch.Tensor, offsets: torch.Tensor, batches: list, ring: SlotRing,
+                   parent_pid: int, keep: list | None = None):
+    """Entry point of the target process (TP rank 0). tokens: all sequences concatenated; offsets [N+1].
+    keep: per batch, the positions its ring carries (co-located; None: every sequence)."""
+    die_with_parent()
+    if os.getppid() != parent_pid:  # the trainer died before prctl took effect
+        return
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the whole group: the trainer decides
+    torch.set_num_threads(spec.num_threads)
+    stage = "engine start"
+    try:
+        target = build_target(spec, tp_rank=0)
+        torch.set_num_threads(spec.num_threads)
+        pool = target.max_total_tokens  # SGLang sizes its KV pool from free memory at start
+        largest = max((sum(sequence_room(spec, int(offsets[i + 1] - offsets[i])) for i in b) for b in batches), default=0)
+        if pool is not None and largest > pool:
+            raise ValueError(f"the largest batch has {largest} tokens but the engine's KV pool holds {pool}: "
+                             f"lower train.batch_size or data.max_length, or raise hw.mem_fraction_static")
+        stage = "engine warmup"
+        target.warmup()
+        io = psutil.Process().io_counters
+        ready_bytes = io().write_bytes
+        ahead = Regenerated(target, spec, tokens, offsets, batches, pool) if spec.regeneration is not None else None
+        sent = 0
+        for item, batch in enumerate(batches):
+            stage = f"target forward of batch {item}"
+            seqs = [tokens[offsets[i]:offsets[i + 1]] for i in batch]
+            ids = prompt_lengths = None
+            if ahead is not None:
+                stage = f"regeneration up to batch {item}"
+                seqs, prompt_lengths = ahead.take(item)
+                ids = torch.cat(seqs)
+                stage = f"target forward of batch {item}"
+            if spec.tp_size > 1:
+                target.share_batch([FORWARD, *seqs])  # the other TP ranks run the same forward
+            out = target.forward(seqs)
+            if keep is None or keep[item]:
+                put_share(ring, sent, out, keep[item] if keep is not None else None, ids, prompt_lengths)
+                sent += 1
+        if spec.tp_size > 1:
+            stage = "end of the batches (telling the other TP ranks)"
+            target.share_batch(None)
+        target.close()
+        ring.ready.put(EndOfStream(sent, ready_bytes, io().write_bytes - ready_bytes))
+    except BaseException as err:  # report, never hang the trainer
+        ring.ready.put(ProducerFailed(stage, f"{type(err).__name__}: {err}\n{traceback.format_exc()}"))
+        raise
+
+
+def sequence_room(spec: TargetSpec, length: int) -> int:
+    """Tokens a sequence of `length` occupies in the engine and the ring (its answer included)."""
+    return length + (spec.regeneration.budget(length) if spec.regeneration is not None else 0)
+
+
+# what TP rank 0 broadcasts ahead of the sequences, so the other ranks take the same step
+FORWARD, GENERATE = torch.tensor([0]), torch.tensor([1])
+
+
+class Regenerated:
+    """TP rank 0's answers, generated ahead of the forwards in groups of up to
+    regeneration.group_sequences prompts (decoding a batch of prompts costs about as much per step
+    as decoding one), each group within the engine's KV pool. A conversation used again later (a
+    held-out sample at every evaluation) is kept for that use while the kept ones stay under
+    KEEP_TOKENS, else regenerated (identically: seeded). Memory stays bounded."""
+
+    KEEP_TOKENS = 1 << 20
+
+    def __init__(self, target, spec: TargetSpec, tokens: torch.Tensor, offsets: torch.Tensor, batches: list,
+                 pool: int | None):
+        self.target, self.spec, self.batches, self.pool = target, spec, batches, pool
+        self.prompt = lambda i: tokens[offsets[i]:offsets[i + 1]]
+        self.ready: dict[int, torch.Tensor] = {}  # sample -> its conversation, until its last use
+        self.uses = Counter(i for batch in batches for i in batch)
+        self.kept: set[int] = set()  # used again later, kept meanwhile
+        self.kept_tokens = 0
+
+    def take(self, item: int) -> tuple[list[torch.Tensor], list[int]]:
+        """Batch `item`'s conversations (prompt + answer) and prompt lengths."""
+        batch = self.batches[item]
+        if any(i not in self.ready for i in batch):
+            self._generate_from(item)
+        conversations = [self.ready[i] for i in batch]
+        for i in batch:
+            self.uses[i] -= 1
+            if self.uses[i] > 0 and (i in self.kept or self.kept_tokens + len(self.ready[i]) <= self.KEEP_TOKENS):
+                if i not in self.kept:
+                    self.kept.add(i)
+                    self.kept_tokens += len(self.ready[i])
+                continue
+            conversation = self.ready.pop(i)
+            if i in self.kept:
+                self.kept.discard(i)
+                self.kept_tokens -= len(conversation)
+        return conversations, [len(self.prompt(i)) for i in batch]
+
+    def _generate_from(self, first: int) -> None:
+        regen = self.spec.regeneration
+        wanted, room = [], 0
+        for item in range(first, len(self.batches)):
+            need = [i for i in dict.fromkeys(self.batches[item]) if i not in self.ready and i not in wanted]
+            need_room = sum(len(self.prompt(i)) + regen.budget(len(self.prompt(i))) for i in need)
+            if wanted and (len(wanted) + len(need) > regen.group_sequences
+                           or (self.pool is not None and room + need_room > self.pool)):
+                break
+            wanted += need
+            room += need_room
+        prompts = [self.prompt(i) for i in wanted]
+        if self.spec.tp_size > 1:
+            self.target.share_batch([GENERATE, *prompts])
+        self.ready.update(zip(wanted, regenerate(self.target, prompts, regen)))
+
+
+def regenerate(target, prompts: list[torch.Tensor], regen) -> list[torch.Tensor]:
+    """prompt + the target's own answer, per sequence. The answer is generated first, then the
+    whole conversation is prefilled as any training batch is: its hidden states are exactly those of
+    a plain prefill of the same ids (capturing during decoding would give the decode kernels'
+    numbers instead; docs/PERFORMANCE.md measures both)."""
+    answers = target.generate(prompts, [regen.budget(len(p)) for p in prompts], regen)
+    return [torch.cat([p, torch.tensor(a, dtype=p.dtype)]) for p, a in zip(prompts, answers)]
+
+
+def run_tp_rank(spec: TargetSpec, tp_rank: int, report, parent_pid: int, ring: SlotRing | None = None,
+                  shares: tuple | None = None):
+    """Entry point of a TP rank other than 0: the same engine start, warm-up and forwards as rank 0,
+    batch by batch as rank 0 broadcasts them, until rank 0 says the batches are done. Its outputs are
+    dropped (rank 0 holds the full hidden states), unless it feeds a co-located trainer rank: then
+    `ring` gets its share of each batch, `shares` = (prompt lengths of every sample, the batches,
+    keep). A failure goes to `report` (the trainer's ready queue on the trainer's node; None
+    elsewhere: the traceback and exit code tell)."""
+    die_with_parent()
+    if os.getppid() != parent_pid:
+        return
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    torch.set_num_threads(spec.num_threads)
+    stage = "engine start"
+    try:
+        target = build_target(spec, tp_rank=tp_rank)
+        torch.set_num_threads(spec.num_threads)
+        stage = "engine warmup"
+        target.warmup()
+        io = psutil.Process().io_counters
+        ready_bytes = io().write_bytes
+        step = item = sent = 0
+        while True:
+            stage = f"target step {step}"
+            message = target.share_batch(None)
+            if message is None:
+                break
+            op, seqs = message[0], message[1:]
+            step += 1
+            if torch.equal(op, GENERATE):  # every TP rank decodes in step with rank 0 (same tokens drawn)
+                regenerate(target, seqs, spec.regeneration)
+                continue
+            out = target.forward(seqs)
+            if ring is not None and shares[2][item]:
+                prompt_len, batches, keep = shares
+                regen = spec.regeneration is not None
+                put_share(ring, sent, out, keep[item], torch.cat(seqs) if regen else None,
+                           [prompt_len[i] for i in batches[item]] if regen else None)
+                sent += 1
+            item += 1
+        target.close()
+        if ring is not None:
+            ring.ready.put(EndOfStream(sent, ready_bytes, io().write_bytes - ready_bytes))
+    except BaseException as err:
+        if report is not None:
+            report.put(ProducerFailed(stage, f"{type(err).__name__}: {err}\n{traceback.format_exc()}", rank=tp_rank))
+        raise

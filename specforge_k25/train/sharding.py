@@ -1,0 +1,68 @@
+"""The co-located layout's draft state, sharded over all trainer ranks with PyTorch's FSDP2
+(`fully_shard`): each rank keeps 1/W of the trainable weights, their gradients and AdamW's m/v,
+so the optimizer runs on the GPUs beside the target (docs/PERFORMANCE.md §5).
+
+Units: fc, the decoder layer, the final norm and the draft lm_head, each sharded on its own; the
+frozen target embedding stays whole on every rank (it is never trained, and gathering its
+vocab x hidden rows every step would dominate the traffic). The TTT loop calls each unit K times
+per micro-batch: they stay gathered from the first call to the end of backward
+(reshard_after_forward=False), one all-gather and one reduce-scatter per micro-batch.
+
+Gradients are SUMMED over ranks (divide factor 1, sum-only collectives: gloo has no PREMUL_SUM),
+because each rank's loss is already divided by the global number of loss positions
+(train/distributed.py). Checkpoints and the export hold the full, unsharded state in the format
+of a one-rank run.
+"""
+from __future__ import annotations
+
+import torch
+from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict,
+                                                     get_optimizer_state_dict, set_model_state_dict,
+                                                     set_optimizer_state_dict)
+from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+from ..draft.model import Eagle3Draft
+
+UNITS = ("fc", "midlayer", "norm", "lm_head")
+_FULL = StateDictOptions(full_state_dict=True, cpu_offload=True)  # complete on rank 0, on the host
+
+
+def shard_draft(draft: Eagle3Draft, bf16: bool = False) -> Eagle3Draft:
+    """In place: shard the draft's trainable units over the default process group.
+    bf16: gather the weights in bf16 (what autocast computes with anyway), reduce in fp32."""
+    mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if bf16 else MixedPrecisionPolicy()
+    for name in UNITS:
+        unit = fully_shard(getattr(draft, name), reshard_after_forward=False, mp_policy=mp)
+        unit.set_gradient_divide_factor(1.0)
+        unit.set_force_sum_reduction_for_comms(True)
+    return draft
+
+
+def is_sharded(draft: torch.nn.Module) -> bool:
+    return any(isinstance(getattr(draft, name, None), torch.distributed.fsdp.FSDPModule) for name in UNITS)
+
+
+def full_model_state(draft: Eagle3Draft) -> dict:
+    """The model state dict, unsharded; a collective every rank calls, complete on rank 0 only
+    (the others get an empty dict)."""
+    return get_model_state_dict(draft, options=_FULL)
+
+
+def full_state(draft: Eagle3Draft, optimizer) -> tuple[dict, dict]:
+    """(model state dict, optimizer state dict keyed by parameter name), as full_model_state."""
+    return full_model_state(draft), get_optimizer_state_dict(draft, optimizer, options=_FULL)
+
+
+def load_full_state(draft: Eagle3Draft, optimizer, model: dict, optim: dict | None) -> None:
+    """Each rank keeps its shard of a full state (every rank passes the same dicts)."""
+    opts = StateDictOptions(full_state_dict=True, strict=False)  # the frozen embedding is not in checkpoints
+    set_model_state_dict(draft, model, options=opts)
+    if optim is not None:
+        set_optimizer_state_dict(draft, optimizer, optim, options=StateDictOptions(full_state_dict=True))
+
+
+def unsharded_copy(draft: Eagle3Draft, model: dict) -> Eagle3Draft:
+    """A plain (unsharded, host) draft holding the full state `model` (rank 0's, from full_state)."""
+    plain = Eagle3Draft(draft.cfg)
+    plain.load_state_dict(model)
+    return plain

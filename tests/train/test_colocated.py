@@ -1,0 +1,205 @@
+"""Co-located trainer ranks (hw.trainer_layout=colocated): the token-balanced shares, the layout
+rules, and the real CLI under torchrun (SGLang TP2 target on the tiny DeepSeek, one trainer rank
+beside each TP rank, the draft sharded with FSDP2 over gloo) against one dedicated trainer rank
+reading the same TP2 target with the same global batch."""
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import psutil
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from specforge_k25.config import HwConfig
+from specforge_k25.setup.layout import World, check_layout, rank_gpus, ranks_per_node
+from specforge_k25.train.distributed import Ranks, balanced_shares
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+# ------------------------------------------------------------------ shares and layout
+def test_balanced_shares_known_cases():
+    assert balanced_shares([5, 1, 1, 1, 1, 1], 2) == [[0], [1, 2, 3, 4, 5]]  # 5 vs 5 tokens
+    assert balanced_shares([3, 3, 2, 2, 2], 2) == [[0, 2, 4], [1, 3]]  # LPT: 7 vs 5, positions ascending
+    assert balanced_shares([4], 2) == [[0], []]  # a short batch leaves a rank empty
+    assert balanced_shares([], 3) == [[], [], []]
+
+
+def test_colocated_shares_cover_the_replica_batch_once_and_balance_tokens():
+    sizes = {10: 50, 11: 7, 12: 30, 13: 22, 20: 1, 21: 1, 22: 1, 23: 1}
+    batch = [10, 11, 12, 13, 20, 21, 22, 23]  # global batch: 2 replicas x 2 ranks x batch_size 2
+    shares = [Ranks(rank=r, world=4, per_replica=2).share(batch, 2, sizes) for r in range(4)]
+    assert sorted(shares[0] + shares[1]) == [10, 11, 12, 13] and sorted(shares[2] + shares[3]) == [20, 21, 22, 23]
+    assert [sum(sizes[i] for i in s) for s in shares] == [57, 52, 2, 2]
+    # dedicated (one rank per replica): the contiguous slices as before
+    assert [Ranks(rank=r, world=2).share(batch[:4], 2) for r in range(2)] == [[10, 11], [12, 13]]
+
+
+def test_colocated_layout_rules():
+    hw = HwConfig(name="b300x8", device="cuda", num_gpus=8, target_tp=4, target_replicas=2, trainer_layout="colocated")
+    assert ranks_per_node(hw) == 8
+    assert [rank_gpus(hw, r) for r in (0, 3, 4, 7)] == [(0, 0), (3, 0), (4, 4), (7, 4)]
+    check_layout(hw, World(rank=5, size=8, local_rank=5, local_size=8))
+    with pytest.raises(ValueError, match="2 replica\\(s\\) x TP 4 = 8 trainer ranks.*--nproc-per-node 8"):
+        check_layout(hw, World(size=2, local_size=2))
+    with pytest.raises(ValueError, match="one node"):
+        check_layout(HwConfig(target_tp=2, target_nnodes=2, trainer_layout="colocated"), World(size=1, local_size=1))
+    with pytest.raises(ValueError, match="trainer_layout"):
+        check_layout(HwConfig(trainer_layout="sideways"), World())
+
+
+# ------------------------------------------------------------------ two co-located ranks == one dedicated rank
+# Same settings as the data-parallel test (test_distributed.py): 13 training samples, global batch
+# 4, grad_accum 2, 2 epochs -> 4 optimizer steps; each epoch ends with a one-sample micro-batch in
+# which one co-located rank has no share (it runs a loss-free stand-in: FSDP's collectives need
+# every rank). grad_clip=1e-10 keeps Adam's update linear in the gradient (see there); lr=100
+# moves the weights by ~10 % over the 4 steps. Both runs read an SGLang TP2 target, so the hidden
+# states are the same bits and what differs is the summation order of the gradients (balanced
+# shares, FSDP's reduce-scatter per micro-batch): measured 1.7e-7 relative at step 1, 2.7e-7 at
+# step 4 (at lr=1000 the same rounding grows to 6e-6 by step 4: each step moves the weights by
+# about their own size). Planted bugs, measured once (max relative weight difference at step 4):
+# rank 1 training on rank 0's share 0.47; no gradient reduction (the draft left unsharded and the
+# ranks' gradients not summed) 0.46; per-rank loss normalisation 0.20.
+COMMON = ["target=tiny_deepseek", "hw.target_tp=2", "data.num_samples=13", "data.heldout_samples=3",
+          "data.max_length=64", "draft.vocab_size=1024", "train.ttt_length=3", "train.grad_accum=2",
+          "train.epochs=2", "train.lr=100", "train.grad_clip=1e-10", "train.log_every=1",
+          "train.checkpoint_every=1", "train.keep_checkpoints=10", "train.progress=false", "train.logger=none"]
+COLOCATED = [*COMMON, "hw.trainer_layout=colocated", "train.batch_size=2"]
+
+
+def _env():
+    return {**os.environ, "PYTHONWARNINGS": "ignore", "OMP_NUM_THREADS": "1", "WANDB_SILENT": "true"}
+
+
+def _cli(run_dir: Path, overrides: list[str], nproc: int = 1) -> list[str]:
+    launch = ([sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}"]
+              if nproc > 1 else [sys.executable])
+    return [*launch, "-m", "specforge_k25.train", *overrides, f"train.out_dir={run_dir}",
+            f"hydra.run.dir={run_dir}/hydra"]
+
+
+def _max_rel_diff(a: dict, b: dict) -> float:
+    assert a.keys() == b.keys()
+    worst = 0.0
+    for k in a:
+        if not a[k].is_floating_point():
+            assert torch.equal(a[k], b[k]), k
+            continue
+        worst = max(worst, ((a[k].double() - b[k].double()).abs().max() / a[k].double().abs().max()).item())
+    return worst
+
+
+@pytest.fixture(scope="module")
+def colocated_runs(tiny_deepseek_path, tmp_path_factory):
+    """One dedicated rank x batch 4 and two co-located ranks x batch 2, TP2 each, side by side."""
+    root = tmp_path_factory.mktemp("colocated")
+    one, two = root / "dedicated", root / "colocated"
+    procs = [subprocess.Popen(_cli(one, [*COMMON, "train.batch_size=4"]), env=_env(), cwd=ROOT,
+                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True),
+             subprocess.Popen(_cli(two, COLOCATED, nproc=2), env=_env(), cwd=ROOT,
+                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)]
+    logs = []
+    for proc in procs:
+        log, _ = proc.communicate(timeout=900)
+        assert proc.returncode == 0, log[-5000:]
+        logs.append(log)
+    return one, two, logs
+
+
+@pytest.mark.e2e
+def test_two_colocated_ranks_equal_one_dedicated_rank(colocated_runs):
+    one, two, logs = colocated_runs
+    s1, s2 = (json.loads((d / "summary.json").read_text()) for d in (one, two))
+    assert s2["trainer_ranks"] == 2 and s1["trainer_ranks"] == 1
+    for key in ("steps", "samples_trained", "tokens_trained"):
+        assert s1[key] == s2[key], key
+    assert s1["steps"] == 4 and s1["samples_trained"] == 26
+    assert s2["disk"]["hidden_state_bytes_on_disk"] == 0
+    assert json.loads((two / "checkpoints" / "step_00000004" / "state.json").read_text()
+                      )["fingerprint"]["trainer_layout"] == "colocated"
+
+    ckpts = sorted(p.name for p in (one / "checkpoints").iterdir())
+    assert ckpts == sorted(p.name for p in (two / "checkpoints").iterdir()) and len(ckpts) == 4
+    diffs = {c: _max_rel_diff(load_file(one / "checkpoints" / c / "draft.safetensors"),
+                              load_file(two / "checkpoints" / c / "draft.safetensors")) for c in ckpts}
+    diffs["export"] = _max_rel_diff(load_file(one / "export" / "model.safetensors"),
+                                    load_file(two / "export" / "model.safetensors"))
+    print("max relative weight difference, dedicated vs co-located:", diffs)
+    assert max(diffs.values()) < 1e-6, diffs
+    first = load_file(one / "checkpoints" / ckpts[0] / "draft.safetensors")
+    assert _max_rel_diff(first, load_file(one / "checkpoints" / ckpts[-1] / "draft.safetensors")) > 1e-2
+    # AdamW's state, gathered from the shards into the one-rank format (keyed by parameter name)
+    o1 = load_file(one / "checkpoints" / ckpts[-1] / "optimizer.safetensors")
+    o2 = load_file(two / "checkpoints" / ckpts[-1] / "optimizer.safetensors")
+    assert sum(k.endswith(".exp_avg") for k in o2) == sum(k.endswith(".exp_avg") for k in o1) > 0
+
+    for tag in ("start", "end"):
+        e1, e2 = s1["eval"][tag], s2["eval"][tag]
+        assert e1["positions"] == e2["positions"] > 0
+        for k in e1:
+            tol = dict(abs=0.05) if k.startswith(("acc_", "tau_sim")) else dict(rel=1e-5, abs=1e-7)
+            assert e2[k] == pytest.approx(e1[k], **tol), (tag, k)
+
+
+@pytest.mark.e2e
+def test_colocated_resume_from_its_gathered_checkpoint_is_bit_identical(colocated_runs, tmp_path):
+    _, two, _ = colocated_runs
+    run = tmp_path / "resumed"
+    (run / "checkpoints").mkdir(parents=True)
+    shutil.copytree(two / "checkpoints" / "step_00000002", run / "checkpoints" / "step_00000002")
+    out = subprocess.run(_cli(run, [*COLOCATED, "train.resume=auto"], nproc=2), env=_env(), cwd=ROOT,
+                         capture_output=True, text=True, timeout=900)
+    assert out.returncode == 0, (out.stdout + out.stderr)[-5000:]
+    summary = json.loads((run / "summary.json").read_text())
+    assert summary["steps"] == 4 and summary["resumed_from"].endswith("step_00000002")
+    a, b = load_file(two / "export" / "model.safetensors"), load_file(run / "export" / "model.safetensors")
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    for name in ("draft.safetensors", "optimizer.safetensors"):
+        a = load_file(two / "checkpoints" / "step_00000004" / name)
+        b = load_file(run / "checkpoints" / "step_00000004" / name)
+        assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a if k != "rng.torch"), name
+
+
+@pytest.mark.e2e
+def test_killed_colocated_tp_rank_is_named_with_progress_saved(tiny_deepseek_path, tmp_path):
+    """SIGKILL the TP rank beside trainer rank 1 after the first checkpoint: the launch ends within
+    30 s, names that TP rank, and points at the saved checkpoint."""
+    run = tmp_path / "killed"
+    overrides = [*COLOCATED, "data.num_samples=60", "train.epochs=4", "train.checkpoint_every=2",
+                 "train.lr=1e-3", "train.grad_clip=0.5"]
+    proc = subprocess.Popen(_cli(run, overrides, nproc=2), env=_env(), cwd=ROOT, stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True)
+    try:
+        deadline = time.monotonic() + 600
+        while not list((run / "checkpoints").glob("step_*")) and time.monotonic() < deadline:
+            assert proc.poll() is None, proc.stdout.read()[-5000:]
+            time.sleep(0.5)
+        tp1 = _tp_process_of_trainer_rank(proc.pid, 1)
+        tp1.send_signal(signal.SIGKILL)
+        killed = time.monotonic()
+        out, _ = proc.communicate(timeout=120)
+        assert time.monotonic() - killed < 30, out[-5000:]
+    finally:
+        proc.kill()
+    assert proc.returncode != 0
+    assert "TP rank 1 of 2" in out and "died" in out, out[-5000:]
+    assert "progress saved" in out and "step_0000000" in out, out[-5000:]
+
+
+def _tp_process_of_trainer_rank(launcher_pid: int, rank: int) -> psutil.Process:
+    """The target process a trainer rank started (torchrun -> trainer ranks -> their spawned TP rank)."""
+    for trainer in psutil.Process(launcher_pid).children(recursive=True):
+        try:
+            if trainer.environ().get("LOCAL_RANK") == str(rank) and "specforge_k25.train" in " ".join(trainer.cmdline()):
+                return next(c for c in trainer.children() if "spawn_main" in " ".join(c.cmdline()))
+        except (psutil.Error, StopIteration):
+            continue
+    raise AssertionError(f"no target process of trainer rank {rank} found")
