@@ -1,11 +1,15 @@
 """`python -m specforge_k25.train [+hw=...] [target=...] [group.key=value ...]`
-`torchrun --nproc-per-node N -m specforge_k25.train ...`: N data-parallel trainer ranks (N = hw.target_replicas).
+A profile with several trainer ranks per node (hw.trainer_layout=colocated: one beside every TP
+rank; dedicated: one per hw.target_replicas) starts them itself with torchrun on this node;
+`torchrun --nproc-per-node N -m specforge_k25.train ...` does the same by hand (several nodes:
+launch/multinode.py).
 
 Hydra composes conf/config.yaml; the structured schema (specforge_k25/config.py) rejects
 unknown keys and wrong types. `--help` lists every field with its one-line doc.
 """
 from __future__ import annotations
 
+import os
 import sys
 from pathlib import Path
 
@@ -51,6 +55,23 @@ def print_summary(summary: dict, ttt_length: int) -> None:
     Console().print(table)
 
 
+def relaunch_under_torchrun(job: JobConfig, argv: list[str]) -> None:
+    """Plain `python -m specforge_k25.train` on a profile with several trainer ranks per node:
+    replace this process by torch's own launcher starting them (one node; never returns)."""
+    from ..setup.layout import ranks_per_node
+
+    ranks = ranks_per_node(job.hw)
+    if ranks == 1 or "LOCAL_RANK" in os.environ or job.hw.target_nnodes > 1:
+        return
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={ranks}",
+           "-m", "specforge_k25.train", *argv]
+    layout = (f"one beside each of the {job.hw.target_tp} TP ranks of {job.hw.target_replicas} replica(s)"
+              if job.hw.trainer_layout == "colocated" else "one per target replica")
+    print(f"hw={job.hw.name}: {ranks} trainer ranks ({layout}); starting them with torchrun:\n  "
+          f"{' '.join(['python', *cmd[1:]])}", flush=True)
+    os.execv(sys.executable, cmd)
+
+
 @hydra.main(config_path=CONF_DIR, config_name="config", version_base="1.3")
 def main(cfg) -> None:
     from hydra.core.hydra_config import HydraConfig
@@ -61,6 +82,11 @@ def main(cfg) -> None:
     from .trainer import TrainingInterrupted, run_training
 
     job: JobConfig = OmegaConf.to_object(cfg)
+    try:
+        relaunch_under_torchrun(job, sys.argv[1:])
+    except ValueError as err:  # hw.trainer_layout not dedicated | colocated
+        print(f"\nerror: {err}", file=sys.stderr)
+        sys.exit(2)
     run_dir = job.train.out_dir or HydraConfig.get().runtime.output_dir
     try:
         summary = run_training(job, run_dir)

@@ -42,7 +42,12 @@ def print_overview(job: JobConfig, setup: RunSetup, schedule: list[BatchItem], s
         f"{job.train.batch_size * job.data.max_length} tokens x {4 * H} floats",
         f"outputs     {run_dir}",
     ]
-    if world > 1:
+    if world > 1 and job.hw.trainer_layout == "colocated":
+        tp = job.hw.target_tp
+        lines.insert(-2, f"ranks       {world} co-located trainer ranks, one beside each TP rank of {world // tp} "
+                         f"replica(s); global batch {world} x {job.train.batch_size} samples, each replica's "
+                         f"{tp * job.train.batch_size} shared out balanced by tokens; draft sharded {world} ways (FSDP2)")
+    elif world > 1:
         lines.insert(-2, f"ranks       {world} data-parallel trainer ranks, one target replica each; global batch "
                          f"{world} x {job.train.batch_size} samples, sliced by rank")
     print("\n".join(lines), flush=True)

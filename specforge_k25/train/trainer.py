@@ -304,7 +304,9 @@ class Trainer:
         else:  # colocated: this rank's TP rank runs the replica's batches, its ring carries the share
             self.stream = self.stream_factory(self.job, self.setup, self.samples, [b for b in batches if b],
                                               keep=[k for b, k in zip(batches, keep) if b], ranks=self.ranks)
-        self.stream.should_stop = self.stop.requested
+        # Sharded ranks keep waiting for their batch after a stop signal (once there is progress to
+        # save): they stop together at the next schedule item, where they can gather their state.
+        self.stream.should_stop = lambda: self.stop.requested() and not (self.draft_trainer.sharded and self.saved.step)
         self.bar = tqdm(total=self.steps, initial=self.saved.step, desc="train", unit="step",
                         disable=not (tr.progress and self.ranks.main), dynamic_ncols=True)
         io = psutil.Process().io_counters

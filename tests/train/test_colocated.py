@@ -99,12 +99,13 @@ def _max_rel_diff(a: dict, b: dict) -> float:
 
 @pytest.fixture(scope="module")
 def colocated_runs(tiny_deepseek_path, tmp_path_factory):
-    """One dedicated rank x batch 4 and two co-located ranks x batch 2, TP2 each, side by side."""
+    """One dedicated rank x batch 4 and two co-located ranks x batch 2, TP2 each, side by side; the
+    co-located run launched as `python -m specforge_k25.train`, which starts its ranks with torchrun."""
     root = tmp_path_factory.mktemp("colocated")
     one, two = root / "dedicated", root / "colocated"
     procs = [subprocess.Popen(_cli(one, [*COMMON, "train.batch_size=4"]), env=_env(), cwd=ROOT,
                               stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True),
-             subprocess.Popen(_cli(two, COLOCATED, nproc=2), env=_env(), cwd=ROOT,
+             subprocess.Popen(_cli(two, COLOCATED), env=_env(), cwd=ROOT,  # plain python: starts torchrun
                               stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)]
     logs = []
     for proc in procs:
@@ -117,6 +118,9 @@ def colocated_runs(tiny_deepseek_path, tmp_path_factory):
 @pytest.mark.e2e
 def test_two_colocated_ranks_equal_one_dedicated_rank(colocated_runs):
     one, two, logs = colocated_runs
+    assert "2 trainer ranks (one beside each of the 2 TP ranks of 1 replica(s)); starting them with torchrun" in logs[1]
+    assert "torchrun" not in logs[0]
+    assert "2 co-located trainer ranks, one beside each TP rank of 1 replica(s)" in logs[1]  # rank 0's plan
     s1, s2 = (json.loads((d / "summary.json").read_text()) for d in (one, two))
     assert s2["trainer_ranks"] == 2 and s1["trainer_ranks"] == 1
     for key in ("steps", "samples_trained", "tokens_trained"):
