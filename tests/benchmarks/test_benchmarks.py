@@ -338,3 +338,21 @@ def test_gpu_wheel_list_is_pinned_and_small():
     sizes = [float(ln.split("#")[1].split()[0]) for ln in (BENCHMARKS / "gpu_wheels.txt").read_text().splitlines()
              if "==" in ln.split("#")[0]]
     assert len(sizes) == len(pins) and sum(sizes) < 56, sum(sizes)  # 64 MiB per device run, the tree included
+
+
+# ------------------------------------------------------------------------------ colocated
+@pytest.mark.e2e
+def test_colocated_benchmark_smoke(tmp_path, tiny_deepseek_path):
+    """Both layouts run through the CLI; the result names every process's busy share."""
+    out = tmp_path / "colocated.json"
+    proc = subprocess.run([sys.executable, str(BENCHMARKS / "colocated.py"), "--smoke", "--out", str(out)],
+                          capture_output=True, text=True, timeout=900, cwd=BENCHMARKS.parent)
+    assert proc.returncode == 0, (proc.stdout + proc.stderr)[-4000:]
+    result = json.loads(out.read_text())
+    dedicated, colocated = result["runs"]
+    assert (dedicated["layout"], colocated["layout"]) == ("dedicated", "colocated")
+    assert dedicated["tokens_trained"] == colocated["tokens_trained"] > 0
+    assert sorted(dedicated["busy_share"]) == ["target 0", "target 1", "trainer 0"]
+    assert sorted(colocated["busy_share"]) == ["launcher 0", "target 0", "target 1", "trainer 0", "trainer 1"]
+    assert all(finite(v) and v >= 0 for r in (dedicated, colocated) for v in r["busy_share"].values())
+    assert finite(result["colocated_over_dedicated_tokens_per_s"])
