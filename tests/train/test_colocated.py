@@ -207,3 +207,27 @@ def _tp_process_of_trainer_rank(launcher_pid: int, rank: int) -> psutil.Process:
         except (psutil.Error, StopIteration):
             continue
     raise AssertionError(f"no target process of trainer rank {rank} found")
+
+
+@pytest.mark.e2e
+def test_colocated_regeneration_trains_the_same_answers_as_dedicated(tiny_deepseek_path, tmp_path):
+    """data.regenerate with co-located ranks: TP rank 0 decodes, every TP rank prefills prompt +
+    answer and hands its own trainer rank its share. Greedy answers of the same TP2 engine, so the
+    two layouts train on the same conversations: the same tokens and positions, nothing on disk."""
+    regen = ["target=tiny_deepseek", "hw.target_tp=2", "data.regenerate=true", "data.regen_max_new_tokens=8",
+             "data.num_samples=12", "data.heldout_samples=2", "data.max_length=64", "draft.vocab_size=1024",
+             "train.progress=false", "train.logger=none"]
+    runs = {"dedicated": [*regen, "train.batch_size=4"],
+            "colocated": [*regen, "hw.trainer_layout=colocated", "train.batch_size=2"]}
+    summaries = {}
+    for name, overrides in runs.items():
+        out = subprocess.run(_cli(tmp_path / name, overrides), env=_env(), cwd=ROOT, capture_output=True,
+                             text=True, timeout=900)
+        assert out.returncode == 0, (out.stdout + out.stderr)[-5000:]
+        summaries[name] = json.loads((tmp_path / name / "summary.json").read_text())
+    d, c = summaries["dedicated"], summaries["colocated"]
+    assert c["trainer_ranks"] == 2 and c["samples_trained"] == d["samples_trained"] == 12
+    assert c["tokens_trained"] == d["tokens_trained"] > 12 * 8
+    assert c["eval"]["end"]["positions"] == d["eval"]["end"]["positions"] > 0
+    assert c["disk"]["hidden_state_bytes_on_disk"] == 0
+    assert (tmp_path / "colocated" / "regenerated.jsonl").read_text().strip()
