@@ -5,7 +5,6 @@ reading the same TP2 target with the same global batch."""
 from __future__ import annotations
 
 import json
-import os
 import shutil
 import signal
 import subprocess
@@ -21,6 +20,8 @@ from safetensors.torch import load_file
 from specforge_k25.config import HwConfig
 from specforge_k25.setup.layout import World, check_layout, rank_gpus, ranks_per_node
 from specforge_k25.train.distributed import Ranks, balanced_shares
+
+from rank_runs import assert_same_evals, max_rel_diff, rank_env, run_side_by_side
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -75,26 +76,11 @@ COMMON = ["target=tiny_deepseek", "hw.target_tp=2", "data.num_samples=13", "data
 COLOCATED = [*COMMON, "hw.trainer_layout=colocated", "train.batch_size=2"]
 
 
-def _env():
-    return {**os.environ, "PYTHONWARNINGS": "ignore", "OMP_NUM_THREADS": "1", "WANDB_SILENT": "true"}
-
-
 def _cli(run_dir: Path, overrides: list[str], nproc: int = 1) -> list[str]:
     launch = ([sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}"]
               if nproc > 1 else [sys.executable])
     return [*launch, "-m", "specforge_k25.train", *overrides, f"train.out_dir={run_dir}",
             f"hydra.run.dir={run_dir}/hydra"]
-
-
-def _max_rel_diff(a: dict, b: dict) -> float:
-    assert a.keys() == b.keys()
-    worst = 0.0
-    for k in a:
-        if not a[k].is_floating_point():
-            assert torch.equal(a[k], b[k]), k
-            continue
-        worst = max(worst, ((a[k].double() - b[k].double()).abs().max() / a[k].double().abs().max()).item())
-    return worst
 
 
 @pytest.fixture(scope="module")
@@ -103,15 +89,8 @@ def colocated_runs(tiny_deepseek_path, tmp_path_factory):
     co-located run launched as `python -m specforge_k25.train`, which starts its ranks with torchrun."""
     root = tmp_path_factory.mktemp("colocated")
     one, two = root / "dedicated", root / "colocated"
-    procs = [subprocess.Popen(_cli(one, [*COMMON, "train.batch_size=4"]), env=_env(), cwd=ROOT,
-                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True),
-             subprocess.Popen(_cli(two, COLOCATED), env=_env(), cwd=ROOT,  # plain python: starts torchrun
-                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)]
-    logs = []
-    for proc in procs:
-        log, _ = proc.communicate(timeout=900)
-        assert proc.returncode == 0, log[-5000:]
-        logs.append(log)
+    # the co-located run as plain python: it starts torchrun itself
+    logs = run_side_by_side([_cli(one, [*COMMON, "train.batch_size=4"]), _cli(two, COLOCATED)], timeout=900)
     return one, two, logs
 
 
@@ -132,25 +111,20 @@ def test_two_colocated_ranks_equal_one_dedicated_rank(colocated_runs):
 
     ckpts = sorted(p.name for p in (one / "checkpoints").iterdir())
     assert ckpts == sorted(p.name for p in (two / "checkpoints").iterdir()) and len(ckpts) == 4
-    diffs = {c: _max_rel_diff(load_file(one / "checkpoints" / c / "draft.safetensors"),
+    diffs = {c: max_rel_diff(load_file(one / "checkpoints" / c / "draft.safetensors"),
                               load_file(two / "checkpoints" / c / "draft.safetensors")) for c in ckpts}
-    diffs["export"] = _max_rel_diff(load_file(one / "export" / "model.safetensors"),
+    diffs["export"] = max_rel_diff(load_file(one / "export" / "model.safetensors"),
                                     load_file(two / "export" / "model.safetensors"))
     print("max relative weight difference, dedicated vs co-located:", diffs)
     assert max(diffs.values()) < 1e-6, diffs
     first = load_file(one / "checkpoints" / ckpts[0] / "draft.safetensors")
-    assert _max_rel_diff(first, load_file(one / "checkpoints" / ckpts[-1] / "draft.safetensors")) > 1e-2
+    assert max_rel_diff(first, load_file(one / "checkpoints" / ckpts[-1] / "draft.safetensors")) > 1e-2
     # AdamW's state, gathered from the shards into the one-rank format (keyed by parameter name)
     o1 = load_file(one / "checkpoints" / ckpts[-1] / "optimizer.safetensors")
     o2 = load_file(two / "checkpoints" / ckpts[-1] / "optimizer.safetensors")
     assert sum(k.endswith(".exp_avg") for k in o2) == sum(k.endswith(".exp_avg") for k in o1) > 0
 
-    for tag in ("start", "end"):
-        e1, e2 = s1["eval"][tag], s2["eval"][tag]
-        assert e1["positions"] == e2["positions"] > 0
-        for k in e1:
-            tol = dict(abs=0.05) if k.startswith(("acc_", "tau_sim")) else dict(rel=1e-5, abs=1e-7)
-            assert e2[k] == pytest.approx(e1[k], **tol), (tag, k)
+    assert_same_evals(s1, s2)
 
 
 @pytest.mark.e2e
@@ -159,7 +133,7 @@ def test_colocated_resume_from_its_gathered_checkpoint_is_bit_identical(colocate
     run = tmp_path / "resumed"
     (run / "checkpoints").mkdir(parents=True)
     shutil.copytree(two / "checkpoints" / "step_00000002", run / "checkpoints" / "step_00000002")
-    out = subprocess.run(_cli(run, [*COLOCATED, "train.resume=auto"], nproc=2), env=_env(), cwd=ROOT,
+    out = subprocess.run(_cli(run, [*COLOCATED, "train.resume=auto"], nproc=2), env=rank_env(), cwd=ROOT,
                          capture_output=True, text=True, timeout=900)
     assert out.returncode == 0, (out.stdout + out.stderr)[-5000:]
     summary = json.loads((run / "summary.json").read_text())
@@ -179,7 +153,7 @@ def test_killed_colocated_tp_rank_is_named_with_progress_saved(tiny_deepseek_pat
     run = tmp_path / "killed"
     overrides = [*COLOCATED, "data.num_samples=60", "train.epochs=4", "train.checkpoint_every=2",
                  "train.lr=1e-3", "train.grad_clip=0.5"]
-    proc = subprocess.Popen(_cli(run, overrides, nproc=2), env=_env(), cwd=ROOT, stdout=subprocess.PIPE,
+    proc = subprocess.Popen(_cli(run, overrides, nproc=2), env=rank_env(), cwd=ROOT, stdout=subprocess.PIPE,
                             stderr=subprocess.STDOUT, text=True)
     try:
         deadline = time.monotonic() + 600
@@ -221,7 +195,7 @@ def test_colocated_regeneration_trains_the_same_answers_as_dedicated(tiny_deepse
             "colocated": [*regen, "hw.trainer_layout=colocated", "train.batch_size=2"]}
     summaries = {}
     for name, overrides in runs.items():
-        out = subprocess.run(_cli(tmp_path / name, overrides), env=_env(), cwd=ROOT, capture_output=True,
+        out = subprocess.run(_cli(tmp_path / name, overrides), env=rank_env(), cwd=ROOT, capture_output=True,
                              text=True, timeout=900)
         assert out.returncode == 0, (out.stdout + out.stderr)[-5000:]
         summaries[name] = json.loads((tmp_path / name / "summary.json").read_text())

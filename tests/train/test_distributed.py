@@ -19,6 +19,7 @@ from specforge_k25.draft.loss import Teacher, loss_positions, ttt_loss
 from specforge_k25.setup.layout import World, check_layout, rank_gpus
 from specforge_k25.train.distributed import Ranks
 
+from rank_runs import assert_same_evals, max_rel_diff, rank_env, run_side_by_side
 from ttt_reference import _tiny_setup, reference_ttt  # tests/fixtures: the float64 loop reference of the TTT loss
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -129,10 +130,6 @@ def test_layout_mismatch_is_refused(hw, world, message):
         check_layout(hw, world)
 
 
-def _env():
-    return {**os.environ, "PYTHONWARNINGS": "ignore", "OMP_NUM_THREADS": "1", "WANDB_SILENT": "true"}
-
-
 def _torchrun(nproc: int, *args: str) -> list[str]:
     return [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}", *args]
 
@@ -142,7 +139,7 @@ def test_cli_under_torchrun_refuses_a_world_that_does_not_match(tmp_path):
     t0 = time.monotonic()
     out = subprocess.run(_torchrun(1, "-m", "specforge_k25.train", "hw.target_replicas=2", "train.logger=none",
                                    f"train.out_dir={tmp_path / 'run'}", f"hydra.run.dir={tmp_path / 'hydra'}"),
-                         capture_output=True, text=True, timeout=300, env=_env(), cwd=ROOT)
+                         capture_output=True, text=True, timeout=300, env=rank_env(), cwd=ROOT)
     assert out.returncode != 0
     assert "1 trainer rank(s) were started on this node" in out.stderr, out.stderr[-3000:]
     assert "torchrun --nproc-per-node 2" in out.stderr
@@ -175,18 +172,6 @@ def _train_records(run_dir: Path) -> list[dict]:
     return [json.loads(l) for l in (run_dir / "metrics.jsonl").read_text().splitlines() if "train/loss" in l]
 
 
-def _max_rel_diff(a: dict, b: dict) -> float:
-    assert a.keys() == b.keys()
-    worst = 0.0
-    for k in a:
-        if not a[k].is_floating_point():
-            assert torch.equal(a[k], b[k]), k  # vocab maps
-            continue
-        scale = a[k].double().abs().max().item()
-        worst = max(worst, (a[k].double() - b[k].double()).abs().max().item() / scale)
-    return worst
-
-
 TWO_RANKS = [*COMMON, "train.batch_size=2", "hw.target_replicas=2"]
 
 
@@ -195,15 +180,8 @@ def dp_runs(tiny_deepseek_path, tmp_path_factory):
     """One rank x batch 4 (plain python) and two ranks x batch 2 (torchrun), run side by side."""
     root = tmp_path_factory.mktemp("dp")
     one, two = root / "one", root / "two"
-    procs = [subprocess.Popen([sys.executable, WORKER, str(one), *COMMON, "train.batch_size=4"], env=_env(), cwd=ROOT,
-                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True),
-             subprocess.Popen(_torchrun(2, WORKER, str(two), *TWO_RANKS), env=_env(), cwd=ROOT,
-                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)]
-    logs = []
-    for proc in procs:
-        log, _ = proc.communicate(timeout=600)
-        assert proc.returncode == 0, log[-5000:]
-        logs.append(log)
+    logs = run_side_by_side([[sys.executable, WORKER, str(one), *COMMON, "train.batch_size=4"],
+                             _torchrun(2, WORKER, str(two), *TWO_RANKS)], timeout=600)
     return one, two, logs
 
 
@@ -222,15 +200,15 @@ def test_two_ranks_equal_one_rank_with_the_doubled_batch(dp_runs):
     # every checkpoint (steps 1..4) and the export: same weights
     ckpts = sorted(p.name for p in (one / "checkpoints").iterdir())
     assert ckpts == sorted(p.name for p in (two / "checkpoints").iterdir()) and len(ckpts) == 4
-    diffs = {c: _max_rel_diff(load_file(one / "checkpoints" / c / "draft.safetensors"),
+    diffs = {c: max_rel_diff(load_file(one / "checkpoints" / c / "draft.safetensors"),
                               load_file(two / "checkpoints" / c / "draft.safetensors")) for c in ckpts}
     a, b = load_file(one / "export" / "model.safetensors"), load_file(two / "export" / "model.safetensors")
-    diffs["export"] = _max_rel_diff(a, b)
+    diffs["export"] = max_rel_diff(a, b)
     print("max relative weight difference per checkpoint:", diffs)
     assert max(diffs.values()) < 2e-6, diffs
     # the weights did move: step 1 -> 4 changes them by far more than the tolerance
     first = load_file(one / "checkpoints" / ckpts[0] / "draft.safetensors")
-    assert _max_rel_diff(first, load_file(one / "checkpoints" / ckpts[-1] / "draft.safetensors")) > 1e-2
+    assert max_rel_diff(first, load_file(one / "checkpoints" / ckpts[-1] / "draft.safetensors")) > 1e-2
 
     # only rank 0 logged (one record per step); the logged loss is the global one
     r1, r2 = _train_records(one), _train_records(two)
@@ -241,12 +219,7 @@ def test_two_ranks_equal_one_rank_with_the_doubled_batch(dp_runs):
         assert y["train/positions"] == x["train/positions"]
         assert y["train/acc_0"] == pytest.approx(x["train/acc_0"], abs=0.05)
     # sharded evaluation summed over the ranks: the same positions and metrics as one rank
-    for tag in ("start", "end"):
-        e1, e2 = s1["eval"][tag], s2["eval"][tag]
-        assert e1["positions"] == e2["positions"] > 0
-        for k in e1:
-            tol = dict(abs=0.05) if k.startswith(("acc_", "tau_sim")) else dict(rel=1e-5, abs=1e-7)
-            assert e2[k] == pytest.approx(e1[k], **tol), (tag, k)
+    assert_same_evals(s1, s2)
 
 
 @pytest.mark.e2e
@@ -259,7 +232,7 @@ def test_two_ranks_resume_from_rank0_checkpoint_bit_identically(dp_runs, tmp_pat
     run = tmp_path / "resumed"
     (run / "checkpoints").mkdir(parents=True)
     shutil.copytree(two / "checkpoints" / "step_00000002", run / "checkpoints" / "step_00000002")
-    out = subprocess.run(_torchrun(2, WORKER, str(run), *TWO_RANKS, "train.resume=auto"), env=_env(), cwd=ROOT,
+    out = subprocess.run(_torchrun(2, WORKER, str(run), *TWO_RANKS, "train.resume=auto"), env=rank_env(), cwd=ROOT,
                          capture_output=True, text=True, timeout=600)
     assert out.returncode == 0, (out.stdout + out.stderr)[-5000:]
     assert out.stdout.count("resuming from") == 1  # rank 0 prints
@@ -344,7 +317,7 @@ def test_cli_under_torchrun_trains_two_ranks_through_sglang(tmp_path):
                                    "draft.vocab_size=1024", "train.batch_size=1", "train.ttt_length=3",
                                    "train.log_every=1", "train.progress=false", "train.logger=none",
                                    f"train.out_dir={run_dir}", f"hydra.run.dir={tmp_path / 'hydra'}"),
-                         capture_output=True, text=True, timeout=900, env=_env(), cwd=ROOT)
+                         capture_output=True, text=True, timeout=900, env=rank_env(), cwd=ROOT)
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-5000:]
     assert out.stdout.count("run plan") == 1 and out.stdout.count("run summary") == 1
     summary = json.loads((run_dir / "summary.json").read_text())
