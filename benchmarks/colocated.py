@@ -57,16 +57,19 @@ def overrides(args, run_dir: Path) -> list[str]:
             "train.progress=false", "train.logger=none", f"train.out_dir={run_dir}", f"hydra.run.dir={run_dir}/hydra"]
 
 
-def role(proc: psutil.Process, launcher: int) -> str:
-    """What a process of a run is: the launcher, a trainer rank, or a target process."""
+def role(proc: psutil.Process, launcher: int, parent_role: str | None) -> str:
+    """What a process of a run is: the launcher, a trainer rank, a target process (a TP rank the
+    trainer spawned), or other. A target is recognised by its parent, not its command line alone:
+    whatever the target itself spawns (a compile worker on a cold cache, which also runs
+    `spawn_main`) is other, not one more TP rank."""
     cmd = " ".join(proc.cmdline())
     if "spawn_main" in cmd:
-        return "target"
-    if "resource_tracker" in cmd:
-        return "other"
+        return "target" if parent_role == "trainer" else "other"
     if proc.pid == launcher and "torch.distributed.run" in cmd:
         return "launcher"
-    return "trainer" if "specforge_k25.train" in cmd else "other"
+    if parent_role in (None, "launcher") and "specforge_k25.train" in cmd:
+        return "trainer"
+    return "other"
 
 
 def run(name: str, cmd: list[str], run_dir: Path, poll_s: float = 0.5) -> dict:
@@ -81,7 +84,11 @@ def run(name: str, cmd: list[str], run_dir: Path, poll_s: float = 0.5) -> dict:
             try:
                 with p.oneshot():
                     cpu = p.cpu_times()
-                    entry = seen.setdefault(p.pid, {"role": role(p, proc.pid), "started": p.create_time()})
+                    if p.pid not in seen:
+                        parent = seen.get(p.ppid()) if p.pid != proc.pid else None
+                        seen[p.pid] = {"role": role(p, proc.pid, parent and parent["role"]),
+                                       "started": p.create_time()}
+                    entry = seen[p.pid]
                     entry["cpu_s"] = cpu.user + cpu.system
             except psutil.Error:
                 continue
