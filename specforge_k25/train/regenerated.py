@@ -14,35 +14,41 @@ COLUMNS = ["kind", "sample", "status", "answer_tokens", "prompt", "answer"]
 
 
 class RegenerationLog:
-    def __init__(self, path: Path, tokenizer, enabled: bool):
-        self.path, self.tokenizer, self.enabled = Path(path), tokenizer, enabled
+    """Every rank turns its share of a batch into rows (`rows`); the rows of all ranks, gathered,
+    go through `add` on every rank, so the counts are the run's (not one rank's) and rank 0
+    (`write`) appends every sample to the JSONL."""
+
+    def __init__(self, path: Path, tokenizer, write: bool):
+        self.path, self.tokenizer, self.write = Path(path), tokenizer, write
         self.counts: Counter = Counter()
         self.answer_tokens = 0
-        self.rows: list[list] = []
+        self.rows: list[list] = []  # the first TABLE_ROWS, for the wandb table
 
-    def add(self, kind: str, sample_ids: list[int], regenerated) -> None:
-        """regenerated: [(Sample, status)] of one batch, in the order of `sample_ids`."""
-        lines = []
+    def rows_of(self, kind: str, sample_ids: list[int], regenerated) -> list[list]:
+        """regenerated: [(Sample, status)] of this rank's share, in the order of `sample_ids`."""
+        rows = []
         for sample_id, (sample, status) in zip(sample_ids, regenerated):
-            self.counts[status] += 1
             answer = int(sample.loss_mask.sum())
-            self.answer_tokens += answer
-            if not self.enabled:
-                continue
             prompt_len = len(sample.input_ids) - answer if status not in SKIPPED else len(sample.input_ids)
-            row = [kind, sample_id, status, answer, self._text(sample.input_ids[:prompt_len]),
-                   self._text(sample.input_ids[prompt_len:])]
-            lines.append(json.dumps(dict(zip(COLUMNS, row)), ensure_ascii=False))
-            if len(self.rows) < TABLE_ROWS:
-                self.rows.append(row)
-        if lines:
-            with open(self.path, "a", encoding="utf-8") as fh:
-                fh.write("\n".join(lines) + "\n")
+            rows.append([kind, sample_id, status, answer, self._text(sample.input_ids[:prompt_len]),
+                         self._text(sample.input_ids[prompt_len:])])
+        return rows
+
+    def add(self, rows: list[list]) -> None:
+        """Count the rows of one schedule item (every rank's share) and, on the writing rank, append them."""
+        for row in rows:
+            self.counts[row[2]] += 1
+            self.answer_tokens += row[3]
+        if not (self.write and rows):
+            return
+        self.rows.extend(rows[:max(0, TABLE_ROWS - len(self.rows))])
+        with open(self.path, "a", encoding="utf-8") as fh:
+            fh.write("\n".join(json.dumps(dict(zip(COLUMNS, row)), ensure_ascii=False) for row in rows) + "\n")
 
     def _text(self, ids) -> str:
         return self.tokenizer.decode(ids.tolist()) if self.tokenizer is not None else " ".join(map(str, ids.tolist()))
 
     def summary(self) -> dict:
-        """Counts of this rank's samples by status, and the answer tokens the loss covered."""
+        """Counts of the run's samples by status, and the answer tokens the loss covered."""
         return {**dict(self.counts), "answer_tokens_in_loss": self.answer_tokens,
                 "skipped": sum(self.counts[s] for s in SKIPPED)}

@@ -183,7 +183,7 @@ class Trainer:
         self._wait_at_train_start = 0.0
         self._session_tokens = self._tokens_streamed = 0
         self.regenerated = RegenerationLog(self.run_dir / "regenerated.jsonl", setup.tokenizer,
-                                           enabled=setup.regeneration is not None and ranks.main)
+                                           write=setup.regeneration is not None and ranks.main)
 
     # ------------------------------------------------------------------------------ steps
     def resume(self) -> None:
@@ -335,9 +335,7 @@ class Trainer:
         batches = take_batches(self.stream, shares, self.samples, self.draft_trainer.make_batch, rebuild)
         for index, (share, batch, regenerated) in enumerate(batches, start):
             item = self.schedule[index]
-            if regenerated is not None:
-                self.regenerated.add(item.kind, share, regenerated)
-            tokens = self._item_tokens(item, batch)
+            tokens = self._item_tokens(item, batch, share, regenerated)
             self._tokens_streamed += tokens
             if self._stop_agreed():
                 raise TrainingInterrupted(self.stop.signum or signal.SIGTERM, None)
@@ -375,13 +373,17 @@ class Trainer:
         saved = f"progress saved: {path}" if path else f"rank {self.ranks.rank}: rank 0 saves the progress"
         return type(err)(f"{err}\n{saved} (resume with train.resume=auto train.out_dir={self.run_dir})")
 
-    def _item_tokens(self, item: BatchItem, batch=None) -> int:
+    def _item_tokens(self, item: BatchItem, batch, share: list[int], regenerated) -> int:
         """Tokens of a whole schedule item (every rank's share). Regenerating, only the target knew
-        them: this rank's batch, summed over the ranks (a collective every rank makes per item)."""
+        them: this rank's batch, gathered with every rank's answers (a collective every rank makes
+        per item), which are counted and written to the JSONL."""
         if self.setup.regeneration is None:
             return sum(len(self.samples[i].input_ids) for i in item.sample_ids)
-        local = batch.num_tokens if batch is not None else 0
-        return self.ranks.sum_ints([local], self.device)[0] if self.ranks.distributed else local
+        local = (batch.num_tokens if batch is not None else 0,
+                 self.regenerated.rows_of(item.kind, share, regenerated or []))
+        gathered = self.ranks.gather(local)
+        self.regenerated.add([row for _, rows in gathered for row in rows])
+        return sum(tokens for tokens, _ in gathered)
 
     def _floor_tokens(self, sample_id: int) -> int:
         """Tokens sample `sample_id` streams at least (regenerating: its prompt)."""
@@ -418,7 +420,7 @@ class Trainer:
                      "hidden_state_bytes_streamed_in_memory": self._tokens_streamed * token_bytes},
             "checkpoint": str(self.checkpoint), "export": str(export),
         }
-        if self.setup.regeneration is not None:  # rank 0's samples (the JSONL holds their text)
+        if self.setup.regeneration is not None:  # every rank's samples, counted on every rank
             summary["regeneration"] = self.regenerated.summary()
             self.logger.table("regenerated", COLUMNS, self.regenerated.rows)
         if self.ranks.main:

@@ -325,3 +325,35 @@ def test_cli_under_torchrun_trains_two_ranks_through_sglang(tmp_path):
     assert summary["disk"]["hidden_state_bytes_on_disk"] == 0
     assert summary["eval"]["end"]["positions"] > 0
     assert len(_train_records(run_dir)) == 2 and (run_dir / "export" / "model.safetensors").is_file()
+
+
+def _regenerated_rows(run_dir: Path) -> list[tuple]:
+    rows = [json.loads(line) for line in (run_dir / "regenerated.jsonl").read_text().splitlines()]
+    return sorted((r["kind"], r["sample"], r["status"], r["answer_tokens"], r["answer"]) for r in rows)
+
+
+@pytest.mark.engine
+@pytest.mark.e2e
+def test_regeneration_with_two_replicas_equals_one_replica(tiny_deepseek_path, tmp_path):
+    """data.regenerate with two data-parallel replicas: each target answers its own share, and the
+    run trains on, counts and writes every rank's answers. Greedy answers of the same TP1 engine,
+    so one replica x batch 4 and two replicas x batch 2 train on the same conversations: the same
+    tokens, the same rows in regenerated.jsonl (rank 0 writes those of both ranks), the same counts."""
+    regen = ["target=tiny_deepseek", "data.regenerate=true", "data.regen_max_new_tokens=8", "data.num_samples=12",
+             "data.heldout_samples=2", "data.max_length=64", "draft.vocab_size=1024", "train.ttt_length=3",
+             "train.progress=false", "train.logger=none"]
+    one, two = tmp_path / "one", tmp_path / "two"
+    run_side_by_side([[sys.executable, "-m", "specforge_k25.train", *regen, "train.batch_size=4",
+                       f"train.out_dir={one}", f"hydra.run.dir={one}/hydra"],
+                      _torchrun(2, "-m", "specforge_k25.train", *regen, "hw.target_replicas=2", "train.batch_size=2",
+                                f"train.out_dir={two}", f"hydra.run.dir={two}/hydra")], timeout=900)
+    s1, s2 = (json.loads((d / "summary.json").read_text()) for d in (one, two))
+    assert s2["trainer_ranks"] == 2 and s1["samples_trained"] == s2["samples_trained"] == 12
+    assert s1["tokens_trained"] == s2["tokens_trained"] > 12 * 8
+    assert s1["eval"]["end"]["positions"] == s2["eval"]["end"]["positions"] > 0
+    rows = _regenerated_rows(two)
+    assert rows == _regenerated_rows(one)
+    assert sorted(s for kind, s, *_ in rows if kind == "train") == list(range(12))  # both ranks' samples
+    assert s2["regeneration"] == s1["regeneration"]
+    assert s2["regeneration"]["answer_tokens_in_loss"] == sum(r[3] for r in rows)
+    assert s2["disk"]["hidden_state_bytes_on_disk"] == 0
