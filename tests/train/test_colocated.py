@@ -146,41 +146,79 @@ def test_colocated_resume_from_its_gathered_checkpoint_is_bit_identical(colocate
         assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a if k != "rng.torch"), name
 
 
-@pytest.mark.e2e
-def test_killed_colocated_tp_rank_is_named_with_progress_saved(tiny_deepseek_path, tmp_path):
-    """SIGKILL the TP rank beside trainer rank 1 after the first checkpoint: the launch ends within
-    30 s, names that TP rank, and points at the saved checkpoint."""
-    run = tmp_path / "killed"
-    overrides = [*COLOCATED, "data.num_samples=60", "train.epochs=4", "train.checkpoint_every=2",
-                 "train.lr=1e-3", "train.grad_clip=0.5"]
-    proc = subprocess.Popen(_cli(run, overrides, nproc=2), env=rank_env(), cwd=ROOT, stdout=subprocess.PIPE,
+# a run long enough to be killed mid-way: 60 training samples x 4 epochs, a checkpoint every 2 steps
+LONGER = [*COLOCATED, "data.num_samples=60", "train.epochs=4", "train.checkpoint_every=2", "train.lr=1e-3",
+          "train.grad_clip=0.5"]
+
+
+def _kill_after_first_checkpoint(run: Path, victim) -> str:
+    """Start a co-located run, SIGKILL `victim(launcher_pid)` once the first checkpoint exists;
+    the launch must end within 30 s of the kill. Returns its output."""
+    proc = subprocess.Popen(_cli(run, LONGER, nproc=2), env=rank_env(), cwd=ROOT, stdout=subprocess.PIPE,
                             stderr=subprocess.STDOUT, text=True)
     try:
         deadline = time.monotonic() + 600
         while not list((run / "checkpoints").glob("step_*")) and time.monotonic() < deadline:
             assert proc.poll() is None, proc.stdout.read()[-5000:]
             time.sleep(0.5)
-        tp1 = _tp_process_of_trainer_rank(proc.pid, 1)
-        tp1.send_signal(signal.SIGKILL)
+        victim(proc.pid).send_signal(signal.SIGKILL)
         killed = time.monotonic()
         out, _ = proc.communicate(timeout=120)
         assert time.monotonic() - killed < 30, out[-5000:]
     finally:
         proc.kill()
     assert proc.returncode != 0
+    return out
+
+
+@pytest.mark.e2e
+def test_killed_colocated_tp_rank_is_named_with_progress_saved(tiny_deepseek_path, tmp_path):
+    """SIGKILL the TP rank beside trainer rank 1 after the first checkpoint: the launch ends within
+    30 s, names that TP rank, and points at the saved checkpoint."""
+    out = _kill_after_first_checkpoint(tmp_path / "killed", lambda pid: _tp_process_of_trainer_rank(pid, 1))
     assert "TP rank 1 of 2" in out and "died" in out, out[-5000:]
     assert "progress saved" in out and "step_0000000" in out, out[-5000:]
 
 
-def _tp_process_of_trainer_rank(launcher_pid: int, rank: int) -> psutil.Process:
-    """The target process a trainer rank started (torchrun -> trainer ranks -> their spawned TP rank)."""
+@pytest.mark.e2e
+def test_killed_colocated_trainer_rank_is_named_and_the_run_resumes(tiny_deepseek_path, tmp_path):
+    """SIGKILL trainer rank 1 itself after the first checkpoint: the launch ends within 30 s,
+    names the dead rank, leaves no target process behind, and the same launch line with
+    train.resume=auto continues from the saved checkpoint to the end."""
+    run = tmp_path / "killed"
+    seen: list[psutil.Process] = []
+
+    def trainer_rank_1(launcher_pid: int) -> psutil.Process:
+        trainer = _trainer_rank(launcher_pid, 1)
+        seen.extend(psutil.Process(launcher_pid).children(recursive=True))
+        return trainer
+
+    out = _kill_after_first_checkpoint(run, trainer_rank_1)
+    assert "local_rank: 1" in out and "Signal 9 (SIGKILL)" in out, out[-5000:]
+    _, alive = psutil.wait_procs(seen, timeout=10)
+    assert not alive, [" ".join(p.cmdline())[:120] for p in alive]  # TP ranks and trainer ranks all gone
+    saved = sorted(p.name for p in (run / "checkpoints").glob("step_*"))
+    resumed = subprocess.run(_cli(run, [*LONGER, "train.resume=auto"], nproc=2),
+                             env=rank_env(), cwd=ROOT, capture_output=True, text=True, timeout=900)
+    assert resumed.returncode == 0, (resumed.stdout + resumed.stderr)[-5000:]
+    summary = json.loads((run / "summary.json").read_text())
+    assert Path(summary["resumed_from"]).name in saved and summary["samples_trained"] == 4 * 60
+
+
+def _trainer_rank(launcher_pid: int, rank: int) -> psutil.Process:
     for trainer in psutil.Process(launcher_pid).children(recursive=True):
         try:
             if trainer.environ().get("LOCAL_RANK") == str(rank) and "specforge_k25.train" in " ".join(trainer.cmdline()):
-                return next(c for c in trainer.children() if "spawn_main" in " ".join(c.cmdline()))
-        except (psutil.Error, StopIteration):
+                return trainer
+        except psutil.Error:
             continue
-    raise AssertionError(f"no target process of trainer rank {rank} found")
+    raise AssertionError(f"no trainer rank {rank} found")
+
+
+def _tp_process_of_trainer_rank(launcher_pid: int, rank: int) -> psutil.Process:
+    """The target process a trainer rank started (torchrun -> trainer ranks -> their spawned TP rank)."""
+    trainer = _trainer_rank(launcher_pid, rank)
+    return next(c for c in trainer.children() if "spawn_main" in " ".join(c.cmdline()))
 
 
 @pytest.mark.e2e
@@ -204,4 +242,6 @@ def test_colocated_regeneration_trains_the_same_answers_as_dedicated(tiny_deepse
     assert c["tokens_trained"] == d["tokens_trained"] > 12 * 8
     assert c["eval"]["end"]["positions"] == d["eval"]["end"]["positions"] > 0
     assert c["disk"]["hidden_state_bytes_on_disk"] == 0
-    assert (tmp_path / "colocated" / "regenerated.jsonl").read_text().strip()
+    rows = [json.loads(x) for x in (tmp_path / "colocated" / "regenerated.jsonl").read_text().splitlines()]
+    assert sorted(r["sample"] for r in rows if r["kind"] == "train") == list(range(12))  # both ranks' shares
+    assert c["regeneration"] == d["regeneration"]
