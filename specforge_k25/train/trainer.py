@@ -248,8 +248,9 @@ class Trainer:
         """One held-out batch of the evaluation `item.tag`; its metrics are logged when it ends."""
         if self._eval is None:
             self._eval = (item.tag, TTTStats())
-        if batch is not None:
-            self._eval[1].add(self.draft_trainer.evaluate(batch))
+        result = self.draft_trainer.evaluate(batch)  # sharded, without a share: FSDP's collectives still run
+        if result is not None:
+            self._eval[1].add(result)
 
     def finish_evaluation(self) -> None:
         if self._eval is None:
