@@ -18,6 +18,7 @@ batch (`keep`: positions in the batch) and no hidden state crosses GPUs.
 from __future__ import annotations
 
 import os
+import signal
 import time
 
 import psutil
@@ -25,7 +26,7 @@ import torch
 
 from ..target.factory import TargetSpec, check_tp_layout
 from .ring import EndOfStream, ProducerFailed, SlotMessage, SlotRing
-from .target_process import run_producer, run_tp_rank, sequence_room
+from .target_process import GROUP_SIGNALS, run_producer, run_tp_rank, sequence_room
 
 
 
@@ -58,14 +59,16 @@ class Rendezvous:
 
 def _start_quietly(process, env: dict[str, str] | None = None) -> None:
     """Start a target process with PYTHONDONTWRITEBYTECODE (it writes nothing to disk, not even
-    bytecode caches, so its I/O counter measures hidden-state bytes on disk: expected 0) and `env`
-    added to the environment it inherits."""
+    bytecode caches, so its I/O counter measures hidden-state bytes on disk: expected 0), `env`
+    added to the environment it inherits and the group signals blocked until it ignores them."""
     added = {"PYTHONDONTWRITEBYTECODE": "1", **(env or {})}
     previous = {k: os.environ.get(k) for k in added}
     os.environ.update(added)
+    mask = signal.pthread_sigmask(signal.SIG_BLOCK, GROUP_SIGNALS)  # inherited: the child starts with them blocked
     try:
         process.start()
     finally:
+        signal.pthread_sigmask(signal.SIG_SETMASK, mask)  # one that came meanwhile reaches this process now
         for k, v in previous.items():
             if v is None:
                 del os.environ[k]
@@ -74,7 +77,8 @@ def _start_quietly(process, env: dict[str, str] | None = None) -> None:
 
 
 def _stop(processes) -> None:
-    """Terminate processes and anything they started (no orphans)."""
+    """Kill target processes and anything they started (no orphans). SIGKILL: they ignore SIGTERM
+    (target_process.GROUP_SIGNALS) and hold nothing to save (the trainer owns the ring)."""
     children = []
     for process in processes:
         if process.is_alive():
@@ -82,12 +86,9 @@ def _stop(processes) -> None:
                 children += psutil.Process(process.pid).children(recursive=True)
             except psutil.Error:
                 pass
-            process.terminate()
+            process.kill()
     for process in processes:
         process.join(timeout=10)
-        if process.is_alive():
-            process.kill()
-            process.join(timeout=5)
     for child in children:
         try:
             child.kill()

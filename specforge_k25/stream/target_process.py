@@ -21,13 +21,25 @@ from ..target.factory import TargetSpec, build_target
 from .ring import EndOfStream, ProducerFailed, SlotRing
 
 
-def die_with_parent() -> None:
-    """Linux: have the kernel SIGKILL this process when the trainer dies, even by SIGKILL (no orphans)."""
+# Signals that reach a whole process group: Ctrl-C (SIGINT) and SIGTERM from torchrun (it signals
+# each rank's process group), Slurm or `kill -- -PGID`. The trainer decides: it stops at a batch
+# boundary, saves (co-located ranks gather their shards first, which needs their TP ranks to keep
+# serving) and then stops its target. The parent blocks them around the start (`signals_blocked`),
+# so one that arrives while this process starts up waits until it is ignored here.
+GROUP_SIGNALS = {signal.SIGINT, signal.SIGTERM}
+
+
+def bind_to_trainer() -> None:
+    """Linux: have the kernel SIGKILL this process when the trainer dies, even by SIGKILL (no
+    orphans); ignore the group signals (the trainer stops this process when it is done)."""
     if sys.platform.startswith("linux"):
         import ctypes
 
         PR_SET_PDEATHSIG = 1
         ctypes.CDLL("libc.so.6", use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
+    for sig in GROUP_SIGNALS:
+        signal.signal(sig, signal.SIG_IGN)
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, GROUP_SIGNALS)
 
 
 def put_share(ring: SlotRing, index: int, out, keep: list[int] | None, ids: torch.Tensor | None,
@@ -52,10 +64,9 @@ def run_producer(spec: TargetSpec, tokens: torch.Tensor, offsets: torch.Tensor, 
                    parent_pid: int, keep: list | None = None):
     """Entry point of the target process (TP rank 0). tokens: all sequences concatenated; offsets [N+1].
     keep: per batch, the positions its ring carries (co-located; None: every sequence)."""
-    die_with_parent()
+    bind_to_trainer()
     if os.getppid() != parent_pid:  # the trainer died before prctl took effect
         return
-    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the whole group: the trainer decides
     torch.set_num_threads(spec.num_threads)
     stage = "engine start"
     try:
@@ -177,10 +188,9 @@ def run_tp_rank(spec: TargetSpec, tp_rank: int, report, parent_pid: int, ring: S
     `ring` gets its share of each batch, `shares` = (prompt lengths of every sample, the batches,
     keep). A failure goes to `report` (the trainer's ready queue on the trainer's node; None
     elsewhere: the traceback and exit code tell)."""
-    die_with_parent()
+    bind_to_trainer()
     if os.getppid() != parent_pid:
         return
-    signal.signal(signal.SIGINT, signal.SIG_IGN)
     torch.set_num_threads(spec.num_threads)
     stage = "engine start"
     try:

@@ -87,6 +87,25 @@ def test_slow_consumer_copies_what_the_producer_wrote_checksum_every_slot(tiny_d
     assert checked == 16
 
 
+def test_group_signals_leave_the_target_serving(tiny_deepseek_path):
+    """SIGTERM and SIGINT reach a rank's whole process group (torchrun, Slurm, Ctrl-C); the target
+    ignores them, also while it starts up, and serves every batch until the trainer stops it."""
+    spec, info = _spec(tiny_deepseek_path)
+    seqs = _seqs(6, info.vocab_size, seed=3)
+    got = []
+    with TargetStream(spec, seqs, [[i] for i in range(6)], hidden_size=info.hidden_size, slots=1,
+                      timeout_s=120, poll_s=0.2) as stream:
+        os.kill(stream.process.pid, signal.SIGTERM)  # still importing: blocked, then ignored
+        for msg, aux, final in stream:
+            if msg.item == 1:
+                os.kill(stream.process.pid, signal.SIGTERM)
+                os.kill(stream.process.pid, signal.SIGINT)
+            got.append(msg.item)
+            stream.release(msg)
+    assert got == list(range(6))
+    assert not stream.process.is_alive()
+
+
 def test_dead_target_process_is_reported_quickly(tiny_deepseek_path):
     spec, info = _spec(tiny_deepseek_path)
     seqs = _seqs(40, info.vocab_size, seed=2)
