@@ -79,7 +79,8 @@ def main(cfg) -> None:
     from ..setup.layout import World
     from ..stream.producer import StreamError
     from .distributed import RankFailed
-    from .trainer import TrainingInterrupted, run_training
+    from .stop import TrainingInterrupted
+    from .trainer import run_training
 
     job: JobConfig = OmegaConf.to_object(cfg)
     try:
@@ -91,20 +92,36 @@ def main(cfg) -> None:
     try:
         summary = run_training(job, run_dir)
     except TrainingInterrupted as stop:
-        print(f"\n{stop}\nresume with: python -m specforge_k25.train train.resume=auto train.out_dir={run_dir} "
-              f"(plus the same overrides)", file=sys.stderr)
-        sys.exit(128 + stop.signum)
+        if World.from_env().rank == 0:  # the rank that saved
+            print(f"\n{stop}\nresume with: python -m specforge_k25.train train.resume=auto train.out_dir={run_dir} "
+                  f"(plus the same overrides)", file=sys.stderr)
+        leave(128 + stop.signum)
     except StreamError as err:
         print(f"\ntarget engine failure: {err}", file=sys.stderr)
-        sys.exit(1)
+        leave(1)
     except RankFailed as err:  # torchrun: another trainer rank died or hung
         print(f"\ndata-parallel failure: {err}", file=sys.stderr)
-        sys.exit(1)
+        leave(1)
     except (ValueError, FileNotFoundError) as err:  # configuration / data problems found before training
         print(f"\nerror: {err}", file=sys.stderr)
-        sys.exit(2)
+        leave(2)
     if World.from_env().rank == 0:
         print_summary(summary, job.train.ttt_length)
+    leave(0)
+
+
+def leave(code: int) -> None:
+    """Exit with `code`. A torchrun rank skips the interpreter's teardown (everything is written
+    and closed by now): gloo and FSDP2 threads still alive then can abort a rank whose run
+    succeeded (SIGABRT, "terminate called without an active exception"), which fails the launch."""
+    from ..setup.layout import World
+
+    sys.stdout.flush()
+    sys.stderr.flush()
+    if World.from_env().size > 1:
+        os._exit(code)
+    if code:
+        sys.exit(code)
 
 
 if __name__ == "__main__":

@@ -34,38 +34,7 @@ from .overview import eval_line, print_overview
 from .schedule import BatchItem, build_schedule
 from .sharding import shard_draft
 from .step import DraftTrainer
-
-
-class TrainingInterrupted(RuntimeError):
-    """SIGTERM/SIGINT: a checkpoint was saved and the target stopped."""
-
-    def __init__(self, signum: int, checkpoint: Path | None):
-        super().__init__(f"stopped by {signal.Signals(signum).name}; checkpoint: {checkpoint}")
-        self.signum, self.checkpoint = signum, checkpoint
-
-
-class StopOnSignal:
-    """Turns the first SIGTERM/SIGINT into a flag checked at safe points; a second one acts as usual."""
-
-    def __init__(self):
-        self.signum: int | None = None
-        self._previous = {}
-
-    def __enter__(self):
-        for sig in (signal.SIGTERM, signal.SIGINT):
-            self._previous[sig] = signal.signal(sig, self._handle)
-        return self
-
-    def _handle(self, signum, frame):
-        self.signum = signum
-        signal.signal(signum, self._previous.get(signum, signal.SIG_DFL))
-
-    def __exit__(self, *exc):
-        for sig, handler in self._previous.items():
-            signal.signal(sig, handler)
-
-    def requested(self) -> bool:
-        return self.signum is not None
+from .stop import StopOnSignal, TrainingInterrupted
 
 
 @dataclass
@@ -267,8 +236,8 @@ class Trainer:
         equal weights; sharded ones first gather the full state: every rank calls this).
         done: the whole schedule ran (a resume has nothing left to do)."""
         t = self.draft_trainer
-        if not (self.ranks.main or t.sharded):
-            return None
+        if not (self.ranks.main or t.sharded) or (self.saved.step == 0 and not done):
+            return None  # step 0: nothing a fresh start lacks (and no AdamW state for FSDP2 to gather)
         tensors, optim = t.state_dicts()
         if not self.ranks.main:
             return None
@@ -360,6 +329,9 @@ class Trainer:
         stop); after a failure the newest periodic checkpoint is the saved progress."""
         self.bar.close()
         self.stream.close()
+        if self.draft_trainer.sharded and isinstance(err, StreamInterrupted):  # before any optimizer step
+            self.logger.close()
+            return TrainingInterrupted(self.stop.signum or signal.SIGTERM, None)
         if self.draft_trainer.sharded and not isinstance(err, TrainingInterrupted):
             found = list_checkpoints(self.run_dir)
             path = self.checkpoint or (found[-1] if found else None)
@@ -371,7 +343,8 @@ class Trainer:
         self.logger.close()
         if isinstance(err, (TrainingInterrupted, StreamInterrupted)):
             return TrainingInterrupted(self.stop.signum or signal.SIGTERM, path)
-        saved = f"progress saved: {path}" if path else f"rank {self.ranks.rank}: rank 0 saves the progress"
+        saved = (f"progress saved: {path}" if path else "no progress to save yet (no optimizer step)" if self.ranks.main
+                 else f"rank {self.ranks.rank}: rank 0 saves the progress")
         return type(err)(f"{err}\n{saved} (resume with train.resume=auto train.out_dir={self.run_dir})")
 
     def _item_tokens(self, item: BatchItem, batch, share: list[int], regenerated) -> int:

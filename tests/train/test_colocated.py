@@ -205,6 +205,69 @@ def test_killed_colocated_trainer_rank_is_named_and_the_run_resumes(tiny_deepsee
     assert Path(summary["resumed_from"]).name in saved and summary["samples_trained"] == 4 * 60
 
 
+@pytest.mark.e2e
+def test_sigterm_to_torchrun_saves_the_sharded_state_together(tiny_deepseek_path, tmp_path):
+    """SIGTERM to the launcher, which passes it to each trainer rank's process group (its TP rank
+    included): the TP ranks keep serving, the trainer ranks agree to stop at the same batch, gather
+    their shards and save (no periodic checkpoints here, so the checkpoint is the SIGTERM one),
+    nothing is left running, and a resume finishes the run."""
+    run = tmp_path / "stopped"
+    overrides = [o for o in LONGER if not o.startswith("train.checkpoint_every=")] + ["train.checkpoint_every=0"]
+    proc = subprocess.Popen(_cli(run, overrides, nproc=2), env=rank_env(), cwd=ROOT, stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True)
+    try:
+        deadline = time.monotonic() + 600
+        while _train_steps(run) < 2 and time.monotonic() < deadline:
+            assert proc.poll() is None, proc.stdout.read()[-5000:]
+            time.sleep(0.5)
+        tree = psutil.Process(proc.pid).children(recursive=True)
+        proc.send_signal(signal.SIGTERM)
+        out, _ = proc.communicate(timeout=120)
+    finally:
+        proc.kill()
+    assert "stopped by SIGTERM; checkpoint: " in out, out[-5000:]
+    saved = [p for p in (run / "checkpoints").glob("step_*") if (p / "state.json").is_file()]
+    assert len(saved) == 1 and f"checkpoint: {saved[0]}" in out, out[-5000:]
+    assert int(saved[0].name.split("_")[1]) >= 2
+    _, alive = psutil.wait_procs(tree, timeout=10)
+    assert not alive, [" ".join(p.cmdline())[:120] for p in alive]
+    resumed = subprocess.run(_cli(run, [*overrides, "train.resume=auto"], nproc=2), env=rank_env(), cwd=ROOT,
+                             capture_output=True, text=True, timeout=900)
+    assert resumed.returncode == 0, (resumed.stdout + resumed.stderr)[-5000:]
+    summary = json.loads((run / "summary.json").read_text())
+    assert Path(summary["resumed_from"]) == saved[0] and summary["samples_trained"] == 4 * 60
+
+
+@pytest.mark.e2e
+def test_sigterm_before_the_first_step_stops_cleanly(tiny_deepseek_path, tmp_path):
+    """SIGTERM while the TP ranks start: nothing to save, and the run says so (no traceback of ours)."""
+    run = tmp_path / "early"
+    proc = subprocess.Popen(_cli(run, LONGER, nproc=2), env=rank_env(), cwd=ROOT, stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True)
+    try:
+        deadline = time.monotonic() + 300
+        while time.monotonic() < deadline:
+            assert proc.poll() is None, proc.stdout.read()[-5000:]
+            tree = psutil.Process(proc.pid).children(recursive=True)
+            if sum("spawn_main" in " ".join(p.cmdline()) for p in tree if p.is_running()) == 2:
+                break
+            time.sleep(0.2)
+        proc.send_signal(signal.SIGTERM)
+        out, _ = proc.communicate(timeout=120)
+    finally:
+        proc.kill()
+    assert "stopped by SIGTERM; checkpoint: none (no optimizer step yet" in out, out[-5000:]
+    assert "StreamInterrupted" not in out and "StreamError" not in out, out[-5000:]
+    assert not list((run / "checkpoints").glob("step_*")) if (run / "checkpoints").exists() else True
+    _, alive = psutil.wait_procs(tree, timeout=10)
+    assert not alive, [" ".join(p.cmdline())[:120] for p in alive]
+
+
+def _train_steps(run: Path) -> int:
+    metrics = run / "metrics.jsonl"
+    return sum('"train/loss"' in line for line in metrics.read_text().splitlines()) if metrics.is_file() else 0
+
+
 def _trainer_rank(launcher_pid: int, rank: int) -> psutil.Process:
     for trainer in psutil.Process(launcher_pid).children(recursive=True):
         try:
