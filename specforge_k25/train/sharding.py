@@ -6,7 +6,11 @@ Units: fc, the decoder layer, the final norm and the draft lm_head, each sharded
 frozen target embedding stays whole on every rank (it is never trained, and gathering its
 vocab x hidden rows every step would dominate the traffic). The TTT loop calls each unit K times
 per micro-batch: they stay gathered from the first call to the end of backward
-(reshard_after_forward=False), one all-gather and one reduce-scatter per micro-batch.
+(reshard_after_forward=False, and reshard_after_backward=False: FSDP2 would otherwise reshard
+after the backward of each call and gather again for the next, K-1 more all-gathers), and
+`reshard` frees them once the micro-batch's backward is done, before the optimizer changes the
+shards: one all-gather and one reduce-scatter per unit and micro-batch
+(tests/train/test_sharding.py counts them).
 
 Gradients are SUMMED over ranks (divide factor 1, sum-only collectives: gloo has no PREMUL_SUM),
 because each rank's loss is already divided by the global number of loss positions
@@ -35,7 +39,15 @@ def shard_draft(draft: Eagle3Draft, bf16: bool = False) -> Eagle3Draft:
         unit = fully_shard(getattr(draft, name), reshard_after_forward=False, mp_policy=mp)
         unit.set_gradient_divide_factor(1.0)
         unit.set_force_sum_reduction_for_comms(True)
+        unit.set_reshard_after_backward(False)
     return draft
+
+
+def reshard(draft: Eagle3Draft) -> None:
+    """Free the gathered weights after a micro-batch's backward (the next forward gathers the
+    updated shards)."""
+    for name in UNITS:
+        getattr(draft, name).reshard()
 
 
 def is_sharded(draft: torch.nn.Module) -> bool:

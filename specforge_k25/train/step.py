@@ -9,7 +9,7 @@ from ..draft.loss import Teacher, TTTResult, compute_teacher, loss_positions, tt
 from ..draft.model import Eagle3Draft, draft_state
 from .distributed import Ranks
 from .metrics import TTTStats
-from .sharding import full_model_state, full_state, is_sharded, load_full_state, unsharded_copy
+from .sharding import full_model_state, full_state, is_sharded, load_full_state, reshard, unsharded_copy
 
 
 @dataclass
@@ -99,6 +99,8 @@ class DraftTrainer:
             return None
         res = self._loss(batch if batch is not None else self.empty_batch(), normalizer)
         (res.loss / self.grad_accum).backward()
+        if self.sharded:
+            reshard(self.draft)
         return res if batch is not None else None
 
     def loss_value(self, res: TTTResult | None) -> float:
