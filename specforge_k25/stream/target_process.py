@@ -24,7 +24,7 @@ from .ring import EndOfStream, ProducerFailed, SlotRing
 # Signals that reach a whole process group: Ctrl-C (SIGINT) and SIGTERM from torchrun (it signals
 # each rank's process group), Slurm or `kill -- -PGID`. The trainer decides: it stops at a batch
 # boundary, saves (co-located ranks gather their shards first, which needs their TP ranks to keep
-# serving) and then stops its target. The parent blocks them around the start (`signals_blocked`),
+# serving) and then stops its target. The parent blocks them around the start (`_start_quietly`),
 # so one that arrives while this process starts up waits until it is ignored here.
 GROUP_SIGNALS = {signal.SIGINT, signal.SIGTERM}
 

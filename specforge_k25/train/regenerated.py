@@ -14,7 +14,7 @@ COLUMNS = ["kind", "sample", "status", "answer_tokens", "prompt", "answer"]
 
 
 class RegenerationLog:
-    """Every rank turns its share of a batch into rows (`rows`); the rows of all ranks, gathered,
+    """Every rank turns its share of a batch into rows (`rows_of`); the rows of all ranks, gathered,
     go through `add` on every rank, so the counts are the run's (not one rank's) and rank 0
     (`write`) appends every sample to the JSONL."""
 

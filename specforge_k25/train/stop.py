@@ -7,7 +7,8 @@ from pathlib import Path
 
 
 class TrainingInterrupted(RuntimeError):
-    """SIGTERM/SIGINT: a checkpoint was saved and the target stopped."""
+    """SIGTERM/SIGINT: the progress saved (a checkpoint; None before the first optimizer step) and
+    the target stopped."""
 
     def __init__(self, signum: int, checkpoint: Path | None):
         super().__init__(f"stopped by {signal.Signals(signum).name}; checkpoint: "
