@@ -151,31 +151,63 @@ LONGER = [*COLOCATED, "data.num_samples=60", "train.epochs=4", "train.checkpoint
           "train.grad_clip=0.5"]
 
 
-def _kill_after_first_checkpoint(run: Path, victim) -> str:
-    """Start a co-located run, SIGKILL `victim(launcher_pid)` once the first checkpoint exists;
-    the launch must end within 30 s of the kill. Returns its output."""
-    proc = subprocess.Popen(_cli(run, LONGER, nproc=2), env=rank_env(), cwd=ROOT, stdout=subprocess.PIPE,
+def _signal_when(run: Path, overrides: list[str], ready, victim, sig=signal.SIGKILL) -> str:
+    """Start a co-located run; once `ready(launcher_pid)` holds, send `sig` to
+    `victim(launcher_pid)`; the launch must end within 30 s of it and leave no process behind
+    (TP ranks and trainer ranks all gone). Returns its output."""
+    proc = subprocess.Popen(_cli(run, overrides, nproc=2), env=rank_env(), cwd=ROOT, stdout=subprocess.PIPE,
                             stderr=subprocess.STDOUT, text=True)
     try:
         deadline = time.monotonic() + 600
-        while not list((run / "checkpoints").glob("step_*")) and time.monotonic() < deadline:
+        while not ready(proc.pid) and time.monotonic() < deadline:
             assert proc.poll() is None, proc.stdout.read()[-5000:]
-            time.sleep(0.5)
-        victim(proc.pid).send_signal(signal.SIGKILL)
-        killed = time.monotonic()
+            time.sleep(0.2)
+        tree = psutil.Process(proc.pid).children(recursive=True)
+        victim(proc.pid).send_signal(sig)
+        sent = time.monotonic()
         out, _ = proc.communicate(timeout=120)
-        assert time.monotonic() - killed < 30, out[-5000:]
+        assert time.monotonic() - sent < 30, out[-5000:]
     finally:
         proc.kill()
     assert proc.returncode != 0
+    _, alive = psutil.wait_procs(tree, timeout=10)
+    assert not alive, [" ".join(p.cmdline())[:120] for p in alive]
     return out
+
+
+def _checkpointed(run: Path):
+    return lambda _pid: bool(list(run.glob("checkpoints/step_*")))
+
+
+def _trained_steps(run: Path, n: int):
+    def ready(_pid) -> bool:
+        metrics = run / "metrics.jsonl"
+        return metrics.is_file() and sum('"train/loss"' in line for line in metrics.read_text().splitlines()) >= n
+    return ready
+
+
+def _tp_ranks_started(launcher_pid: int) -> bool:
+    try:
+        tree = psutil.Process(launcher_pid).children(recursive=True)
+        return sum("spawn_main" in " ".join(p.cmdline()) for p in tree) == 2
+    except psutil.Error:
+        return False
+
+
+def _resume_to_end(run: Path, overrides: list[str]) -> dict:
+    """The same launch line with train.resume=auto; its summary."""
+    resumed = subprocess.run(_cli(run, [*overrides, "train.resume=auto"], nproc=2), env=rank_env(), cwd=ROOT,
+                             capture_output=True, text=True, timeout=900)
+    assert resumed.returncode == 0, (resumed.stdout + resumed.stderr)[-5000:]
+    return json.loads((run / "summary.json").read_text())
 
 
 @pytest.mark.e2e
 def test_killed_colocated_tp_rank_is_named_with_progress_saved(tiny_deepseek_path, tmp_path):
     """SIGKILL the TP rank beside trainer rank 1 after the first checkpoint: the launch ends within
     30 s, names that TP rank, and points at the saved checkpoint."""
-    out = _kill_after_first_checkpoint(tmp_path / "killed", lambda pid: _tp_process_of_trainer_rank(pid, 1))
+    run = tmp_path / "killed"
+    out = _signal_when(run, LONGER, _checkpointed(run), lambda pid: _tp_process_of_trainer_rank(pid, 1))
     assert "TP rank 1 of 2" in out and "died" in out, out[-5000:]
     assert "progress saved" in out and "step_0000000" in out, out[-5000:]
 
@@ -186,22 +218,10 @@ def test_killed_colocated_trainer_rank_is_named_and_the_run_resumes(tiny_deepsee
     names the dead rank, leaves no target process behind, and the same launch line with
     train.resume=auto continues from the saved checkpoint to the end."""
     run = tmp_path / "killed"
-    seen: list[psutil.Process] = []
-
-    def trainer_rank_1(launcher_pid: int) -> psutil.Process:
-        trainer = _trainer_rank(launcher_pid, 1)
-        seen.extend(psutil.Process(launcher_pid).children(recursive=True))
-        return trainer
-
-    out = _kill_after_first_checkpoint(run, trainer_rank_1)
+    out = _signal_when(run, LONGER, _checkpointed(run), lambda pid: _trainer_rank(pid, 1))
     assert "local_rank: 1" in out and "Signal 9 (SIGKILL)" in out, out[-5000:]
-    _, alive = psutil.wait_procs(seen, timeout=10)
-    assert not alive, [" ".join(p.cmdline())[:120] for p in alive]  # TP ranks and trainer ranks all gone
-    saved = sorted(p.name for p in (run / "checkpoints").glob("step_*"))
-    resumed = subprocess.run(_cli(run, [*LONGER, "train.resume=auto"], nproc=2),
-                             env=rank_env(), cwd=ROOT, capture_output=True, text=True, timeout=900)
-    assert resumed.returncode == 0, (resumed.stdout + resumed.stderr)[-5000:]
-    summary = json.loads((run / "summary.json").read_text())
+    saved = sorted(p.name for p in run.glob("checkpoints/step_*"))
+    summary = _resume_to_end(run, LONGER)
     assert Path(summary["resumed_from"]).name in saved and summary["samples_trained"] == 4 * 60
 
 
@@ -213,28 +233,12 @@ def test_sigterm_to_torchrun_saves_the_sharded_state_together(tiny_deepseek_path
     nothing is left running, and a resume finishes the run."""
     run = tmp_path / "stopped"
     overrides = [o for o in LONGER if not o.startswith("train.checkpoint_every=")] + ["train.checkpoint_every=0"]
-    proc = subprocess.Popen(_cli(run, overrides, nproc=2), env=rank_env(), cwd=ROOT, stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT, text=True)
-    try:
-        deadline = time.monotonic() + 600
-        while _train_steps(run) < 2 and time.monotonic() < deadline:
-            assert proc.poll() is None, proc.stdout.read()[-5000:]
-            time.sleep(0.5)
-        tree = psutil.Process(proc.pid).children(recursive=True)
-        proc.send_signal(signal.SIGTERM)
-        out, _ = proc.communicate(timeout=120)
-    finally:
-        proc.kill()
+    out = _signal_when(run, overrides, _trained_steps(run, 2), psutil.Process, signal.SIGTERM)
     assert "stopped by SIGTERM; checkpoint: " in out, out[-5000:]
-    saved = [p for p in (run / "checkpoints").glob("step_*") if (p / "state.json").is_file()]
+    saved = [p for p in run.glob("checkpoints/step_*") if (p / "state.json").is_file()]
     assert len(saved) == 1 and f"checkpoint: {saved[0]}" in out, out[-5000:]
     assert int(saved[0].name.split("_")[1]) >= 2
-    _, alive = psutil.wait_procs(tree, timeout=10)
-    assert not alive, [" ".join(p.cmdline())[:120] for p in alive]
-    resumed = subprocess.run(_cli(run, [*overrides, "train.resume=auto"], nproc=2), env=rank_env(), cwd=ROOT,
-                             capture_output=True, text=True, timeout=900)
-    assert resumed.returncode == 0, (resumed.stdout + resumed.stderr)[-5000:]
-    summary = json.loads((run / "summary.json").read_text())
+    summary = _resume_to_end(run, overrides)
     assert Path(summary["resumed_from"]) == saved[0] and summary["samples_trained"] == 4 * 60
 
 
@@ -242,30 +246,10 @@ def test_sigterm_to_torchrun_saves_the_sharded_state_together(tiny_deepseek_path
 def test_sigterm_before_the_first_step_stops_cleanly(tiny_deepseek_path, tmp_path):
     """SIGTERM while the TP ranks start: nothing to save, and the run says so (no traceback of ours)."""
     run = tmp_path / "early"
-    proc = subprocess.Popen(_cli(run, LONGER, nproc=2), env=rank_env(), cwd=ROOT, stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT, text=True)
-    try:
-        deadline = time.monotonic() + 300
-        while time.monotonic() < deadline:
-            assert proc.poll() is None, proc.stdout.read()[-5000:]
-            tree = psutil.Process(proc.pid).children(recursive=True)
-            if sum("spawn_main" in " ".join(p.cmdline()) for p in tree if p.is_running()) == 2:
-                break
-            time.sleep(0.2)
-        proc.send_signal(signal.SIGTERM)
-        out, _ = proc.communicate(timeout=120)
-    finally:
-        proc.kill()
+    out = _signal_when(run, LONGER, _tp_ranks_started, psutil.Process, signal.SIGTERM)
     assert "stopped by SIGTERM; checkpoint: none (no optimizer step yet" in out, out[-5000:]
     assert "StreamInterrupted" not in out and "StreamError" not in out, out[-5000:]
-    assert not list((run / "checkpoints").glob("step_*")) if (run / "checkpoints").exists() else True
-    _, alive = psutil.wait_procs(tree, timeout=10)
-    assert not alive, [" ".join(p.cmdline())[:120] for p in alive]
-
-
-def _train_steps(run: Path) -> int:
-    metrics = run / "metrics.jsonl"
-    return sum('"train/loss"' in line for line in metrics.read_text().splitlines()) if metrics.is_file() else 0
+    assert not list(run.glob("checkpoints/step_*"))
 
 
 def _trainer_rank(launcher_pid: int, rank: int) -> psutil.Process:
