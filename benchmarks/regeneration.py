@@ -187,6 +187,7 @@ def decode_capture_exactness(captured, prefill, prompt_lengths: list[int]) -> di
 def build(args):
     from transformers import AutoTokenizer
 
+    from specforge_k25.data.tokenize import template_prompt_ids
     from specforge_k25.eval.prompts import load_prompt_set
     from specforge_k25.target.factory import TargetSpec, build_target
     from specforge_k25.target.hf_config import read_target_info
@@ -197,7 +198,8 @@ def build(args):
     path = str(smollm2_path())
     info = read_target_info(path)
     tok = AutoTokenizer.from_pretrained(path)
-    prompts = [torch.tensor(p, dtype=torch.int64) for p in load_prompt_set("mtbench", args.prompts, tok)]
+    prompts = [torch.tensor(p, dtype=torch.int64) for p in load_prompt_set(
+        "mtbench", args.prompts, lambda messages: template_prompt_ids(tok, messages))]
     stop = () if args.no_stop else (tok.convert_tokens_to_ids("<|im_end|>"), tok.eos_token_id)
     regen = Regeneration(max_new_tokens=args.max_new_tokens, max_length=max(len(p) for p in prompts)
                          + args.max_new_tokens, stop_ids=tuple(stop), group_sequences=args.prompts)

@@ -238,8 +238,8 @@ _KIMI_CALL_ID = re.compile(r"functions\.[^:\s]+:\d+")
 # ----------------------------------------------------------------------------------------------
 
 
-def _text(value: Any, what: str) -> str:
-    """Message content -> str: a string, None (empty), or a list of text parts."""
+def _text(value: Any, what: str, sep: str = "") -> str:
+    """Message content -> str: a string, None (empty), or a list of text parts joined by `sep`."""
     if value is None:
         return ""
     if isinstance(value, str):
@@ -253,7 +253,7 @@ def _text(value: Any, what: str) -> str:
                 parts.append(part["text"])
             else:
                 raise BadRow(f"non_text_{what}")
-        return "".join(parts)
+        return sep.join(parts)
     raise BadRow(f"non_string_{what}")
 
 
@@ -306,8 +306,11 @@ def _kept_reasoning_turns(messages: Sequence[dict], fmt: KimiFormat) -> set[int]
 
 
 def render_pieces(messages: Sequence[dict], *, mode: Mode, special: KimiSpecialTokens,
-                  fmt: KimiFormat = DEFAULT_FORMAT) -> list[tuple[int | str, bool]]:
-    """The conversation as (special id | ordinary text, supervised) pieces. Raises `BadRow`."""
+                  fmt: KimiFormat = DEFAULT_FORMAT, add_generation_prompt: bool = False
+                  ) -> list[tuple[int | str, bool]]:
+    """The conversation as (special id | ordinary text, supervised) pieces. Raises `BadRow`.
+    `add_generation_prompt`: `messages` end before an answer; append the header the server
+    sends before generating it (no assistant turn needed)."""
     if mode not in MODES:
         raise ValueError(f"mode={mode!r}: expected one of {MODES}")
     if not isinstance(messages, (list, tuple)) or not messages:
@@ -332,7 +335,11 @@ def render_pieces(messages: Sequence[dict], *, mode: Mode, special: KimiSpecialT
             out += [(header, False), (role, False), (sp.im_middle, False),
                     (_text(m.get("content"), "content"), False), (sp.im_end, False)]
         elif role == "tool":
-            content = _text(m.get("content"), "content")
+            # SGLang joins a tool result's text parts with a space before any template sees them
+            # (serving_chat.py normalize_tool_content); other roles' parts reach Kimi's template as
+            # parts, which it prints back to back
+            parts = m.get("content_parts")
+            content = " ".join(parts) if parts is not None else _text(m.get("content"), "content", sep=" ")
             prefix = fmt.tool_result_prefix.format(
                 tool_call_id=m.get("tool_call_id") or "", name=m.get("name") or ""
             ) if fmt.tool_result_prefix else ""
@@ -372,7 +379,11 @@ def render_pieces(messages: Sequence[dict], *, mode: Mode, special: KimiSpecialT
             out.append((sp.im_end, sup))
         else:
             raise BadRow("unknown_role")
-    if not saw_assistant:
+    if add_generation_prompt:
+        out += [(sp.im_assistant, False), ("assistant", False), (sp.im_middle, False), (sp.think, False)]
+        if mode == "instant":
+            out.append((sp.think_end, False))
+    elif not saw_assistant:
         raise BadRow("no_assistant_turn")
     specials = [s for s in special.by_name() if s]
     for piece, _ in out:
@@ -440,3 +451,20 @@ def kimi_renderer(tokenizer, *, mode: Mode, special: KimiSpecialTokens | None = 
         return render_kimi(tokenizer, messages, mode=mode, max_length=max_length, special=sp, fmt=fmt)
 
     return render
+
+
+def kimi_prompt_renderer(tokenizer, *, mode: Mode, special: KimiSpecialTokens | None = None,
+                         fmt: KimiFormat = DEFAULT_FORMAT) -> Callable[[Sequence[dict]], list[int]]:
+    """`messages -> ids` of the generation prompt that follows them (what the server sends the
+    model before it answers), rendered as training renders the same turns."""
+    if mode not in MODES:
+        raise ValueError(f"mode={mode!r}: expected one of {MODES}")
+    check_remote_code_tokenizer(tokenizer)
+    sp = special if special is not None else special_tokens_of(tokenizer)
+    encode = text_encoder(tokenizer)
+
+    def render_prompt(messages):
+        pieces = render_pieces(messages, mode=mode, special=sp, fmt=fmt, add_generation_prompt=True)
+        return encode_pieces(pieces, encode)[0]
+
+    return render_prompt

@@ -134,6 +134,12 @@ def _for_template(tokenizer, messages: list[dict]) -> list[dict]:
     return out
 
 
+def template_prompt_ids(tokenizer, messages) -> list[int]:
+    """The generation prompt after `messages`, exactly as `tokenize_conversation` renders the
+    prompt of each assistant turn (and as SGLang renders a request)."""
+    return _render(tokenizer, _for_template(tokenizer, list(messages)), add_generation_prompt=True)
+
+
 def tokenize_conversation(tokenizer, messages, max_length: int, end_of_turn_id: int) -> Sample:
     """messages -> Sample, truncated to `max_length` tokens. Raises `BadRow`."""
     specials = [t for t in getattr(tokenizer, "all_special_tokens", []) if t]

@@ -36,15 +36,6 @@ def humaneval_prompts() -> list[str]:
     return [f"Complete the following Python function.\n\n```python\n{p['prompt']}```" for p in problems]
 
 
-def chat_prompt_ids(tokenizer, question: str) -> list[int]:
-    """One user turn rendered by the target's chat template, ending with the assistant header."""
-    ids = tokenizer.apply_chat_template([{"role": "user", "content": question}], tokenize=True,
-                                        add_generation_prompt=True)
-    if isinstance(ids, dict) or hasattr(ids, "keys"):  # transformers 5 may return a BatchEncoding
-        ids = ids["input_ids"]
-    return [int(i) for i in ids]
-
-
 def heldout_prompt_ids(samples) -> list[list[int]]:
     """Held-out conversations cut before the first supervised (assistant) token."""
     prompts = []
@@ -55,11 +46,14 @@ def heldout_prompt_ids(samples) -> list[list[int]]:
     return prompts
 
 
-def load_prompt_set(name: str, n: int, tokenizer, heldout_samples=()) -> list[list[int]]:
+def load_prompt_set(name: str, n: int, render_prompt, heldout_samples=()) -> list[list[int]]:
+    """`n` prompts of a set as ids; `render_prompt(messages) -> ids`: the run's own generation-prompt
+    renderer (setup.run.prompt_renderer), so each question is one user turn rendered as training
+    and the server render it."""
     if name == "mtbench":
-        return [chat_prompt_ids(tokenizer, q) for q in mtbench_questions()[:n]]
+        return [render_prompt([{"role": "user", "content": q}]) for q in mtbench_questions()[:n]]
     if name == "humaneval":
-        return [chat_prompt_ids(tokenizer, q) for q in humaneval_prompts()[:n]]
+        return [render_prompt([{"role": "user", "content": q}]) for q in humaneval_prompts()[:n]]
     if name == "heldout":
         prompts = heldout_prompt_ids(heldout_samples)[:n]
         if not prompts:

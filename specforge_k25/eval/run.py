@@ -21,7 +21,7 @@ from tqdm import tqdm
 from ..config import EvalJobConfig
 from ..export.serving import export_draft, load_exported_draft
 from ..target.hf_config import load_embedding_and_head
-from ..setup.run import RunSetup, fresh_draft, make_target_stream, prepare
+from ..setup.run import RunSetup, fresh_draft, make_target_stream, prepare, prompt_renderer
 from .acceptance import draft_predictions, draft_proposer, prompt_lookup_proposer, replay, step_counts, tau_sim
 from .prompts import load_prompt_set
 from ..target.sglang_spec import Chain, generate
@@ -112,7 +112,8 @@ def run_eval(job: EvalJobConfig, out_dir: str | Path) -> dict:
     job = dataclasses.replace(job, data=dataclasses.replace(job.data, regenerate=False))
     setup = prepare(job)
     heads = _heads(job, setup, out_dir)
-    sets = {name: load_prompt_set(name, ev.num_prompts, setup.tokenizer, setup.data.heldout) for name in ev.prompt_sets}
+    render_prompt = prompt_renderer(job, setup.tokenizer)
+    sets = {name: load_prompt_set(name, ev.num_prompts, render_prompt, setup.data.heldout) for name in ev.prompt_sets}
     prompts = [p for name in sets for p in sets[name]]
     owner = [name for name in sets for _ in sets[name]]
     engine = _engine_kwargs(job)

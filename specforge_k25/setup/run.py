@@ -110,6 +110,20 @@ def _renderer(job: JobConfig, tokenizer):
     raise ValueError(f"target.chat_format={job.target.chat_format!r}: expected template or kimi")
 
 
+def prompt_renderer(job: JobConfig, tokenizer):
+    """`messages -> ids` of the generation prompt after them, by the same renderer and format as
+    the run's training data (so eval measures the prompts the head was trained and is served on)."""
+    if job.target.chat_format == "kimi":
+        from ..data.kimi_format import kimi_prompt_renderer
+
+        return kimi_prompt_renderer(tokenizer, mode=job.target.chat_mode)
+    if job.target.chat_format == "template":
+        from ..data.tokenize import template_prompt_ids
+
+        return lambda messages: template_prompt_ids(tokenizer, messages)
+    raise ValueError(f"target.chat_format={job.target.chat_format!r}: expected template or kimi")
+
+
 def fresh_draft(setup: RunSetup, seed: int) -> tuple[Eagle3Draft, torch.Tensor]:
     """An untrained draft (seeded init, the target's embedding, vocab maps from the training
     split only) and the target's lm_head [V, Ht]."""

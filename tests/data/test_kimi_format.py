@@ -517,3 +517,42 @@ def test_build_dataset_thinking_keeps_reasoning(tok, tmp_path):
     data = build_dataset(tok, source="jsonl", path=str(path), max_length=64, num_samples=4, heldout_samples=2,
                          end_of_turn_id=IM_END, show_progress=False, render=kimi_renderer(tok, mode="thinking"))
     assert all(THINK_END in s.input_ids.tolist() for s in data.train)
+
+
+def test_tool_result_text_parts_join_with_a_space_as_sglang_does(tok, E):
+    """SGLang flattens a tool result's text parts with " " for every template before rendering
+    (serving_chat.py normalize_tool_content); a user turn's parts reach Kimi's template as parts,
+    which it prints back to back."""
+    row = {"messages": [
+        {"role": "user", "content": [{"type": "text", "text": "Weather"}, {"type": "text", "text": "now?"}]},
+        {"role": "assistant", "content": "", "tool_calls": [_call("get_weather", {})]},
+        {"role": "tool", "tool_call_id": "functions.get_weather:0",
+         "content": [{"type": "text", "text": "Sunny,"}, {"type": "text", "text": "21C"}]},
+        {"role": "assistant", "content": "Sunny."},
+    ]}
+    ids, _ = rendered(tok, normalize_row(row, agentic=True), "instant")
+    tool_turn = [IM_SYSTEM, *E("tool"), IM_MIDDLE, *E("Sunny, 21C"), IM_END]
+    assert any(ids[i:i + len(tool_turn)] == tool_turn for i in range(len(ids)))
+    user_turn = [IM_USER, *E("user"), IM_MIDDLE, *E("Weathernow?"), IM_END]
+    assert ids[: len(user_turn)] == user_turn
+    # the same through a list given straight to the renderer (no normalize_row)
+    ids2, _ = rendered(tok, row["messages"], "instant")
+    assert ids2 == ids
+
+
+@pytest.mark.parametrize("mode", ["thinking", "instant"])
+def test_generation_prompt_is_the_training_render_cut_before_the_answer(tok, E, mode):
+    """One rendering path: the eval/serving prompt after a conversation's turns == the training
+    render of the same conversation cut before its final answer (what regeneration decodes from)."""
+    from specforge_k25.data.kimi_format import kimi_prompt_renderer
+    from specforge_k25.data.regenerate import regeneration_prompt
+
+    conv = [dict(m) for m in TOOL_LOOP]
+    if mode == "instant":
+        conv = [{k: v for k, v in m.items() if k != "reasoning_content"} for m in conv]
+    render_prompt = kimi_prompt_renderer(tok, mode=mode)
+    sample = render_kimi(tok, conv, 4096, mode=mode)
+    assert render_prompt(conv[:-1]) == regeneration_prompt(sample).tolist()
+    tail = [IM_ASSISTANT, *E("assistant"), IM_MIDDLE, THINK] + ([THINK_END] if mode == "instant" else [])
+    single = render_prompt([{"role": "user", "content": "Hi"}])
+    assert single == [IM_USER, *E("user"), IM_MIDDLE, *E("Hi"), IM_END, *tail]
