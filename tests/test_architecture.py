@@ -11,7 +11,8 @@ PACKAGE = Path(__file__).resolve().parents[1] / "specforge_k25"
 
 # What each part of the package may import of ours, along the data path
 # data -> target -> stream -> draft -> export -> plan -> setup -> train / eval.
-# The top-level modules `config` (the typed config) and `paths` (the cache folder) are leaves.
+# The top-level modules `config` (the typed config) and `paths` (the cache folder, atomic file
+# writes) are leaves.
 ALLOWED = {
     "config": set(),
     "paths": set(),
@@ -19,10 +20,10 @@ ALLOWED = {
     "target": {"data", "paths"},
     "stream": {"target"},
     "draft": set(),  # torch only: nothing of ours but itself
-    "export": {"draft", "target"},  # the layer-id rules of the servers (target/layers.py)
+    "export": {"draft", "target", "paths"},  # target: the layer-id rules of the servers (target/layers.py)
     "plan": {"config", "target", "draft"},  # reads facts; builds nothing
     "setup": {"config", "data", "target", "stream", "draft", "plan"},
-    "train": {"config", "setup", "data", "target", "stream", "draft", "export", "plan"},
+    "train": {"config", "setup", "data", "target", "stream", "draft", "export", "plan", "paths"},
     "eval": {"config", "setup", "data", "target", "stream", "draft", "export"},
 }
 ONLY_UNDER = {"sglang": "target", "sgl_kernel": "target"}  # third-party packages one part alone may import

@@ -13,10 +13,9 @@ Kimi's vocabulary, so ordinary-text ids mean nothing to a real Kimi model.
 from __future__ import annotations
 
 import base64
-import os
-import tempfile
 from pathlib import Path
 
+from ..paths import write_text_atomic
 from .kimi_format import KimiSpecialTokens
 
 FIRST_SPECIAL_ID = 163584
@@ -94,11 +93,8 @@ def train_ranks(vocab_size: int = 8192, corpus_chars: int = 4_000_000) -> dict[b
 
 def _write_ranks(path: Path, ranks: dict[bytes, int]) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=path.name + ".tmp-", dir=path.parent)
-    with os.fdopen(fd, "w") as fh:
-        for token, rank in sorted(ranks.items(), key=lambda kv: kv[1]):
-            fh.write(f"{base64.b64encode(token).decode()} {rank}\n")
-    os.replace(tmp, path)
+    lines = [f"{base64.b64encode(token).decode()} {rank}\n" for token, rank in sorted(ranks.items(), key=lambda kv: kv[1])]
+    write_text_atomic(path, "".join(lines))
 
 
 def _read_ranks(path: Path) -> dict[bytes, int]:

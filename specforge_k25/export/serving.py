@@ -22,6 +22,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from ..draft.model import DraftConfig, Eagle3Draft, draft_state
+from ..paths import write_atomic, write_text_atomic
 from ..target.layers import vllm_layer_ids
 
 
@@ -72,10 +73,11 @@ def export_draft(draft: Eagle3Draft, out_dir: str | Path, eagle_layer_ids: list[
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)
     tensors = {k: (v.to(dtype) if v.is_floating_point() else v) for k, v in draft_state(draft).items()}
-    save_file(tensors, tmp / "model.safetensors", metadata={"format": "pt"})
+    # the umask's mode: a server running as another user reads the folder (save_file alone makes 0600)
+    write_atomic(tmp / "model.safetensors", lambda f: save_file(tensors, f, metadata={"format": "pt"}))
     config = serving_config(draft.cfg, eagle_layer_ids, bos_token_id, eos_token_id, str(dtype).replace("torch.", ""),
                             capture_points)
-    (tmp / "config.json").write_text(json.dumps(config, indent=2))
+    write_text_atomic(tmp / "config.json", json.dumps(config, indent=2))
     try:
         validate_export(tmp)
     except ValueError:

@@ -14,6 +14,7 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file, save_file
 
+from ..paths import write_atomic, write_text_atomic
 
 PREFIX = "step_"
 
@@ -47,16 +48,13 @@ def save_checkpoint(run_dir: Path, step: int, draft_tensors: dict, optimizer_sta
         shutil.rmtree(stale, ignore_errors=True)
     tmp = root / f".tmp-{PREFIX}{step:08d}-{os.getpid()}"
     tmp.mkdir()
-    save_file({k: v.detach().contiguous() for k, v in draft_tensors.items() if not k.startswith("embed_tokens.")},
-              tmp / "draft.safetensors")
+    draft = {k: v.detach().contiguous() for k, v in draft_tensors.items() if not k.startswith("embed_tokens.")}
+    write_atomic(tmp / "draft.safetensors", lambda f: save_file(draft, f))  # each file flushed, umask's mode
     opt_tensors, opt_meta = optimizer_tensors(optimizer_state)
     rng = {"rng.torch": torch.get_rng_state()}
-    save_file({**opt_tensors, **rng}, tmp / "optimizer.safetensors")
+    write_atomic(tmp / "optimizer.safetensors", lambda f: save_file({**opt_tensors, **rng}, f))
     state = {"step": step, "optimizer": opt_meta, "scheduler": scheduler_state, **extra}
-    (tmp / "state.json").write_text(json.dumps(state, indent=1, default=str))
-    for f in tmp.iterdir():
-        with open(f, "rb") as fh:
-            os.fsync(fh.fileno())
+    write_text_atomic(tmp / "state.json", json.dumps(state, indent=1, default=str))
     if final.exists():  # re-saving a step: move the old one aside so a crash never leaves neither
         old = root / f".tmp-old-{final.name}-{os.getpid()}"
         os.replace(final, old)

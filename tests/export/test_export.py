@@ -338,6 +338,28 @@ def test_failed_export_keeps_previous_export(tmp_path):
     assert sorted(p.name for p in tmp_path.iterdir()) == ["export"]
 
 
+@pytest.fixture
+def umask():
+    """Sets the process umask for one test (restored after it)."""
+    import os
+
+    saved = os.umask(0o022)
+    yield os.umask
+    os.umask(saved)
+
+
+@pytest.mark.parametrize("mask,mode", [(0o022, 0o644), (0o027, 0o640)])
+def test_export_files_get_the_umask_mode(tmp_path, umask, mask, mode):
+    """A server running as another user (a container, a shared model store) reads the export:
+    the weights get the same mode as the config, the one the umask gives any new file (a
+    temporary file renamed into place would be 0600)."""
+    umask(mask)
+    out = export_draft(make_draft(seed=3), tmp_path / "export", LAYER_IDS, BOS, EOS, capture_points=POINTS)
+    assert {p.name: p.stat().st_mode & 0o777 for p in out.iterdir()} == {"config.json": mode,
+                                                                          "model.safetensors": mode}
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["export"]
+
+
 # ------------------------------------------------------------------------------ 5. SGLang's and vLLM's ids
 # What each server captures for an id, written out by hand from its source, independently of
 # target/layers.py. "input of layer k" = the residual stream entering decoder layer k.

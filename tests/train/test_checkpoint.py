@@ -263,6 +263,24 @@ def test_checkpoint_files_hold_no_pickle(tmp_path):
         assert all(v["dtype"] in ("F32", "I64", "BOOL", "U8") for k, v in header.items() if k != "__metadata__"), name
 
 
+@pytest.mark.parametrize("mask,mode", [(0o022, 0o644), (0o027, 0o640)])
+def test_checkpoint_files_get_the_umask_mode(tmp_path, mask, mode):
+    """Every file of a checkpoint gets the mode the umask gives any new file (safetensors' own
+    temporary file would leave the tensors 0600 beside a 0644 state.json)."""
+    import os
+
+    draft, opt, sched = make_training(seed=0)
+    train_step(draft, opt, sched, seed=1)
+    saved = os.umask(mask)
+    try:
+        path = save_checkpoint(tmp_path, 1, draft.state_dict(), opt.state_dict(), sched.state_dict(), {}, keep=1)
+    finally:
+        os.umask(saved)
+    assert {p.name: p.stat().st_mode & 0o777 for p in path.iterdir()} == {
+        "draft.safetensors": mode, "optimizer.safetensors": mode, "state.json": mode}
+    assert sorted(p.name for p in path.parent.iterdir()) == ["step_00000001"]  # no temporary file left
+
+
 # ---------------------------------------------------------------------------- 8. mismatch
 @pytest.mark.parametrize("over", [{"intermediate_size": 64}, {"draft_vocab_size": 40}, {"target_hidden_size": 48}],
                          ids=["I", "Vd", "Ht"])
