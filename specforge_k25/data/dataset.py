@@ -1,6 +1,7 @@
 """Build the tokenized train / held-out splits from a configured source, counting skips."""
 from __future__ import annotations
 
+import hashlib
 import random
 from collections import Counter
 from dataclasses import dataclass, field
@@ -18,6 +19,27 @@ class TokenizedData:
     skipped: Counter = field(default_factory=Counter)  # reason -> rows
     truncated: int = 0  # rows cut to max_length (still used)
     rows_seen: int = 0
+
+    def train_sha1(self) -> str:
+        """The resume fingerprint's hash of the training split, as checkpoints have always recorded
+        it (token ids and loss masks, in order)."""
+        digest = hashlib.sha1()
+        for s in self.train:
+            digest.update(s.input_ids.numpy().tobytes())
+            digest.update(s.loss_mask.numpy().tobytes())
+        return digest.hexdigest()
+
+    def sha1(self) -> str:
+        """A hash of everything prepared (both splits; each sample's length, token ids and loss
+        mask, in order): what the trainer ranks compare, each having prepared its own copy."""
+        digest = hashlib.sha1()
+        for split in (self.train, self.heldout):
+            digest.update(len(split).to_bytes(8, "little"))
+            for s in split:
+                digest.update(len(s.input_ids).to_bytes(8, "little"))
+                digest.update(s.input_ids.numpy().tobytes())
+                digest.update(s.loss_mask.numpy().tobytes())
+        return digest.hexdigest()
 
     def summary(self) -> dict:
         return {

@@ -104,6 +104,21 @@ class Ranks:
             raise ValueError(f"the trainer ranks disagree on {what} (from {-int(t[1])} to {int(t[0])}): "
                              f"train.out_dir must be one folder every rank sees")
 
+    def check_same_data(self, digest: str) -> None:
+        """Raise (on every rank) unless all ranks prepared the same data: each rank reads and
+        tokenizes data.source itself, and a rank that got other samples (another file at
+        data.path on its node, another tokenizer or datasets version) would train on them while
+        the schedule's sample ids, the vocab maps and the fingerprint assume rank 0's. `digest`:
+        this rank's `TokenizedData.sha1()`. One collective."""
+        digests = self.gather(digest)
+        differ = [r for r, d in enumerate(digests) if d != digests[0]]
+        if differ:
+            each = ", ".join(f"rank {r} {digests[r][:12]}" for r in [0, *differ])
+            raise ValueError(f"trainer rank(s) {differ} prepared different data than rank 0 (sha1 of the tokenized "
+                             f"train and held-out samples: {each}): every rank tokenizes data.source/data.path with "
+                             f"the target's tokenizer itself, so all must read the same data files with the same "
+                             f"tokenizer and library versions")
+
     def gather(self, obj) -> list:
         """Every rank's value of a picklable object, in rank order, on every rank."""
         if self.world == 1:

@@ -7,7 +7,6 @@ step, evaluate, save, summarize) over the batch schedule (train/schedule.py):
 from __future__ import annotations
 
 import dataclasses
-import hashlib
 import json
 import signal
 import time
@@ -74,15 +73,11 @@ def build_trainer(job: JobConfig, setup: RunSetup, steps: int, device: torch.dev
 def run_fingerprint(job: JobConfig, setup: RunSetup, n_items: int, ranks: int = 1) -> dict:
     """What a checkpoint must agree with to be resumed: target, draft shape, data, schedule
     (and the number of data-parallel ranks when there are several)."""
-    digest = hashlib.sha1()
-    for s in setup.data.train:
-        digest.update(s.input_ids.numpy().tobytes())
-        digest.update(s.loss_mask.numpy().tobytes())
     return {
         "target_architecture": setup.info.architecture, "target_layers": setup.info.num_layers,
         "target_hidden": setup.info.hidden_size, "target_vocab": setup.info.vocab_size,
         "capture_points": list(setup.capture_points), "draft": dataclasses.asdict(setup.draft_cfg),
-        "train_data_sha1": digest.hexdigest(), "schedule_items": n_items, "seed": job.train.seed,
+        "train_data_sha1": setup.data.train_sha1(), "schedule_items": n_items, "seed": job.train.seed,
         "regeneration": json.loads(json.dumps(dataclasses.asdict(setup.regeneration))) if setup.regeneration else None,
         "batch_size": job.train.batch_size, "grad_accum": job.train.grad_accum, "ttt_length": job.train.ttt_length,
         **({"trainer_ranks": ranks} if ranks > 1 else {}),
@@ -421,6 +416,7 @@ def run_training(job: JobConfig, run_dir: str | Path, engine: str = "sglang") ->
             torch.set_num_threads(job.hw.trainer_threads)
         setup = prepare(job)
         job, ranks = start_ranks(job)  # torchrun: this rank's trainer GPU and target replica, the process group
+        ranks.check_same_data(setup.data.sha1())
         run_dir = Path(ranks.from_main(str(run_dir)))  # Hydra's default folder is a timestamp: take rank 0's
         trainer = Trainer(job, setup, run_dir, ranks, partial(make_target_stream, engine=engine), t_start)
         return trainer.run()

@@ -3,6 +3,7 @@ the rank layout checks, and two ranks under torchrun (gloo, CPU, HF target) agai
 the doubled batch."""
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import subprocess
@@ -98,6 +99,89 @@ def test_rank_major_slices():
     assert [Ranks(rank=r, world=2).share(batch, 2) for r in range(2)] == [[10, 11], [12, 13]]
     assert [Ranks(rank=r, world=2).share([10, 11, 12], 2) for r in range(2)] == [[10, 11], [12]]
     assert [Ranks(rank=r, world=2).share([10], 2) for r in range(2)] == [[10], []]  # short last batch
+
+
+# ------------------------------------------------------------------ the prepared data, the same on every rank
+def _data(*train_and_heldout):
+    from specforge_k25.data.dataset import TokenizedData
+    from specforge_k25.data.tokenize import Sample
+
+    def sample(ids):
+        return Sample(torch.tensor(ids, dtype=torch.int64), torch.tensor([i % 2 == 0 for i in ids]))
+
+    train, heldout = train_and_heldout
+    return TokenizedData([sample(x) for x in train], [sample(x) for x in heldout])
+
+
+def test_data_hash_covers_both_splits_and_keeps_the_fingerprint_hash():
+    base = _data([[1, 2, 3], [4, 5]], [[6, 7]])
+    assert base.sha1() == _data([[1, 2, 3], [4, 5]], [[6, 7]]).sha1()
+    for other in (_data([[1, 2, 3], [4, 5]], [[6, 8]]),  # a held-out token
+                  _data([[1, 2], [3, 4, 5]], [[6, 7]]),  # the same tokens cut into other samples
+                  _data([[1, 2, 3]], [[4, 5], [6, 7]]),  # a sample moved to the held-out split
+                  _data([[4, 5], [1, 2, 3]], [[6, 7]])):  # another order
+        assert other.sha1() != base.sha1()
+    flipped = _data([[1, 2, 3], [4, 5]], [[6, 7]])
+    flipped.train[0].loss_mask[2] = ~flipped.train[0].loss_mask[2]
+    assert flipped.sha1() != base.sha1()
+    # the resume fingerprint's hash of the training split, as older checkpoints recorded it
+    import hashlib
+
+    old = hashlib.sha1()
+    for s in base.train:
+        old.update(s.input_ids.numpy().tobytes())
+        old.update(s.loss_mask.numpy().tobytes())
+    assert base.train_sha1() == old.hexdigest()
+
+
+def test_ranks_refuse_different_prepared_data_by_name(monkeypatch):
+    """One all_gather of every rank's hash (here a stand-in); any rank differing from rank 0 is named."""
+    import torch.distributed as dist
+
+    calls = []
+
+    def gathering(peers):
+        def all_gather_object(out, obj):
+            calls.append(obj)
+            out[:] = peers
+        return all_gather_object
+
+    monkeypatch.setattr(dist, "all_gather_object", gathering(["a", "a", "a"]))
+    Ranks(rank=2, world=3).check_same_data("a")
+    monkeypatch.setattr(dist, "all_gather_object", gathering(["a", "b", "a", "c"]))
+    with pytest.raises(ValueError, match=r"trainer rank\(s\) \[1, 3\] prepared different data than rank 0 "
+                                         r"\(sha1 of .*: rank 0 a, rank 1 b, rank 3 c\)"):
+        Ranks(rank=0, world=4).check_same_data("a")
+    assert calls == ["a", "a"]  # one collective per check
+    Ranks().check_same_data("anything")  # one rank: nothing to compare, no collective
+    assert len(calls) == 2
+
+
+def test_run_training_compares_the_prepared_data_before_training(monkeypatch, tmp_path):
+    """run_training hands the ranks' check the hash of what `prepare` built, before any Trainer."""
+    from types import SimpleNamespace
+
+    import specforge_k25.train.trainer as trainer_mod
+    from specforge_k25.config import JobConfig
+
+    @dataclasses.dataclass(frozen=True)
+    class Checked(Ranks):
+        seen: list = dataclasses.field(default_factory=list, compare=False, hash=False)
+
+        def check_same_data(self, digest: str) -> None:
+            self.seen.append(digest)
+            raise ValueError("refused")
+
+    data = _data([[1, 2, 3], [4, 5]], [[6, 7]])
+    ranks = Checked(rank=1, world=2)
+    monkeypatch.setattr(trainer_mod, "prepare", lambda job: SimpleNamespace(data=data))
+    monkeypatch.setattr(trainer_mod, "start_ranks", lambda job: (job, ranks))
+    monkeypatch.setattr(trainer_mod, "Trainer", lambda *a, **kw: pytest.fail("a Trainer before the data check"))
+    job = JobConfig()
+    job.hw.trainer_threads = torch.get_num_threads()  # leave this process's threads as they are
+    with pytest.raises(ValueError, match="refused"):
+        trainer_mod.run_training(job, tmp_path / "run")
+    assert ranks.seen == [data.sha1()]
 
 
 # ------------------------------------------------------------------ layout vs the hw profile
@@ -253,7 +337,12 @@ def _rank_main(rank: int, port: int, results) -> None:
     job = JobConfig()
     job.hw.target_replicas, job.train.dist_timeout_s = 2, 5.0
     job, ranks = start_ranks(job)
-    ranks.sum(torch.ones(2))  # both ranks take part once
+    ranks.check_same_data("same")  # both ranks take part: the data check passes, then is refused by name
+    try:
+        ranks.check_same_data(f"sha1-of-rank-{rank}")
+        results.put(("data", rank, "accepted"))
+    except ValueError as err:
+        results.put(("data", rank, str(err)))
     if rank == 1:
         time.sleep(60)  # then hangs (never joins the next collective)
         return
@@ -267,6 +356,9 @@ def _rank_main(rank: int, port: int, results) -> None:
 
 
 def test_a_hung_rank_makes_the_collective_fail_after_the_timeout():
+    """Two gloo ranks: the prepared-data check (one all_gather) accepts equal hashes and refuses
+    different ones on both ranks; then rank 1 hangs, and rank 0's next collective fails after
+    train.dist_timeout_s."""
     import socket
 
     import torch.multiprocessing as mp
@@ -280,11 +372,17 @@ def test_a_hung_rank_makes_the_collective_fail_after_the_timeout():
     for p in procs:
         p.start()
     try:
+        data = sorted(results.get(timeout=120) for _ in range(2))
         kind, waited, message = results.get(timeout=120)
     finally:
         for p in procs:
             p.kill()
             p.join(timeout=10)
+    # different prepared data: refused on both ranks, naming the rank that differs (gloo, real all_gather)
+    assert [r for _, r, _ in data] == [0, 1]
+    for _, _, text in data:
+        assert "trainer rank(s) [1] prepared different data than rank 0" in text, text
+        assert "rank 0 sha1-of-rank" in text and "rank 1 sha1-of-rank" in text, text
     assert kind == "RankFailed", (kind, waited)
     assert 4 <= waited < 30, waited  # train.dist_timeout_s=5
     assert "another rank died or hung" in message
