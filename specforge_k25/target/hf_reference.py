@@ -79,11 +79,11 @@ class HFTarget:
         alone (no padding), its full sequence recomputed each step (slow, exact: a reference)."""
         running = [p.clone() for p in prompts]
 
-        def step(tokens):
+        def step(tokens, rows):
             if tokens is not None:
-                for b, t in enumerate(tokens.tolist()):
+                for b, t in zip(rows, tokens.tolist()):
                     running[b] = torch.cat([running[b], torch.tensor([t])])
-            return torch.stack([self.model(ids[None]).logits[0, -1] for ids in running])
+            return torch.stack([self.model(running[b][None]).logits[0, -1] for b in rows])
 
         return generate_with(step, prompts, budgets, regen)
 

@@ -55,23 +55,38 @@ def sample_next(logits: torch.Tensor, temperature: float, top_p: float, generato
     return out
 
 
+def kv_slots(prompt_len: int, budget: int, page_size: int = 1) -> int:
+    """KV slots one request of `generate_with` holds at its end (the most it ever holds): its
+    prompt and every answer token fed back, i.e. all but the last (a finished request leaves the
+    batch, so it stops taking a slot per step); SGLang allocates whole pages per request."""
+    held = prompt_len + max(budget - 1, 0)
+    return -(-held // page_size) * page_size
+
+
+def generation_slots(prompt_lengths: list[int], budgets: list[int], page_size: int = 1) -> int:
+    """The KV pool a `generate_with` call needs at its peak (nothing is freed before its end)."""
+    return sum(kv_slots(p, b, page_size) for p, b in zip(prompt_lengths, budgets))
+
+
 def generate_with(step, prompts: list[torch.Tensor], budgets: list[int], regen: Regeneration) -> list[list[int]]:
-    """The decode loop both engines share. `step(tokens | None)` runs the engine: None = prefill
-    the prompts, else feed one token per request; it returns next-token logits [B, V]. A request
-    stops at a stop id (kept as its last token) or after its budget of new tokens; the batch keeps
-    decoding until every request has stopped (finished requests' tokens are ignored)."""
+    """The decode loop both engines share. `step(tokens, rows)` runs the engine and returns
+    next-token logits [len(rows), V]: tokens None = prefill every prompt (rows = all of them), else
+    feed tokens[k] to request rows[k]. `rows` holds the requests still decoding, in the order of the
+    previous step's rows: the engine drops the others from its batch, so a finished request takes
+    no more KV slots (`kv_slots`) and never grows past its prompt + budget. A request stops at a
+    stop id (kept as its last token) or after its budget of new tokens."""
     generators = [request_generator(regen.seed, p) for p in prompts]
     answers: list[list[int]] = [[] for _ in prompts]
-    done = [b <= 0 for b in budgets]
-    logits = step(None)
-    while not all(done):
-        tokens = sample_next(logits, regen.temperature, regen.top_p, generators)
-        for b, t in enumerate(tokens.tolist()):
-            if done[b]:
-                continue
+    rows = list(range(len(prompts)))
+    logits = step(None, rows)
+    keep = [k for k, b in enumerate(rows) if budgets[b] > 0]  # a request without a budget is only prefilled
+    rows, logits = [rows[k] for k in keep], logits[keep]
+    while rows:
+        tokens = sample_next(logits, regen.temperature, regen.top_p, [generators[b] for b in rows])
+        for b, t in zip(rows, tokens.tolist()):
             answers[b].append(t)
-            done[b] = t in regen.stop_ids or len(answers[b]) >= budgets[b]
-        if all(done):
-            break
-        logits = step(tokens)
+        keep = [k for k, b in enumerate(rows) if answers[b][-1] not in regen.stop_ids and len(answers[b]) < budgets[b]]
+        rows = [rows[k] for k in keep]
+        if rows:
+            logits = step(tokens[keep], rows)
     return answers

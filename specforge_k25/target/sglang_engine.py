@@ -12,6 +12,8 @@ SGLang internals touched (all in this file, covered by tests/target/test_target.
 - a forward hook on the text model (`model.model`, or `model.language_model.model` for
   Kimi-K2.5), whose output is `(final_hidden_after_norm, aux_hidden)`;
 - `Req` fields the extend path reads;
+- regeneration: `one_batch.decode`, `ScheduleBatch.filter_batch(keep_indices=...)` (finished
+  requests leave the decode batch) and the KV allocator's `page_size`;
 - TP > 1: `ServerArgs(nnodes, node_rank, dist_init_addr)`, `SGLANG_DISTRIBUTED_INIT_METHOD_OVERRIDE`
   (one node: env:// to the trainer's TCPStore, stream/producer.py `Rendezvous`) and SGLang's TP group
   (`parallel_state.get_tp_group()`: `cpu_group`, `ranks`, `rank_in_group`), over which TP rank 0
@@ -26,7 +28,7 @@ import torch
 
 from .base import TargetOutput
 from .layers import layer_id_rule, sglang_layer_ids
-from .sampling import Regeneration, generate_with
+from .sampling import Regeneration, generate_with, generation_slots
 from .sglang_cpu_compat import SGLANG_VERSION
 
 
@@ -206,25 +208,34 @@ class SGLangTarget:
     def generate(self, prompts: list[torch.Tensor], budgets: list[int], regen: Regeneration) -> list[list[int]]:
         """Answers to `prompts` (at most budgets[i] new tokens each), decoded by SGLang's own extend
         and decode steps with the shared sampling rule (target/sampling.py). Every TP rank calls it
-        with the same prompts and draws the same tokens (the logits are gathered on every rank)."""
-        need = sum(len(p) + b for p, b in zip(prompts, budgets))
+        with the same prompts and draws the same tokens (the logits are gathered on every rank), so
+        every rank drops the same finished requests from its batch."""
+        need = generation_slots([len(p) for p in prompts], budgets, self.kv_page_size)
         if need > self.max_total_tokens:
             raise ValueError(f"generation needs {need} KV slots but the engine's pool holds {self.max_total_tokens}: "
-                             f"lower train.batch_size or data.regen_max_new_tokens, or raise hw.max_total_tokens")
+                             f"lower data.regen_group or data.regen_max_new_tokens, or raise hw.max_total_tokens")
         state = {}
 
-        def step(tokens):
+        def step(tokens, rows):
             if tokens is None:
                 _, logits, state["batch"] = self._runner.extend(self._requests(prompts, budgets))
             else:
+                if len(rows) < len(state["rows"]):  # finished requests leave the batch (rows keeps their order)
+                    at = {b: k for k, b in enumerate(state["rows"])}
+                    state["batch"].filter_batch(keep_indices=[at[b] for b in rows])
                 _, logits = self._runner.decode(tokens.to(state["device"]), state["batch"])
-            state["device"] = logits.device
+            state["rows"], state["device"] = rows, logits.device
             return logits
 
         try:
             return generate_with(step, prompts, budgets, regen)
         finally:
             self._runner.clear()
+
+    @property
+    def kv_page_size(self) -> int:
+        """Tokens per page of the KV pool: SGLang gives each request whole pages."""
+        return self._runner.torch_runner.token_to_kv_pool_allocator.page_size
 
     def _requests(self, sequences: list[torch.Tensor], new_tokens: list[int] | None = None) -> list:
         reqs = []

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import torch
 
-from specforge_k25.target.sampling import Regeneration, generate_with, request_generator, sample_next
+from specforge_k25.target.sampling import (Regeneration, generate_with, generation_slots, kv_slots,
+                                          request_generator, sample_next)
 
 
 def test_greedy_is_argmax_and_top_p_keeps_the_smallest_set_reaching_p():
@@ -33,14 +34,55 @@ def test_decode_loop_stops_at_a_stop_id_or_the_budget():
     prompts = [torch.tensor([5]), torch.tensor([0]), torch.tensor([3])]
     fed = [[int(p[-1])] for p in prompts]
 
-    def step(tokens):
+    def step(tokens, rows):
         if tokens is not None:
-            for b, t in enumerate(tokens.tolist()):
+            for b, t in zip(rows, tokens.tolist()):
                 fed[b].append(t)
-        return torch.nn.functional.one_hot(torch.tensor([(f[-1] + 1) % 10 for f in fed]), 10).float()
+        return torch.nn.functional.one_hot(torch.tensor([(fed[b][-1] + 1) % 10 for b in rows]), 10).float()
 
     out = generate_with(step, prompts, [8, 3, 0], Regeneration(stop_ids=(9,)))
     assert out == [[6, 7, 8, 9], [1, 2, 3], []]
+    assert fed == [[5, 6, 7, 8], [0, 1, 2], [3]]  # a finished request is fed nothing more
+
+
+class SlotCountingEngine:
+    """A decode engine that allocates KV slots as SGLang's extend and decode do (a prompt's worth
+    per request, then one slot per request in the batch per step) from a pool of `pool` slots;
+    its next token is always 1."""
+
+    def __init__(self, prompts, pool):
+        self.lengths = [len(p) for p in prompts]
+        self.pool, self.used = pool, 0
+
+    def __call__(self, tokens, rows):
+        if tokens is None:
+            self.used += sum(self.lengths)
+        else:
+            self.used += len(rows)
+            for b in rows:
+                self.lengths[b] += 1
+        if self.used > self.pool:
+            raise MemoryError(f"decode out of memory: {self.used} > {self.pool} slots")
+        return torch.nn.functional.one_hot(torch.ones(len(rows), dtype=torch.int64), 4).float()
+
+
+def test_generation_fits_the_pool_its_admission_counts():
+    """Issue 18 §3: seven 2,000-token prompts and one of 100, max_length 2048, 1,024 new tokens.
+    Counted as prompt + budget they take 15,460 slots and pass a 16,384-slot pool; keeping the
+    finished requests in the batch would allocate 14,100 + 8 x 1,023 = 22,284 (SGLang's decode OOM)."""
+    regen = Regeneration(max_new_tokens=1024, max_length=2048)
+    prompts = [torch.zeros(2000, dtype=torch.int64)] * 7 + [torch.zeros(100, dtype=torch.int64)]
+    budgets = [regen.budget(len(p)) for p in prompts]
+    assert budgets == [48] * 7 + [1024] and sum(len(p) + b for p, b in zip(prompts, budgets)) == 15460
+    assert kv_slots(2000, 48) == 2047 and kv_slots(100, 1024) == 1123 and kv_slots(5, 0) == 5
+    assert generation_slots([len(p) for p in prompts], budgets) == 7 * 2047 + 1123 == 15452
+    assert kv_slots(2000, 48, page_size=64) == 2048 and kv_slots(100, 1024, page_size=64) == 1152
+
+    engine = SlotCountingEngine(prompts, pool=16384)
+    answers = generate_with(engine, prompts, budgets, regen)
+    assert [len(a) for a in answers] == budgets
+    assert engine.used == generation_slots([len(p) for p in prompts], budgets)  # the count is the real peak
+    assert max(engine.lengths) < regen.max_length  # no sequence outgrows prompt + budget
 
 
 def test_hf_reference_generates_what_transformers_generates(smollm2_path):
