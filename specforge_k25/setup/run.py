@@ -165,9 +165,11 @@ def target_spec(job: JobConfig, engine: str = "sglang", tokenizer=None) -> Targe
 
 
 def make_target_stream(job: JobConfig, setup: RunSetup, samples, batches: list[list[int]],
-                       engine: str = "sglang", keep: list[list[int]] | None = None, ranks=None) -> TargetStream:
+                       engine: str = "sglang", keep: list[list[int]] | None = None, ranks=None,
+                       before: list[list[int]] = ()) -> TargetStream:
     """The target process over `batches` (lists of indices into `samples`), not yet started.
-    Regenerating, the target gets each sample's prompt (data/regenerate.py) and answers it.
+    Regenerating, the target gets each sample's prompt (data/regenerate.py) and answers it; a
+    resume passes the batches run `before`, so that it decodes in the same groups (TargetStream).
 
     Co-located (`ranks` with several trainer ranks per replica, train/distributed.py): only this
     rank's TP rank, its ring on this rank's GPU carrying the positions `keep` of each batch; the
@@ -181,7 +183,8 @@ def make_target_stream(job: JobConfig, setup: RunSetup, samples, batches: list[l
                           timeout_s=job.train.stream_timeout_s, start_timeout_s=job.train.engine_start_timeout_s,
                           dtype=getattr(torch, job.hw.target_dtype),
                           device="cpu" if job.hw.device == "cpu" else f"cuda:{gpu}",
-                          tp_rank=ranks.replica_rank if colocated else None, keep=keep if colocated else None)
+                          tp_rank=ranks.replica_rank if colocated else None, keep=keep if colocated else None,
+                          before=before)
     if colocated:
         port = stream.open_rendezvous() if ranks.replica_rank == 0 else None
         ports = ranks.gather(port)  # every rank takes part

@@ -146,11 +146,13 @@ class TargetStream:
     def __init__(self, spec: TargetSpec, sequences: list[torch.Tensor], batches: list[list[int]], *,
                  hidden_size: int, slots: int = 3, timeout_s: float = 600.0, start_timeout_s: float = 3600.0,
                  poll_s: float = 1.0, dtype: torch.dtype = torch.float32, device: str = "cpu",
-                 tp_rank: int | None = None, keep: list[list[int]] | None = None):
+                 tp_rank: int | None = None, keep: list[list[int]] | None = None, before: list[list[int]] = ()):
         """tp_rank (co-located): start only this TP rank, which fills this stream's ring with the
         positions `keep[i]` of batch i (batches with none send nothing); the TP group meets at
-        `open_rendezvous()` of the stream holding TP rank 0 (`join_rendezvous(port)` elsewhere)."""
-        self.spec, self.batches, self.poll_s = spec, batches, poll_s
+        `open_rendezvous()` of the stream holding TP rank 0 (`join_rendezvous(port)` elsewhere).
+        before (a resume that regenerates): the batches run before `batches`, which place the
+        remaining prompts in the regeneration groups of an uninterrupted run (target_process.py)."""
+        self.spec, self.batches, self.poll_s, self.before = spec, batches, poll_s, list(before)
         self.tp_rank, self.keep = tp_rank, keep
         self.producer_rank = tp_rank or 0  # the TP rank that fills this ring
         self.expected = sum(1 for k in keep if k) if keep is not None else len(batches)  # messages to read
@@ -202,7 +204,7 @@ class TargetStream:
             if rank == 0:
                 process = self.ctx.Process(
                     target=run_producer, args=(spec, self.tokens, self.offsets, self.batches, self.ring, os.getpid(),
-                                                 self.keep),
+                                                 self.keep, self.before),
                     name="specforge-target", daemon=True)
                 self.process = process
             elif self.tp_rank is not None:  # co-located: this rank fills the ring too

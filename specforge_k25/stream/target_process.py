@@ -18,6 +18,7 @@ import psutil
 import torch
 
 from ..target.factory import TargetSpec, build_target
+from ..target.sampling import generation_slots, kv_slots
 from .ring import EndOfStream, ProducerFailed, SlotRing
 
 
@@ -61,9 +62,11 @@ def put_share(ring: SlotRing, index: int, out, keep: list[int] | None, ids: torc
 
 
 def run_producer(spec: TargetSpec, tokens: torch.Tensor, offsets: torch.Tensor, batches: list, ring: SlotRing,
-                   parent_pid: int, keep: list | None = None):
+                   parent_pid: int, keep: list | None = None, before: list = ()):
     """Entry point of the target process (TP rank 0). tokens: all sequences concatenated; offsets [N+1].
-    keep: per batch, the positions its ring carries (co-located; None: every sequence)."""
+    keep: per batch, the positions its ring carries (co-located; None: every sequence). before: the
+    batches a resumed run already trained on, not run again; regenerating, they place the remaining
+    prompts in the groups an uninterrupted run decodes them in (`regeneration_groups`)."""
     bind_to_trainer()
     if os.getppid() != parent_pid:  # the trainer died before prctl took effect
         return
@@ -77,11 +80,14 @@ def run_producer(spec: TargetSpec, tokens: torch.Tensor, offsets: torch.Tensor, 
         if pool is not None and largest > pool:
             raise ValueError(f"the largest batch has {largest} tokens but the engine's KV pool holds {pool}: "
                              f"lower train.batch_size or data.max_length, or raise hw.mem_fraction_static")
+        ahead = None
+        if spec.regeneration is not None:
+            stage = "regeneration groups"
+            ahead = Regenerated(target, spec, tokens, offsets, [*before, *batches], start=len(before))
         stage = "engine warmup"
         target.warmup()
         io = psutil.Process().io_counters
         ready_bytes = io().write_bytes
-        ahead = Regenerated(target, spec, tokens, offsets, batches, pool) if spec.regeneration is not None else None
         sent = 0
         for item, batch in enumerate(batches):
             stage = f"target forward of batch {item}"
@@ -89,7 +95,7 @@ def run_producer(spec: TargetSpec, tokens: torch.Tensor, offsets: torch.Tensor, 
             ids = prompt_lengths = None
             if ahead is not None:
                 stage = f"regeneration up to batch {item}"
-                seqs, prompt_lengths = ahead.take(item)
+                seqs, prompt_lengths = ahead.take(len(before) + item)
                 ids = torch.cat(seqs)
                 stage = f"target forward of batch {item}"
             if spec.tp_size > 1:
@@ -117,29 +123,63 @@ def sequence_room(spec: TargetSpec, length: int) -> int:
 FORWARD, GENERATE = torch.tensor([0]), torch.tensor([1])
 
 
+def regeneration_groups(batches: list, prompt_len, regen, pool: int | None, page_size: int = 1) -> list[list[int]]:
+    """The samples decoded together (`Regenerated`): a function of the whole schedule, walked from
+    its first batch, so that a resumed run decodes every prompt in the same group (the same batch
+    makeup, hence the same kernels and answers) as an uninterrupted run. A sample belongs to the
+    group open at its first use; a group takes a batch's new samples whole, and closes before a
+    batch that would take it past regen.group_sequences prompts or `pool` KV slots."""
+    groups, group, room, seen = [], [], 0, set()
+    for batch in batches:
+        new = [i for i in dict.fromkeys(batch) if i not in seen]
+        need = sum(kv_slots(prompt_len(i), regen.budget(prompt_len(i)), page_size) for i in new)
+        if group and new and (len(group) + len(new) > regen.group_sequences
+                              or (pool is not None and room + need > pool)):
+            groups.append(group)
+            group, room = [], 0
+        group += new
+        room += need
+        seen.update(new)
+    return groups + [group] if group else groups
+
+
 class Regenerated:
-    """TP rank 0's answers, generated ahead of the forwards in groups of up to
-    regeneration.group_sequences prompts (decoding a batch of prompts costs about as much per step
-    as decoding one), each group within the engine's KV pool. A conversation used again later (a
-    held-out sample at every evaluation) is kept for that use while the kept ones stay under
-    KEEP_TOKENS, else regenerated (identically: seeded). Memory stays bounded."""
+    """TP rank 0's answers, generated ahead of the forwards in the groups of `regeneration_groups`
+    (decoding a batch of prompts costs about as much per step as decoding one), each group within
+    the configured KV pool (spec.max_total_tokens: not the engine's, which depends on free memory).
+    `batches` is the whole schedule; a resumed run starts at `start` and decodes a group that began
+    before it whole again. A conversation used again later (a held-out sample at every evaluation)
+    is kept for that use while the kept ones stay under KEEP_TOKENS, else its group is decoded again
+    (the same answers). Memory stays bounded."""
 
     KEEP_TOKENS = 1 << 20
 
     def __init__(self, target, spec: TargetSpec, tokens: torch.Tensor, offsets: torch.Tensor, batches: list,
-                 pool: int | None):
-        self.target, self.spec, self.batches, self.pool = target, spec, batches, pool
+                 start: int = 0):
+        self.target, self.spec, self.batches = target, spec, batches
         self.prompt = lambda i: tokens[offsets[i]:offsets[i + 1]]
+        regen = spec.regeneration
+        page = getattr(target, "kv_page_size", 1)
+        self.groups = regeneration_groups(batches, lambda i: len(self.prompt(i)), regen, spec.max_total_tokens, page)
+        self.group_of = {i: g for g, group in enumerate(self.groups) for i in group}
+        pool = getattr(target, "max_total_tokens", None)  # the engine's; None: no KV pool (the HF reference)
+        need = max((generation_slots([len(self.prompt(i)) for i in group],
+                                     [regen.budget(len(self.prompt(i))) for i in group], page)
+                    for group in self.groups), default=0)
+        if pool is not None and need > pool:
+            raise ValueError(f"a regeneration group needs {need} KV slots but the engine's pool holds {pool}: "
+                             f"lower data.regen_group or hw.max_total_tokens, or raise hw.mem_fraction_static")
         self.ready: dict[int, torch.Tensor] = {}  # sample -> its conversation, until its last use
-        self.uses = Counter(i for batch in batches for i in batch)
+        self.uses = Counter(i for batch in batches[start:] for i in batch)
         self.kept: set[int] = set()  # used again later, kept meanwhile
         self.kept_tokens = 0
 
     def take(self, item: int) -> tuple[list[torch.Tensor], list[int]]:
         """Batch `item`'s conversations (prompt + answer) and prompt lengths."""
         batch = self.batches[item]
-        if any(i not in self.ready for i in batch):
-            self._generate_from(item)
+        for i in batch:
+            if i not in self.ready:
+                self._generate(self.group_of[i])
         conversations = [self.ready[i] for i in batch]
         for i in batch:
             self.uses[i] -= 1
@@ -154,21 +194,14 @@ class Regenerated:
                 self.kept_tokens -= len(conversation)
         return conversations, [len(self.prompt(i)) for i in batch]
 
-    def _generate_from(self, first: int) -> None:
-        regen = self.spec.regeneration
-        wanted, room = [], 0
-        for item in range(first, len(self.batches)):
-            need = [i for i in dict.fromkeys(self.batches[item]) if i not in self.ready and i not in wanted]
-            need_room = sum(len(self.prompt(i)) + regen.budget(len(self.prompt(i))) for i in need)
-            if wanted and (len(wanted) + len(need) > regen.group_sequences
-                           or (self.pool is not None and room + need_room > self.pool)):
-                break
-            wanted += need
-            room += need_room
-        prompts = [self.prompt(i) for i in wanted]
+    def _generate(self, g: int) -> None:
+        group = self.groups[g]
+        prompts = [self.prompt(i) for i in group]
         if self.spec.tp_size > 1:
             self.target.share_batch([GENERATE, *prompts])
-        self.ready.update(zip(wanted, regenerate(self.target, prompts, regen)))
+        for i, conversation in zip(group, regenerate(self.target, prompts, self.spec.regeneration)):
+            if self.uses[i] > 0 and i not in self.ready:  # a group decoded again: only what is still to come
+                self.ready[i] = conversation
 
 
 def regenerate(target, prompts: list[torch.Tensor], regen) -> list[torch.Tensor]:

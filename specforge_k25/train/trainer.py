@@ -264,11 +264,18 @@ class Trainer:
         batches = [self.ranks.replica_batch(p.sample_ids, tr.batch_size) for p in self.schedule[start:]]
         keep = [self.ranks.share_positions(b, sizes) for b in batches]  # this rank's share of its replica's batch
         shares = [[b[p] for p in k] for b, k in zip(batches, keep)]
+        before = {}
+        if self.setup.regeneration is not None and start:  # the batches that place the rest in their decode groups
+            done = [self.ranks.replica_batch(p.sample_ids, tr.batch_size) for p in self.schedule[:start]]
+            if self.ranks.per_replica == 1:
+                done = [[b[p] for p in self.ranks.share_positions(b, sizes)] for b in done]
+            before["before"] = [b for b in done if b]
         if self.ranks.per_replica == 1:  # dedicated: the stream runs this rank's shares only
-            self.stream = self.stream_factory(self.job, self.setup, self.samples, [ids for ids in shares if ids])
+            self.stream = self.stream_factory(self.job, self.setup, self.samples, [ids for ids in shares if ids],
+                                              **before)
         else:  # colocated: this rank's TP rank runs the replica's batches, its ring carries the share
             self.stream = self.stream_factory(self.job, self.setup, self.samples, [b for b in batches if b],
-                                              keep=[k for b, k in zip(batches, keep) if b], ranks=self.ranks)
+                                              keep=[k for b, k in zip(batches, keep) if b], ranks=self.ranks, **before)
         # Sharded ranks keep waiting for their batch after a stop signal (once there is progress to
         # save): they stop together at the next schedule item, where they can gather their state.
         self.stream.should_stop = lambda: self.stop.requested() and not (self.draft_trainer.sharded and self.saved.step)

@@ -1,8 +1,12 @@
 """TP rank 0's regeneration ahead of the forwards (stream/target_process.py `Regenerated`): prompts
 decoded in groups within the group size and the KV pool, each sample once while it is kept for a
-later use (held-out samples recur at every evaluation), identical conversations either way."""
+later use (held-out samples recur at every evaluation), identical conversations either way, and a
+resumed run decodes the remaining prompts in the groups of an uninterrupted run."""
 from __future__ import annotations
 
+import os
+
+import pytest
 import torch
 
 from specforge_k25.stream.target_process import Regenerated as _Regenerated
@@ -13,6 +17,8 @@ from specforge_k25.target.sampling import Regeneration
 class CountingTarget:
     """Answers a prompt with its first token repeated twice; records each generate call's prompts."""
 
+    max_total_tokens = None
+
     def __init__(self):
         self.calls: list[list[int]] = []
 
@@ -21,13 +27,24 @@ class CountingTarget:
         return [[int(p[0])] * min(2, b) for p, b in zip(prompts, budgets)]
 
 
-def _regenerated(batches, group=2, pool=None, keep_tokens=None):
-    seqs = [torch.tensor([10 + i, 1, 2]) for i in range(5)]  # sample i's prompt starts with 10 + i
-    offsets = torch.tensor([0, 3, 6, 9, 12, 15])
-    spec = TargetSpec(engine="hf", model_path="m", architecture="x", capture_points=[1, 2, 3],
+class MakeupTarget(CountingTarget):
+    """Answers tell the group they were decoded in (its first tokens' sum), as kernels that depend on
+    the batch makeup can."""
+
+    def generate(self, prompts, budgets, regen):
+        super().generate(prompts, budgets, regen)
+        makeup = sum(int(p[0]) for p in prompts)
+        return [[int(p[0]), makeup][:b] for p, b in zip(prompts, budgets)]
+
+
+def _regenerated(batches, group=2, pool=16384, keep_tokens=None, start=0, lengths=None, target=None):
+    lengths = lengths or [3] * 5
+    seqs = [torch.tensor([10 + i, *range(1, n)]) for i, n in enumerate(lengths)]  # sample i's prompt starts with 10 + i
+    offsets = torch.tensor([0] + lengths).cumsum(0)
+    spec = TargetSpec(engine="hf", model_path="m", architecture="x", capture_points=[1, 2, 3], max_total_tokens=pool,
                       regeneration=Regeneration(max_new_tokens=2, max_length=16, group_sequences=group))
-    target = CountingTarget()
-    ahead = _Regenerated(target, spec, torch.cat(seqs), offsets, batches, pool)
+    target = target or CountingTarget()
+    ahead = _Regenerated(target, spec, torch.cat(seqs), offsets, batches, start=start)
     if keep_tokens is not None:
         ahead.KEEP_TOKENS = keep_tokens
     return ahead, target
@@ -52,6 +69,72 @@ def test_no_room_to_keep_means_regenerating_identically():
 
 
 def test_a_group_stays_within_the_kv_pool():
-    ahead, target = _regenerated([[0], [1], [2]], group=8, pool=10)  # each prompt + budget = 5 slots
+    ahead, target = _regenerated([[0], [1], [2]], group=8, pool=9)  # each prompt + answer fed back = 4 slots
     ahead.take(0)
     assert target.calls == [[10, 11]]
+
+
+@pytest.mark.parametrize("group, pool, keep_tokens", [(3, 16384, None), (3, 16384, 0), (8, 11, None)])
+def test_a_resume_decodes_in_the_groups_of_an_uninterrupted_run(group, pool, keep_tokens):
+    """Issue 18 §3.4: a group's makeup decides the decode kernels, hence the answers. A run resumed
+    at any item gets the conversations of the uninterrupted run for the remaining items: its groups
+    (by prompt count and by KV pool room) are the uninterrupted run's, and a group begun before the
+    resume is decoded whole again; so is a recurring sample's group when it was not kept."""
+    batches = [[0], [1, 2], [3], [0, 4], [1], [2, 3]]  # samples 0..3 recur
+    lengths = [3, 4, 2, 5, 3]  # KV slots each: 4, 5, 3, 6, 4
+
+    def conversations(start):
+        ahead, _ = _regenerated(batches, group=group, pool=pool, keep_tokens=keep_tokens, start=start,
+                                lengths=lengths, target=MakeupTarget())
+        return [[c.tolist() for c in ahead.take(item)[0]] for item in range(start, len(batches))]
+
+    whole = conversations(0)
+    assert len({c[-1] for item in whole for c in item}) > 1  # several groups
+    for start in range(1, len(batches)):
+        assert conversations(start) == whole[start:], start
+
+
+class FakeRing:
+    """What the producer puts: (item, ids, prompt lengths) per message, then its end message."""
+
+    def __init__(self):
+        self.got, self.ready = [], self
+
+    def put(self, item, aux=None, final=None, lengths=None, ids=None, prompt_lengths=None):
+        self.got.append(item if aux is None else (item, ids.tolist(), prompt_lengths))
+
+
+def test_the_target_process_resumes_in_the_uninterrupted_runs_groups(monkeypatch):
+    """run_producer (TP rank 0) given the batches run before a resume: it forwards only the rest,
+    and their conversations are the uninterrupted run's."""
+    from specforge_k25.stream import target_process
+    from specforge_k25.stream.ring import EndOfStream
+    from specforge_k25.target.base import TargetOutput
+
+    class Engine(MakeupTarget):
+        def warmup(self):
+            pass
+
+        def close(self):
+            pass
+
+        def forward(self, seqs):
+            n = sum(len(s) for s in seqs)
+            return TargetOutput(torch.zeros(n, 6), torch.zeros(n, 2), [len(s) for s in seqs])
+
+    monkeypatch.setattr(target_process, "bind_to_trainer", lambda: None)
+    monkeypatch.setattr(target_process, "build_target", lambda spec, tp_rank: Engine())
+    batches = [[0], [1, 2], [3], [0, 4]]
+    seqs = [torch.tensor([10 + i, 1, 2]) for i in range(5)]
+    spec = TargetSpec(engine="hf", model_path="m", architecture="x", capture_points=[1, 2, 3],
+                      regeneration=Regeneration(max_new_tokens=2, max_length=16, group_sequences=2))
+
+    def produce(before, rest):
+        ring = FakeRing()
+        target_process.run_producer(spec, torch.cat(seqs), torch.arange(0, 16, 3), rest, ring, os.getppid(),
+                                    before=before)
+        assert isinstance(ring.got[-1], EndOfStream)
+        return ring.got[:-1]
+
+    whole = produce([], batches)
+    assert produce(batches[:2], batches[2:]) == [(item - 2, ids, lens) for item, ids, lens in whole[2:]]

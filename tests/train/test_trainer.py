@@ -243,8 +243,10 @@ class FakeRegenStream(FakeStream):
         return self.slot_ids
 
 
-def _run_regen(job, setup, fail_at=None):
-    def factory(job_, setup_, samples, batches):
+def _run_regen(job, setup, fail_at=None, served=None):
+    def factory(job_, setup_, samples, batches, before=()):
+        if served is not None:
+            served.append((list(before), list(batches)))
         return FakeRegenStream(samples, batches, setup.regeneration, fail_at)
 
     trainer = Trainer(job, setup, job.train.out_dir, Ranks(), factory)
@@ -264,7 +266,8 @@ def test_regenerated_answers_are_what_the_loop_trains_on_and_a_resume_redoes_the
     from specforge_k25.target.sampling import Regeneration
 
     setup = dataclasses.replace(tiny_setup, regeneration=Regeneration(max_new_tokens=5, max_length=40, stop_ids=(0,)))
-    full, summary = _run_regen(_job(tmp_path / "full"), setup)
+    served = []
+    full, summary = _run_regen(_job(tmp_path / "full"), setup, served=served)
     oracle = FakeRegenStream(setup.data.train + setup.data.heldout, [], setup.regeneration)
     lines = [json.loads(x) for x in (tmp_path / "full" / "regenerated.jsonl").read_text().splitlines()]
     assert len(lines) == 2 * 2 + 12  # held-out batch at start and end, 12 training samples once
@@ -280,7 +283,10 @@ def test_regenerated_answers_are_what_the_loop_trains_on_and_a_resume_redoes_the
     assert summary["regeneration"]["answer_tokens_in_loss"] == sum(x["answer_tokens"] for x in lines)
 
     _run_regen(_job(tmp_path / "resume", checkpoint_every=1), setup, fail_at=6)
-    resumed, _ = _run_regen(_job(tmp_path / "resume", resume="auto"), setup)
+    resumed, _ = _run_regen(_job(tmp_path / "resume", resume="auto"), setup, served=served)
     assert dataclasses.asdict(resumed.progress) == dataclasses.asdict(full.progress)
+    # the resumed target also gets the batches run before it, to decode in the same groups
+    (none, whole), (before, rest) = served
+    assert none == [] and before == whole[:5] and rest == whole[5:]
     for (name, a), b in zip(full.draft_trainer.draft.state_dict().items(), resumed.draft_trainer.draft.state_dict().values()):
         assert torch.equal(a, b), name
