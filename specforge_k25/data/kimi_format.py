@@ -2,18 +2,23 @@
 
 No Jinja template is involved: the turn layout of docs/KIMI_K25.md §5.1 is written
 out here piece by piece (special-token ids and ordinary text), and every piece carries its
-own mask bit, so the mask never depends on finding markers in a rendered string.
+own mask bit, so the mask never depends on finding markers in a rendered string. The layout is
+that of Kimi-K2.5's own `chat_template.jinja` as SGLang 0.5.23 applies it (the template is a
+test fixture, tests/fixtures/kimi_k25_chat_template.jinja; tests/data/test_kimi_format.py
+checks the ids against it, docs/KIMI_K25.md §5.6):
 
-Layout (no newlines between turns; role names are ordinary text):
-
-    <|im_system|>system<|im_middle|>{system}<|im_end|>
+    <|im_system|>tool_declare<|im_middle|>{tools, TypeScript style}<|im_end|>   (a row with `tools`)
+    <|im_system|>{name or system}<|im_middle|>{system}<|im_end|>
     <|im_user|>user<|im_middle|>{user}<|im_end|>
-    <|im_assistant|>assistant<|im_middle|><think>{reasoning}</think>{answer}{tool calls}<|im_end|>
-    {tool header}{tool result}<|im_end|>                      (header: see `KimiFormat`)
+    <|im_assistant|>{name or assistant}<|im_middle|><think>{reasoning}</think>{answer}{tool calls}<|im_end|>
+    <|im_system|>{name or tool}<|im_middle|>## Return of {tool_call_id}\n{tool result}<|im_end|>
 
     tool calls = <|tool_calls_section_begin|>
                    (<|tool_call_begin|>functions.{name}:{idx}<|tool_call_argument_begin|>{json}<|tool_call_end|>)*
                  <|tool_calls_section_end|>
+
+(no newlines between turns; role names are ordinary text). Kimi-K2.5's template inserts no
+default system prompt (Kimi-K2-Instruct's and K2-Thinking's do: `default_system`).
 
 Loss mask = 1 exactly on the tokens the assistant generates in the served mode. The
 generation prompt is `<|im_assistant|>assistant<|im_middle|>` followed by `<think>` (thinking
@@ -37,24 +42,32 @@ mode) or `<think></think>` (instant mode), so:
   turn(s) only.
 
 Which turns keep their reasoning (thinking mode). The sequence is rendered as the server sees
-it when generating the final assistant turn F. Kimi's thinking template keeps the reasoning of
-the assistant turns of the current tool-call loop (those after the last assistant turn
-*without* tool calls) and drops it for everything before that. Every kept turn was generated
-from exactly the prefix it has here, so its reasoning is supervised too. A plain chat
-(user, assistant, user, assistant) keeps only F's reasoning. `keep_reasoning="final"`
-keeps F's only (the narrower reading of "the template drops the reasoning of earlier turns").
+it when generating the final assistant turn F: its generation prompt (the template applied to
+the turns before F) followed by what the model generated. The template keeps the reasoning of
+the assistant turns after the last assistant turn *without* tool calls (the current tool-call
+loop) and drops it for everything up to that turn. Every kept turn was generated from exactly
+the prefix it has here, so its reasoning is supervised too. A plain chat (user, assistant,
+user, assistant) keeps only F's reasoning. `keep_reasoning="final"` keeps F's only.
 
-Assumptions not pinned down by the reference (all configurable in `KimiFormat`):
-* tool-result turns: header `<|im_system|>tool<|im_middle|>` (Kimi has no tool role token; the
-  result is posted as a system-marked turn named "tool"), no prefix before the content
-  (`tool_result_prefix` may be set, e.g. "## Return of {tool_call_id}\\n");
-* no [BOS] is prepended (`add_bos`), no default system prompt is inserted (`default_system`);
+What SGLang does to a request before the template sees it, and the renderer therefore does too:
+a tool result given as text parts is joined with " "; an assistant tool call's string arguments
+are parsed as a JSON object and printed again by the template's `tojson` (`json.dumps`,
+non-ASCII kept), so `{"a":1}` is served as `{"a": 1}` (`tool_arguments="served"`); a user turn
+has no `name`. The tools are deep-sorted by key and written in TypeScript style
+(`kimi_tool_declaration`), as Kimi-K2.5's tokenizer (`tokenization_kimi.py`) does before the
+template runs.
+
+Choices of this renderer (all configurable in `KimiFormat`; target.kimi_* in the config):
 * tool call ids: a call's own `id` is used when it already has the `functions.{name}:{idx}`
-  form, otherwise `functions.{name}:{idx}` with idx counting calls across the conversation
-  (`tool_call_index="global"`) or within the message (`"per_message"`);
+  form Kimi generates, otherwise `functions.{name}:{idx}` with idx counting calls across the
+  conversation (`tool_call_index="global"`) or within the message (`"per_message"`), and a tool
+  result answering such a call names the new id (`tool_call_ids="verbatim"` keeps every id);
+* no [BOS] is prepended (`add_bos`), no default system prompt is inserted (`default_system`);
 * text containing a special-token string (e.g. a user typing "<|im_end|>") is refused with
   `BadRow("special_token_in_text")`: the served tokenizer would read it as the special token,
-  the ordinary-text encoding used here would not, so neither rendering is trustworthy.
+  the ordinary-text encoding used here would not, so neither rendering is trustworthy;
+* tools the TypeScript writer cannot express (Kimi's tokenizer then falls back to a JSON
+  declaration) are refused with `BadRow("bad_tools")`.
 """
 from __future__ import annotations
 
@@ -208,29 +221,256 @@ def text_encoder(tokenizer) -> Callable[[str], list[int]]:
 
 @dataclass(frozen=True)
 class KimiFormat:
-    """The assumptions of the renderer that the reference does not fix (see module doc)."""
+    """The renderer's options; the defaults are Kimi-K2.5's template as SGLang serves it
+    (module doc, docs/KIMI_K25.md §5)."""
 
     tool_role_token: str = "<|im_system|>"  # header token of a tool-result turn
-    tool_role_name: str = "tool"  # ordinary text after it
-    tool_result_prefix: str = ""  # str.format'ed with tool_call_id=..., name=...
+    tool_role_name: str | None = None  # None: the message's `name`, else "tool" (the template's)
+    tool_result_prefix: str = "## Return of {tool_call_id}\n"  # str.format'ed with tool_call_id=..., name=...
     add_bos: bool = False
     default_system: str | None = None  # inserted when the conversation has no system turn
     keep_reasoning: Literal["tool_loop", "final"] = "tool_loop"
     supervise_history: bool = True  # answers of earlier turns (reasoning dropped)
     missing_reasoning: Literal["error", "empty"] = "error"  # thinking mode, kept turn w/o reasoning
     tool_call_index: Literal["global", "per_message"] = "global"
+    tool_call_ids: Literal["kimi", "verbatim"] = "kimi"  # kimi: ids not of the functions.{name}:{idx} form renumbered
+    tool_arguments: Literal["served", "verbatim"] = "served"  # served: JSON re-printed as SGLang + the template do
+    declare_tools: bool = True  # the tool_declare turn of a conversation with `tools`
 
     def __post_init__(self):
-        if self.keep_reasoning not in ("tool_loop", "final"):
-            raise ValueError(f"keep_reasoning={self.keep_reasoning!r}: expected tool_loop or final")
-        if self.missing_reasoning not in ("error", "empty"):
-            raise ValueError(f"missing_reasoning={self.missing_reasoning!r}: expected error or empty")
-        if self.tool_call_index not in ("global", "per_message"):
-            raise ValueError(f"tool_call_index={self.tool_call_index!r}: expected global or per_message")
+        choices = {"keep_reasoning": ("tool_loop", "final"), "missing_reasoning": ("error", "empty"),
+                   "tool_call_index": ("global", "per_message"), "tool_call_ids": ("kimi", "verbatim"),
+                   "tool_arguments": ("served", "verbatim")}
+        for name, allowed in choices.items():
+            if getattr(self, name) not in allowed:
+                raise ValueError(f"{name}={getattr(self, name)!r}: expected {' or '.join(allowed)}")
+
+
+def kimi_format_of(target) -> KimiFormat:
+    """The `KimiFormat` of a `TargetConfig` (its kimi_* fields)."""
+    return KimiFormat(
+        default_system=target.kimi_default_system, add_bos=target.kimi_add_bos,
+        keep_reasoning=target.kimi_keep_reasoning, supervise_history=target.kimi_supervise_history,
+        missing_reasoning=target.kimi_missing_reasoning, tool_call_index=target.kimi_tool_call_index,
+        tool_call_ids=target.kimi_tool_call_ids, tool_arguments=target.kimi_tool_arguments,
+        declare_tools=target.kimi_declare_tools,
+    )
 
 
 DEFAULT_FORMAT = KimiFormat()
 _KIMI_CALL_ID = re.compile(r"functions\.[^:\s]+:\d+")
+
+
+# ----------------------------------------------------------------------------------------------
+# Tool declarations: the TypeScript-style text of Kimi-K2.5's tool_declare turn
+# ----------------------------------------------------------------------------------------------
+#
+# Kimi-K2.5's tokenizer (`tokenization_kimi.py`, `apply_chat_template`) sorts the tools' keys
+# recursively, writes them with `tool_declaration_ts.encode_tools_to_typescript_style` and hands
+# the text to the template as `tools_ts_str`; when that raises, the template prints the tools as
+# compact JSON instead. What follows is written from that behaviour (docs/KIMI_K25.md §5.6),
+# checked against outputs of Moonshot's encoder in tests/data/test_kimi_format.py. Any schema the
+# encoder would reject raises here; the renderer then refuses the row (`bad_tools`).
+
+_TS_INDENT = "  "
+_TS_CONSTRAINTS = {"string": ("maxLength", "minLength", "pattern"), "number": ("maximum", "minimum"),
+                   "integer": ("maximum", "minimum")}
+_TS_TYPE_LIST = {"string": "string", "number": "number", "integer": "number", "boolean": "boolean",
+                 "null": "null", "object": "{}", "array": "Array<any>"}
+
+
+@dataclass
+class _TsNode:
+    """One parsed JSON schema. kind: scalar | object | array | enum | any_of | union | ref."""
+
+    kind: str
+    description: Any = ""
+    constraints: dict | None = None
+    name: Any = None  # scalar: type name; ref: referenced name
+    items: Any = None  # array: item node; enum: the values; any_of: nodes; union: type names
+    fields: list | None = None  # object: [(name, node, optional, default)]
+    extra: Any = None  # object: additionalProperties (None, a bool, a node or anything else)
+
+
+@dataclass
+class _TsDefs:
+    """The `$defs` met while parsing one function, and whether it refers to itself (`#`)."""
+
+    definitions: dict
+    self_ref: bool = False
+
+
+def _ts_comment(text: str, indent: str = "") -> str:
+    return "\n".join(f"{indent}// {line}" if line else "" for line in text.split("\n"))
+
+
+def _ts_object(schema: dict, defs: _TsDefs) -> _TsNode:
+    node = _TsNode("object", description=schema.get("description", ""), fields=[])
+    if not schema:
+        return node
+    if "$defs" in schema and schema["$defs"]:
+        defs.definitions.update(schema["$defs"].items())
+    extra = schema.get("additionalProperties")
+    node.extra = _ts_parse(extra, defs) if isinstance(extra, dict) else extra
+    if "properties" in schema:
+        props = schema["properties"]
+        optional = set(props.keys()) - set(schema.get("required", []))
+        node.fields = [(key, _ts_parse(prop, defs), key in optional, prop.get("default") if isinstance(prop, dict) else None)
+                       for key, prop in props.items()]
+    return node
+
+
+def _ts_enum(schema: dict) -> _TsNode:
+    values = schema["enum"]
+    if "type" in schema:
+        declared = schema["type"]
+        if isinstance(declared, list):
+            if len(declared) == 1:
+                declared = declared[0]
+            elif len(declared) == 2 and "null" in declared:
+                declared = declared[1] if declared[0] == "null" else declared[0]
+            else:
+                raise ValueError(f"enum type {declared} is not supported")
+        fits = {"string": lambda v: isinstance(v, str), "number": lambda v: isinstance(v, (int, float)),
+                "integer": lambda v: isinstance(v, int), "boolean": lambda v: isinstance(v, bool)}
+        for value in values:
+            if value is not None and not fits.get(declared if isinstance(declared, str) else None, lambda v: True)(value):
+                raise ValueError(f"enum value {value!r} is not a {declared}")
+    return _TsNode("enum", description=schema.get("description", ""), items=values)
+
+
+def _ts_parse(schema: Any, defs: _TsDefs) -> _TsNode:
+    if isinstance(schema, bool):  # true: anything; false: written as null
+        return _TsNode("scalar", name="any" if schema else "null")
+    if not isinstance(schema, dict):
+        raise ValueError(f"invalid JSON schema {schema!r}")
+    description = schema.get("description", "")
+    if "$ref" in schema:
+        ref = schema["$ref"]
+        if ref == "#":
+            defs.self_ref = True
+            return _TsNode("ref", description=description, name="parameters")
+        if not ref.startswith("#/$defs/"):
+            raise ValueError(f"unsupported reference {ref}")
+        target = defs.definitions.get(ref.split("/")[-1])
+        if target is None:
+            raise ValueError(f"reference not found: {ref}")
+        if not isinstance(target, dict):
+            raise ValueError(f"invalid definition {target!r}")
+        name = "parameters" if target.get("$self_ref", False) else ref.split("/")[-1]
+        return _TsNode("ref", description=description, name=name)
+    if "anyOf" in schema:
+        return _TsNode("any_of", description=description, items=[_ts_parse(s, defs) for s in schema["anyOf"]])
+    if "enum" in schema:
+        return _ts_enum(schema)
+    if "type" not in schema:
+        if schema == {}:
+            return _TsNode("scalar", name="any")
+        raise ValueError(f"invalid JSON schema {schema!r}")
+    declared = schema["type"]
+    if isinstance(declared, list):
+        return _TsNode("union", description=description, items=[_TS_TYPE_LIST[name] for name in declared])
+    if declared == "object":
+        return _ts_object(schema, defs)
+    if declared == "array":
+        item = _ts_parse(schema["items"], defs) if schema.get("items") else _TsNode("scalar", name="any")
+        return _TsNode("array", description=description, items=item,
+                       constraints={k: v for k, v in schema.items() if k in ("minItems", "maxItems")})
+    keys = _TS_CONSTRAINTS.get(declared, ()) if isinstance(declared, str) else ()
+    return _TsNode("scalar", description=description, name=declared,
+                   constraints={k: v for k, v in schema.items() if k in keys})
+
+
+def _ts_doc(node: _TsNode, indent: str) -> str:
+    """The comment lines above a field or an array item (description, then constraints)."""
+    lines = []
+    if node.description:
+        lines.append(_ts_comment(node.description, indent))
+    if node.constraints:
+        lines.append(indent + "// " + ", ".join(f"{k}: {v}" for k, v in sorted(node.constraints.items(), key=lambda kv: kv[0])))
+    return "".join(line + "\n" for line in lines)
+
+
+def _ts_field(key: str, node: _TsNode, optional: bool, default: Any, indent: str) -> str:
+    text = _ts_doc(node, indent)
+    if default is not None:
+        shown = repr(default) if isinstance(default, (int, float, bool)) else json.dumps(default, ensure_ascii=False)
+        text += f"{indent}// Default: {shown}\n"
+    return text + f"{indent}{key}{'?' if optional else ''}: {_ts_type(node, indent)}"
+
+
+def _ts_type(node: _TsNode, indent: str = "") -> Any:
+    if node.kind == "scalar":
+        return "number" if node.name == "integer" else node.name
+    if node.kind == "ref":
+        return node.name
+    if node.kind == "union":
+        return " | ".join(node.items)
+    if node.kind == "any_of":
+        return " | ".join([_ts_type(n, indent) for n in node.items])
+    if node.kind == "enum":
+        return " | ".join([f'"{v}"' if isinstance(v, str) else str(v) for v in node.items])
+    if node.kind == "array":
+        inner = indent + _TS_INDENT
+        doc = _ts_doc(node.items, inner)
+        if not doc:
+            return f"Array<{_ts_type(node.items, indent)}>"
+        return "Array<\n" + doc + inner + _ts_type(node.items, inner) + "\n" + indent + ">"
+    # object: required fields by name, then optional ones by name, then additionalProperties
+    inner = indent + _TS_INDENT
+    ordered = sorted((f for f in node.fields if not f[2]), key=lambda f: f[0])
+    ordered += sorted((f for f in node.fields if f[2]), key=lambda f: f[0])
+    parts = [_ts_field(*f, inner) for f in ordered]
+    if node.extra is not None:
+        if node.extra is True:
+            extra = "any"
+        elif node.extra is False:
+            extra = "never"
+        elif isinstance(node.extra, _TsNode):
+            extra = _ts_type(node.extra, inner)
+        else:
+            raise ValueError(f"unknown additionalProperties: {node.extra!r}")
+        parts.append(f"{inner}[k: string]: {extra}")
+    if not parts:
+        return "{}"
+    return "{\n" + ",\n".join(parts) + "\n" + indent + "}"
+
+
+def _ts_function(function: dict) -> str:
+    defs = _TsDefs({})
+    params = _ts_object(function.get("parameters") or {}, defs)
+    blocks = []
+    named = defs.self_ref  # the parameters refer to themselves (`#`): an interface, fields in their given order
+    if named:
+        body = ",\n".join(_ts_field(*f, _TS_INDENT) for f in params.fields)
+        blocks.append("interface parameters {" + (f"\n{body}\n" if body else "") + "}")
+    for name, schema in dict(defs.definitions).items():  # (a `#` met only in here changes nothing above)
+        body = _ts_type(_ts_parse(schema, defs))
+        about = schema.get("description", "")
+        blocks.append((_ts_comment(about) + "\n" if about else "") + f"interface {name} {body}")
+    signature = "parameters" if named else _ts_type(params)
+    description = function.get("description")
+    return "\n".join(filter(None, ["\n".join(blocks), (description and _ts_comment(description)) or "",
+                                    f"type {function.get('name', 'function')} = (_: {signature}) => any;"]))
+
+
+def _deep_sorted(value: Any) -> Any:
+    if isinstance(value, dict):
+        return {k: _deep_sorted(v) for k, v in sorted(value.items())}
+    if isinstance(value, list):
+        return [_deep_sorted(v) for v in value]
+    return value
+
+
+def kimi_tool_declaration(tools: Sequence[dict]) -> str:
+    """The text of Kimi-K2.5's tool_declare turn for OpenAI-style `tools`
+    (`[{"type": "function", "function": {"name", "description", "parameters"}}]`).
+    Raises ValueError (or another exception) where Kimi's tokenizer would fall back to JSON."""
+    functions = [_ts_function(tool["function"]) for tool in _deep_sorted(list(tools))
+                 if tool.get("type") == "function" and tool.get("function")]
+    if not functions:
+        raise ValueError("no function tools to declare")
+    return "# Tools\n\n## functions\nnamespace functions {\n" + "\n".join(functions) + "\n}\n"
 
 
 # ----------------------------------------------------------------------------------------------
@@ -257,8 +497,13 @@ def _text(value: Any, what: str, sep: str = "") -> str:
     raise BadRow(f"non_string_{what}")
 
 
-def _tool_calls(message: dict) -> list[tuple[str, str, str | None]]:
-    """[(name, arguments json, own id or None)] of an assistant message."""
+def _tool_calls(message: dict, fmt: KimiFormat) -> list[tuple[str, str, str | None]]:
+    """[(name, arguments json, own id or None)] of an assistant message.
+
+    `tool_arguments="served"`: arguments given as a string are parsed as a JSON object and printed
+    again, as SGLang (which parses them; a string that is not a JSON object fails the request) and
+    the template's `tojson` (`json.dumps`, non-ASCII kept) serve them; "verbatim": the string as given.
+    """
     calls = message.get("tool_calls")
     if calls is None:
         return []
@@ -270,6 +515,13 @@ def _tool_calls(message: dict) -> list[tuple[str, str, str | None]]:
         if not isinstance(fn, dict) or not isinstance(fn.get("name"), str) or not fn["name"]:
             raise BadRow("bad_tool_calls")
         args = fn.get("arguments", "{}")
+        if isinstance(args, str) and fmt.tool_arguments == "served":
+            try:
+                args = json.loads(args)
+            except ValueError:
+                raise BadRow("bad_tool_calls") from None
+            if not isinstance(args, dict):
+                raise BadRow("bad_tool_calls")
         if isinstance(args, (dict, list)):
             args = json.dumps(args, ensure_ascii=False)
         if not isinstance(args, str):
@@ -277,6 +529,12 @@ def _tool_calls(message: dict) -> list[tuple[str, str, str | None]]:
         own = call.get("id")
         out.append((fn["name"], args, own if isinstance(own, str) else None))
     return out
+
+
+def _role_name(message: dict, role: str) -> str:
+    """The template's `message.get('name') or message['role']` (SGLang passes no `name` of a user turn)."""
+    name = message.get("name")
+    return name if role != "user" and isinstance(name, str) and name else role
 
 
 def _reasoning(message: dict) -> str | None:
@@ -287,16 +545,16 @@ def _reasoning(message: dict) -> str | None:
     return None
 
 
-def _kept_reasoning_turns(messages: Sequence[dict], fmt: KimiFormat) -> set[int]:
-    """Indices of the assistant turns whose reasoning stays in the rendering (thinking mode)."""
+def _kept_reasoning_turns(messages: Sequence[dict], fmt: KimiFormat, answer_pending: bool = False) -> set[int]:
+    """Indices of the assistant turns whose reasoning stays in the rendering (thinking mode).
+    `answer_pending`: the messages end before the final answer (a generation prompt), so every
+    assistant turn among them is an earlier one."""
     assistants = [i for i, m in enumerate(messages) if m.get("role") == "assistant"]
-    if not assistants:
-        return set()
-    final = assistants[-1]
+    earlier = assistants if answer_pending else assistants[:-1]
     if fmt.keep_reasoning == "final":
-        return {final}
-    # the current tool-call loop: assistant turns after the last one without tool calls
-    last_plain = max((i for i in assistants[:-1] if not messages[i].get("tool_calls")), default=-1)
+        return set(assistants) - set(earlier)
+    # the current tool-call loop: assistant turns after the last earlier one without tool calls
+    last_plain = max((i for i in earlier if not messages[i].get("tool_calls")), default=-1)
     return {i for i in assistants if i > last_plain}
 
 
@@ -306,33 +564,44 @@ def _kept_reasoning_turns(messages: Sequence[dict], fmt: KimiFormat) -> set[int]
 
 
 def render_pieces(messages: Sequence[dict], *, mode: Mode, special: KimiSpecialTokens,
-                  fmt: KimiFormat = DEFAULT_FORMAT, add_generation_prompt: bool = False
-                  ) -> list[tuple[int | str, bool]]:
+                  fmt: KimiFormat = DEFAULT_FORMAT, add_generation_prompt: bool = False,
+                  tools: Sequence[dict] | None = None) -> list[tuple[int | str, bool]]:
     """The conversation as (special id | ordinary text, supervised) pieces. Raises `BadRow`.
     `add_generation_prompt`: `messages` end before an answer; append the header the server
-    sends before generating it (no assistant turn needed)."""
+    sends before generating it (no assistant turn needed). `tools`: the conversation's tool
+    declarations (OpenAI style); None = `messages.tools` when present (`sources.normalize_row`)."""
     if mode not in MODES:
         raise ValueError(f"mode={mode!r}: expected one of {MODES}")
+    if tools is None:
+        tools = getattr(messages, "tools", None)
     if not isinstance(messages, (list, tuple)) or not messages:
         raise BadRow("no_turns")
     if not all(isinstance(m, dict) for m in messages):
         raise BadRow("turn_not_an_object")
     sp = special
     tool_header = sp.id_of(fmt.tool_role_token)
-    kept = _kept_reasoning_turns(messages, fmt) if mode == "thinking" else set()
+    kept = _kept_reasoning_turns(messages, fmt, add_generation_prompt) if mode == "thinking" else set()
     out: list[tuple[int | str, bool]] = []
     if fmt.add_bos:
         out.append((sp.bos, False))
+    if tools and fmt.declare_tools:
+        try:
+            declaration = kimi_tool_declaration(tools)
+        except Exception:  # Kimi's tokenizer would fall back to a JSON declaration: not rendered here
+            raise BadRow("bad_tools") from None
+        out += [(sp.im_system, False), ("tool_declare", False), (sp.im_middle, False),
+                (declaration, False), (sp.im_end, False)]
     if fmt.default_system is not None and messages[0].get("role") != "system":
         out += [(sp.im_system, False), ("system", False), (sp.im_middle, False),
                 (fmt.default_system, False), (sp.im_end, False)]
     n_calls = 0
+    renamed: dict[str, str] = {}  # a call's own id -> the id rendered for it (tool results follow)
     saw_assistant = False
     for i, m in enumerate(messages):
         role = m.get("role")
         if role in ("system", "user"):
             header = sp.im_system if role == "system" else sp.im_user
-            out += [(header, False), (role, False), (sp.im_middle, False),
+            out += [(header, False), (_role_name(m, role), False), (sp.im_middle, False),
                     (_text(m.get("content"), "content"), False), (sp.im_end, False)]
         elif role == "tool":
             # SGLang joins a tool result's text parts with a space before any template sees them
@@ -340,19 +609,20 @@ def render_pieces(messages: Sequence[dict], *, mode: Mode, special: KimiSpecialT
             # parts, which it prints back to back
             parts = m.get("content_parts")
             content = " ".join(parts) if parts is not None else _text(m.get("content"), "content", sep=" ")
+            call_id = m.get("tool_call_id") if isinstance(m.get("tool_call_id"), str) else ""
             prefix = fmt.tool_result_prefix.format(
-                tool_call_id=m.get("tool_call_id") or "", name=m.get("name") or ""
+                tool_call_id=renamed.get(call_id, call_id), name=m.get("name") or ""
             ) if fmt.tool_result_prefix else ""
-            out += [(tool_header, False), (fmt.tool_role_name, False), (sp.im_middle, False),
-                    (prefix + content, False), (sp.im_end, False)]
+            out += [(tool_header, False), (fmt.tool_role_name or _role_name(m, "tool"), False),
+                    (sp.im_middle, False), (prefix + content, False), (sp.im_end, False)]
         elif role == "assistant":
             saw_assistant = True
             answer = _text(m.get("content"), "content")
-            calls = _tool_calls(m)
+            calls = _tool_calls(m, fmt)
             reasoning = _reasoning(m)
             if mode == "instant" and reasoning:
                 raise BadRow("reasoning_in_instant_mode")
-            out += [(sp.im_assistant, False), ("assistant", False), (sp.im_middle, False),
+            out += [(sp.im_assistant, False), (_role_name(m, role), False), (sp.im_middle, False),
                     (sp.think, False)]
             if i in kept:  # thinking mode: <think> ended the prompt; reasoning and </think> generated
                 if reasoning is None and fmt.missing_reasoning == "error":
@@ -371,7 +641,10 @@ def render_pieces(messages: Sequence[dict], *, mode: Mode, special: KimiSpecialT
                 out.append((sp.tool_calls_section_begin, sup))
                 for j, (name, args, own_id) in enumerate(calls):
                     idx = n_calls if fmt.tool_call_index == "global" else j
-                    call_id = own_id if own_id and _KIMI_CALL_ID.fullmatch(own_id) else f"functions.{name}:{idx}"
+                    keep = own_id is not None and (fmt.tool_call_ids == "verbatim" or _KIMI_CALL_ID.fullmatch(own_id))
+                    call_id = own_id if keep else f"functions.{name}:{idx}"
+                    if own_id is not None:
+                        renamed[own_id] = call_id
                     out += [(sp.tool_call_begin, sup), (call_id, sup), (sp.tool_call_argument_begin, sup),
                             (args, sup), (sp.tool_call_end, sup)]
                     n_calls += 1
@@ -425,16 +698,18 @@ def encode_pieces(pieces: Sequence[tuple[int | str, bool]], encode: Callable[[st
 
 
 def render_kimi(tokenizer, messages: Sequence[dict], max_length: int, *, mode: Mode = "thinking",
-                special: KimiSpecialTokens | None = None, fmt: KimiFormat = DEFAULT_FORMAT) -> Sample:
+                special: KimiSpecialTokens | None = None, fmt: KimiFormat = DEFAULT_FORMAT,
+                tools: Sequence[dict] | None = None) -> Sample:
     """messages -> Sample (input_ids, loss_mask) in the Kimi-K2.5 format, cut to `max_length`.
 
     `tokenizer`: `encode(text)` for ordinary text plus a special-token table (tiktoken
     `Encoding`, transformers tokenizer, or anything with `kimi_special`); or pass `special`.
     Raises `BadRow` for rows that cannot become a sample. `max_length` may be passed
     positionally, so `partial(render_kimi, tok, mode=...)` is a `build_dataset(render=...)`.
+    `tools`: the conversation's tool declarations; None = `messages.tools` (`normalize_row`).
     """
     sp = special if special is not None else special_tokens_of(tokenizer)
-    ids, mask = encode_pieces(render_pieces(messages, mode=mode, special=sp, fmt=fmt), text_encoder(tokenizer))
+    ids, mask = encode_pieces(render_pieces(messages, mode=mode, special=sp, fmt=fmt, tools=tools), text_encoder(tokenizer))
     return make_sample(ids, mask, max_length)
 
 

@@ -33,6 +33,14 @@ ROLE_ALIASES = {
 }
 
 
+class Conversation(list):
+    """`normalize_row(..., agentic=True)`'s messages, with the row's tool declarations as `tools`
+    (OpenAI style, `[{"type": "function", "function": {...}}]`; None when the row has none).
+    A list in every other respect (a slice is a plain list, without `tools`)."""
+
+    tools: list | None = None
+
+
 class BadRow(ValueError):
     """A row that cannot become a training sample; `reason` is a short counter key."""
 
@@ -219,6 +227,37 @@ def _finite(value: object) -> bool:
     return value is None or isinstance(value, (str, int, bool))
 
 
+def _row_tools(value: object) -> list | None:
+    """A row's `tools` column -> OpenAI tool declarations, or None when it has none. Accepted:
+    a list (or its JSON text, as datasets often store it) of `{"type": "function", "function":
+    {"name": ..., ...}}` or of bare `{"name": ..., ...}` function specs (wrapped, as a client
+    would send them). Anything else is `BadRow("bad_tools")`."""
+    if isinstance(value, str):
+        if not value.strip():
+            return None
+        try:
+            value = json.loads(value)
+        except ValueError:
+            raise BadRow("bad_tools") from None
+    if value is None or value == []:
+        return None
+    if not isinstance(value, list):
+        raise BadRow("bad_tools")
+    tools = []
+    for tool in value:
+        if not isinstance(tool, dict):
+            raise BadRow("bad_tools")
+        if "function" not in tool and "type" not in tool:
+            tool = {"type": "function", "function": tool}  # a bare function spec
+        fn = tool.get("function")
+        if (tool.get("type", "function") != "function" or not isinstance(fn, dict)
+                or not isinstance(fn.get("name"), str) or not fn["name"]
+                or not isinstance(fn.get("description"), (str, type(None)))):
+            raise BadRow("bad_tools")
+        tools.append({**tool, "type": "function"})
+    return tools
+
+
 def normalize_row(row: object, agentic: bool = False) -> list[dict]:
     """One raw row -> messages. Accepts `messages` (OpenAI) or `conversations` (ShareGPT).
 
@@ -227,7 +266,9 @@ def normalize_row(row: object, agentic: bool = False) -> list[dict]:
     parts, empty turns and rows without an assistant turn raise `BadRow`. Assistant turns keep
     `tool_calls` (their content may then be empty or null); `tool` turns keep `tool_call_id` and
     `name`, and may be empty (a tool may return nothing). With `agentic=True` (renderers that
-    place it, e.g. Kimi's) assistant turns also keep `reasoning_content`.
+    place it, e.g. Kimi's) assistant turns also keep `reasoning_content`, system and assistant
+    turns their `name`, and the result is a `Conversation` carrying the row's `tools`
+    (malformed ones: `BadRow("bad_tools")`).
     """
     if isinstance(row, BadRow):
         raise row
@@ -259,6 +300,8 @@ def normalize_row(row: object, agentic: bool = False) -> list[dict]:
             message.update({k: turn[k] for k in ("tool_call_id", "name") if isinstance(turn.get(k), str)})
         elif not content.strip() and not calls:
             raise BadRow("empty_turn")
+        if agentic and role in ("system", "assistant") and isinstance(turn.get("name"), str) and turn["name"]:
+            message["name"] = turn["name"]
         if agentic and role == "assistant" and turn.get("reasoning_content") is not None:
             reasoning = turn["reasoning_content"]
             if not isinstance(reasoning, str):
@@ -272,4 +315,8 @@ def normalize_row(row: object, agentic: bool = False) -> list[dict]:
         messages.pop()
     if not any(m["role"] == "assistant" for m in messages):
         raise BadRow("no_assistant_turn")
-    return messages
+    if not agentic:
+        return messages
+    conversation = Conversation(messages)
+    conversation.tools = _row_tools(row.get("tools"))
+    return conversation

@@ -102,9 +102,9 @@ def regeneration(job: JobConfig, tokenizer) -> Regeneration | None:
 def _renderer(job: JobConfig, tokenizer):
     """None: the tokenizer's chat template; else our Kimi renderer (docs/KIMI_K25.md §5)."""
     if job.target.chat_format == "kimi":
-        from ..data.kimi_format import kimi_renderer
+        from ..data.kimi_format import kimi_format_of, kimi_renderer
 
-        return kimi_renderer(tokenizer, mode=job.target.chat_mode)
+        return kimi_renderer(tokenizer, mode=job.target.chat_mode, fmt=kimi_format_of(job.target))
     if job.target.chat_format == "template":
         return None
     raise ValueError(f"target.chat_format={job.target.chat_format!r}: expected template or kimi")
@@ -114,9 +114,9 @@ def prompt_renderer(job: JobConfig, tokenizer):
     """`messages -> ids` of the generation prompt after them, by the same renderer and format as
     the run's training data (so eval measures the prompts the head was trained and is served on)."""
     if job.target.chat_format == "kimi":
-        from ..data.kimi_format import kimi_prompt_renderer
+        from ..data.kimi_format import kimi_format_of, kimi_prompt_renderer
 
-        return kimi_prompt_renderer(tokenizer, mode=job.target.chat_mode)
+        return kimi_prompt_renderer(tokenizer, mode=job.target.chat_mode, fmt=kimi_format_of(job.target))
     if job.target.chat_format == "template":
         from ..data.tokenize import template_prompt_ids
 

@@ -13,12 +13,22 @@ Assumptions these tests pin (see kimi_format's module doc):
   are supervised by default;
 * in thinking mode the reasoning of the current tool-call loop (assistant turns after the last
   assistant turn without tool calls) is kept;
-* tool results: `<|im_system|>tool<|im_middle|>{content}<|im_end|>`, never supervised.
+* tool results: `<|im_system|>{name or tool}<|im_middle|>## Return of {tool_call_id}\n{content}<|im_end|>`,
+  never supervised.
+
+Golden tests against Kimi-K2.5's own chat template (tests/fixtures/kimi_k25_chat_template.jinja,
+rendered by transformers' chat-template renderer and encoded with special tokens parsed, as SGLang
+does; docs/KIMI_K25.md §5.6): the renderer's ids == the template's ids for plain, system-less,
+thinking, instant, tool-call, tool-result (with and without a name) and tool-declaration
+conversations. The TypeScript tool declaration is checked against outputs of Moonshot's own
+encoder (`tool_declaration_ts.py`).
 """
 from __future__ import annotations
 
+import copy
 import json
 from functools import partial
+from pathlib import Path
 
 import pytest
 import torch
@@ -193,7 +203,8 @@ def test_golden_tool_calls_and_tool_result_thinking(tok, E):
         (E("Need weather."), 1), ([THINK_END], 1),  # same tool-call loop as the final turn: kept
         ([TC_SECTION_BEGIN, TC_BEGIN], 1), (E("functions.get_weather:0"), 1), ([TC_ARG], 1),
         (E('{"city": "Paris"}'), 1), ([TC_END, TC_SECTION_END], 1), ([IM_END], 1),
-        ([IM_SYSTEM], 0), (E("tool"), 0), ([IM_MIDDLE], 0), (E("Sunny, 21C"), 0), ([IM_END], 0),
+        ([IM_SYSTEM], 0), (E("tool"), 0), ([IM_MIDDLE], 0), (E("## Return of functions.get_weather:0\nSunny, 21C"), 0),
+        ([IM_END], 0),
         ([IM_ASSISTANT], 0), (E("assistant"), 0), ([IM_MIDDLE], 0), ([THINK], 0),
         (E("It is sunny."), 1), ([THINK_END], 1), (E("Sunny, 21C."), 1), ([IM_END], 1),
     )
@@ -224,7 +235,7 @@ def test_golden_tool_calls_instant_indices_and_options(tok, E):
     def tool_turn(text, prefix=""):
         return [([IM_SYSTEM], 0), (E("tool"), 0), ([IM_MIDDLE], 0), (E(prefix + text), 0), ([IM_END], 0)]
 
-    def expected(idx, prefix_of=lambda cid: ""):
+    def expected(idx, prefix_of=lambda cid: f"## Return of {cid}\n"):
         return seq(
             ([IM_USER], 0), (E("user"), 0), ([IM_MIDDLE], 0), (E("Plan"), 0), ([IM_END], 0),
             ([IM_ASSISTANT], 0), (E("assistant"), 0), ([IM_MIDDLE], 0), ([THINK, THINK_END], 0),
@@ -245,8 +256,9 @@ def test_golden_tool_calls_instant_indices_and_options(tok, E):
 
     assert rendered(tok, msgs, "instant") == expected([0, 1, 2])  # global counter; "call_abc" replaced
     assert rendered(tok, msgs, "instant", fmt=KimiFormat(tool_call_index="per_message")) == expected([0, 1, 0])
-    fmt = KimiFormat(tool_result_prefix="## Return of {tool_call_id}\n")
+    fmt = KimiFormat(tool_result_prefix="## Return of {tool_call_id}\n")  # the default, spelled out
     assert rendered(tok, msgs, "instant", fmt=fmt) == expected([0, 1, 2], lambda cid: f"## Return of {cid}\n")
+    assert rendered(tok, msgs, "instant", fmt=KimiFormat(tool_result_prefix="")) == expected([0, 1, 2], lambda cid: "")
     # a call's own id in Kimi's form is kept verbatim
     own = [msgs[0], {"role": "assistant", "content": "", "tool_calls": [
         {"id": "functions.get_time:7", "function": {"name": "get_time", "arguments": "{}"}}]}]
@@ -398,7 +410,8 @@ def check_walk(tok, messages, mode, ids, mask):
         assert dec(ids[start + 1: mid]) == ("tool" if m["role"] == "tool" else m["role"])
         other += range(start, mid + 1)  # header token, role name, <|im_middle|>
         if m["role"] != "assistant":
-            assert dec(ids[mid + 1: end]) == m["content"] and not any(i in HEADERS for i in ids[mid + 1: end])
+            body = (f"## Return of {m.get('tool_call_id', '')}\n" if m["role"] == "tool" else "") + m["content"]
+            assert dec(ids[mid + 1: end]) == body and not any(i in HEADERS for i in ids[mid + 1: end])
             other += range(mid + 1, end + 1)
         else:
             assert ids[mid + 1] == THINK
@@ -421,7 +434,8 @@ def check_walk(tok, messages, mode, ids, mask):
                     assert section[0] == TC_BEGIN
                     a, e = section.index(TC_ARG), section.index(TC_END)
                     assert dec(section[1:a]) == f"functions.{c['function']['name']}:{n_calls}"
-                    assert dec(section[a + 1: e]) == c["function"]["arguments"]
+                    # as served: SGLang parses the arguments, the template prints them with json.dumps
+                    assert dec(section[a + 1: e]) == json.dumps(json.loads(c["function"]["arguments"]), ensure_ascii=False)
                     section = section[e + 1:]
                     n_calls += 1
                 assert section == []
@@ -531,7 +545,7 @@ def test_tool_result_text_parts_join_with_a_space_as_sglang_does(tok, E):
         {"role": "assistant", "content": "Sunny."},
     ]}
     ids, _ = rendered(tok, normalize_row(row, agentic=True), "instant")
-    tool_turn = [IM_SYSTEM, *E("tool"), IM_MIDDLE, *E("Sunny, 21C"), IM_END]
+    tool_turn = [IM_SYSTEM, *E("tool"), IM_MIDDLE, *E("## Return of functions.get_weather:0\nSunny, 21C"), IM_END]
     assert any(ids[i:i + len(tool_turn)] == tool_turn for i in range(len(ids)))
     user_turn = [IM_USER, *E("user"), IM_MIDDLE, *E("Weathernow?"), IM_END]
     assert ids[: len(user_turn)] == user_turn
@@ -556,3 +570,371 @@ def test_generation_prompt_is_the_training_render_cut_before_the_answer(tok, E, 
     tail = [IM_ASSISTANT, *E("assistant"), IM_MIDDLE, THINK] + ([THINK_END] if mode == "instant" else [])
     single = render_prompt([{"role": "user", "content": "Hi"}])
     assert single == [IM_USER, *E("user"), IM_MIDDLE, *E("Hi"), IM_END, *tail]
+
+
+# ----------------------------------------------------------------------------------------------
+# The tool declaration (TypeScript style), against Moonshot's encoder
+# ----------------------------------------------------------------------------------------------
+
+def _fn(name, parameters=None, description=None):
+    f = {"name": name}
+    if description is not None:
+        f["description"] = description
+    if parameters is not None:
+        f["parameters"] = parameters
+    return {"type": "function", "function": f}
+
+
+def _obj(properties, required=(), **kw):
+    return {"type": "object", "properties": properties, "required": list(required), **kw}
+
+
+_HEAD = "# Tools\n\n## functions\nnamespace functions {\n"
+
+# Tools -> the text Moonshot's `tool_declaration_ts.encode_tools_to_typescript_style` (Kimi-K2.5's
+# tokenizer folder) returned for them, as captured by lightseekorg/smg in
+# crates/tokenizer/tests/fixtures/kimi_k25/{schemas,expected}/ (commit 65afd0dc5, "Python-generated
+# reference outputs", regenerate.py); Apache-2.0.
+MOONSHOT_TS = [
+    ([_fn("echo", _obj({"text": {"type": "string"}}, ["text"]), "Echo a string back to the caller.")],
+     _HEAD + "// Echo a string back to the caller.\ntype echo = (_: {\n  text: string\n}) => any;\n}\n"),
+    ([_fn("delay", _obj({"ms": {"type": "integer", "minimum": 0}, "reason": {"type": "string"}}, ["ms"]),
+          "Sleep for some milliseconds.")],
+     _HEAD + "// Sleep for some milliseconds.\ntype delay = (_: {\n  // minimum: 0\n  ms: number,\n  reason?: string\n}) => any;\n}\n"),
+    ([_fn("create_user", _obj({"user": _obj({"name": {"type": "string"}, "age": {"type": "integer"}}, ["name"])}, ["user"]),
+          "Create a new user record.")],
+     _HEAD + "// Create a new user record.\ntype create_user = (_: {\n  user: {\n    name: string,\n    age?: number\n  }\n}) => any;\n}\n"),
+    ([_fn("tag_items", _obj({"tags": {"type": "array", "items": {"type": "string"}}}, ["tags"]), "Apply tags.")],
+     _HEAD + "// Apply tags.\ntype tag_items = (_: {\n  tags: Array<string>\n}) => any;\n}\n"),
+    ([_fn("ping", {"type": "object", "properties": {}}), _fn("pong", {"type": "object", "properties": {}})],
+     _HEAD + "type ping = (_: {}) => any;\ntype pong = (_: {}) => any;\n}\n"),
+    ([_fn("set_status", _obj({"status": {"enum": ["active", "paused", "done"]}}, ["status"]))],
+     _HEAD + 'type set_status = (_: {\n  status: "active" | "paused" | "done"\n}) => any;\n}\n'),
+    ([_fn("set_value", _obj({"v": {"anyOf": [{"type": "string"}, {"type": "integer"}]}}, ["v"]))],
+     _HEAD + "type set_value = (_: {\n  v: string | number\n}) => any;\n}\n"),
+    ([_fn("store", _obj({"x": {"type": ["string", "null"]}}, ["x"]))],
+     _HEAD + "type store = (_: {\n  x: string | null\n}) => any;\n}\n"),
+    ([_fn("create_node", {"type": "object", "$defs": {"Node": _obj({"id": {"type": "string"}, "label": {"type": "string"}}, ["id"])},
+                          "properties": {"node": {"$ref": "#/$defs/Node"}}, "required": ["node"]})],
+     _HEAD + "interface Node {\n  id: string,\n  label?: string\n}\ntype create_node = (_: {\n  node: Node\n}) => any;\n}\n"),
+    ([_fn("annotate", _obj({"text": {"type": "string", "description": "The text\nto annotate."}}, ["text"]),
+          "Annotate the input.\nSupports multiple\nlines.")],
+     _HEAD + "// Annotate the input.\n// Supports multiple\n// lines.\ntype annotate = (_: {\n  // The text\n  // to annotate.\n"
+             "  text: string\n}) => any;\n}\n"),
+    ([_fn("translate", _obj({"text": {"type": "string"}}, ["text"]), "翻译 text into 中文.")],
+     _HEAD + "// 翻译 text into 中文.\ntype translate = (_: {\n  text: string\n}) => any;\n}\n"),
+    ([_fn("noop", {"type": "object", "properties": {}})], _HEAD + "type noop = (_: {}) => any;\n}\n"),
+    ([_fn("weird", _obj({"x": {"type": "uuid"}}, ["x"]))], _HEAD + "type weird = (_: {\n  x: uuid\n}) => any;\n}\n"),
+]
+
+
+@pytest.mark.parametrize("case", range(len(MOONSHOT_TS)))
+def test_tool_declaration_is_moonshots_typescript(case):
+    from specforge_k25.data.kimi_format import kimi_tool_declaration
+
+    tools, want = MOONSHOT_TS[case]
+    assert kimi_tool_declaration(tools) == want
+
+
+def test_tool_declaration_rules_read_from_moonshots_encoder():
+    """Rules of `tool_declaration_ts.py` that the captured outputs above do not exercise, written
+    out from its code: keys deep-sorted first (so $defs come out in name order), a field's comment
+    lines (description, sorted constraints, default), required fields first, additionalProperties,
+    an array item's comment lines, a self-referring schema (`#`)."""
+    from specforge_k25.data.kimi_format import kimi_tool_declaration
+
+    params = {
+        "type": "object", "additionalProperties": False, "required": ["b", "a"],
+        "$defs": {"Z": {"type": "string", "description": "last"}, "A": _obj({"k": {"type": "boolean"}})},
+        "properties": {
+            "z": {"type": "string", "maxLength": 5, "minLength": 1, "description": "Z field", "default": "x"},
+            "b": {"type": "array", "minItems": 1, "items": {"type": "integer", "description": "an id", "maximum": 9}},
+            "a": {"$ref": "#/$defs/A"},
+            "m": {"type": "object", "additionalProperties": {"type": "number"}, "default": 3},
+            "e": {"enum": ["x", 1, None, True]},
+        },
+    }
+    want = (_HEAD + "interface A {\n  k?: boolean\n}\n// last\ninterface Z string\n"
+            "type f = (_: {\n"
+            "  a: A,\n"
+            "  // minItems: 1\n  b: Array<\n    // an id\n    // maximum: 9\n    number\n  >,\n"
+            '  e?: "x" | 1 | None | True,\n'
+            "  // Default: 3\n  m?: {\n    [k: string]: number\n  },\n"
+            '  // Z field\n  // maxLength: 5, minLength: 1\n  // Default: "x"\n  z?: string,\n'
+            "  [k: string]: never\n"
+            "}) => any;\n}\n")
+    assert kimi_tool_declaration([_fn("f", params)]) == want
+    tree = {"type": "object", "properties": {"kids": {"type": "array", "items": {"$ref": "#"}}, "name": {"type": "string"}},
+            "required": ["name"]}
+    assert kimi_tool_declaration([_fn("t", tree, "A tree.")]) == (
+        _HEAD + "interface parameters {\n  kids?: Array<parameters>,\n  name: string\n}\n// A tree.\n"
+                "type t = (_: parameters) => any;\n}\n")
+
+
+@pytest.mark.parametrize("tools", [
+    [_fn("f", _obj({"x": {"type": "string", "enum": [1, 2]}}))],  # enum values against the declared type
+    [_fn("f", _obj({"x": {"$ref": "#/$defs/Missing"}}))],
+    [_fn("f", _obj({"x": {"type": ["string", "date"]}}))],
+    [_fn("f", _obj({"x": {"type": "object", "properties": {"y": 5}}}))],
+    [_fn("f", _obj({}, additionalProperties="yes"))],
+    [{"type": "web_search", "function": {"name": "s"}}],  # no function tool at all
+])
+def test_tools_moonshots_encoder_rejects_are_refused(tok, tools):
+    """Where Kimi's tokenizer catches an encoder error and falls back to a JSON declaration,
+    the row is refused (counted) rather than rendered."""
+    from specforge_k25.data.kimi_format import kimi_tool_declaration
+
+    with pytest.raises(Exception):
+        kimi_tool_declaration(tools)
+    with pytest.raises(BadRow) as err:
+        render_kimi(tok, [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Yo"}], 256,
+                    mode="instant", tools=tools)
+    assert err.value.reason == "bad_tools"
+
+
+# ----------------------------------------------------------------------------------------------
+# Golden tests against Kimi-K2.5's own chat template
+# ----------------------------------------------------------------------------------------------
+
+TEMPLATE_FIXTURE = Path(__file__).resolve().parents[1] / "fixtures" / "kimi_k25_chat_template.jinja"
+
+
+@pytest.fixture(scope="module")
+def template():
+    return TEMPLATE_FIXTURE.read_text()
+
+
+def served(messages):
+    """What SGLang 0.5.23 hands Kimi's template for these messages (serving_chat.py,
+    `_apply_jinja_template`): an absent content becomes "", None-valued keys are dropped, a tool
+    result's text parts are joined with " ", an assistant call's string arguments are parsed
+    (`normalize_assistant_tool_call_arguments`), and a user turn has no `name` (its pydantic model
+    has none)."""
+    out = []
+    for m in copy.deepcopy(list(messages)):
+        m = {k: v for k, v in m.items() if v is not None and k != "content_parts"}
+        m.setdefault("content", "")
+        if m["role"] == "user":
+            m.pop("name", None)
+        if m["role"] == "tool" and isinstance(m["content"], list):
+            m["content"] = " ".join(p["text"] if isinstance(p, dict) else p for p in m["content"])
+        for call in m.get("tool_calls") or []:
+            if isinstance(call["function"].get("arguments"), str):
+                call["function"]["arguments"] = json.loads(call["function"]["arguments"])
+        out.append(m)
+    return out
+
+
+def template_ids(tok, template, messages, mode, add_generation_prompt, tools=None):
+    """The template's text for `messages`, encoded as SGLang encodes it (special tokens parsed)."""
+    from transformers.utils.chat_template_utils import render_jinja_template
+
+    from specforge_k25.data.kimi_format import kimi_tool_declaration
+
+    kw = {"thinking": False} if mode == "instant" else {}
+    if tools:  # Kimi's tokenizer passes `tools_ts_str` (its TypeScript text); checked above
+        kw.update(tools=tools, tools_ts_str=kimi_tool_declaration(tools))
+    text = render_jinja_template([served(messages)], chat_template=template,
+                                 add_generation_prompt=add_generation_prompt, **kw)[0][0]
+    return tok.encode(text, allowed_special="all")
+
+
+def served_ids(tok, template, messages, mode, tools=None):
+    """What the server sees when the model has generated the final assistant turn F: the template's
+    generation prompt after the turns before F, then F as generated (reasoning, </think>, answer,
+    tool calls, <|im_end|>). A tool-calling F is in the template's kept suffix, so the template
+    writes it as generated; a plain F is written out here."""
+    final = max(i for i, m in enumerate(messages) if m["role"] == "assistant")
+    assert final == len(messages) - 1
+    f = served(messages)[final]
+    if f.get("tool_calls"):
+        ids = template_ids(tok, template, messages, mode, False, tools)
+        prompt = template_ids(tok, template, messages[:final], mode, True, tools)
+        assert ids[: len(prompt)] == prompt
+        return ids
+    generated = (f.get("reasoning_content", "") + "</think>" if mode == "thinking" else "") + f["content"] + "<|im_end|>"
+    return template_ids(tok, template, messages[:final], mode, True, tools) + tok.encode(generated, allowed_special="all")
+
+
+def _weather_tool():
+    return _fn("get_weather", _obj({"city": {"type": "string", "description": "City name"},
+                                    "unit": {"enum": ["C", "F"]}}, ["city"]), "Current weather of a city.")
+
+
+def _kcall(idx, name, args):
+    return {"id": f"functions.{name}:{idx}", "type": "function", "function": {"name": name, "arguments": args}}
+
+
+GOLDEN_TEMPLATE_CASES = {
+    "plain": ([SYS, USER, {"role": "assistant", "content": "4.", "reasoning_content": "Add them."}], None),
+    "system_less": ([USER, {"role": "assistant", "content": "4.", "reasoning_content": "Add them."}], None),
+    "multi_turn": (TWO_TURNS, None),
+    "tool_call_and_result": ([
+        {"role": "user", "content": "Weather in Paris and Oslo?"},
+        {"role": "assistant", "content": "Checking.", "reasoning_content": "Two calls.",
+         "tool_calls": [_kcall(0, "get_weather", '{"city":"Paris"}'), _kcall(1, "get_weather", {"city": "Oslo"})]},
+        {"role": "tool", "tool_call_id": "functions.get_weather:0", "name": "get_weather", "content": "Sunny, 21C"},
+        {"role": "tool", "tool_call_id": "functions.get_weather:1", "content": [{"type": "text", "text": "Rain,"},
+                                                                             {"type": "text", "text": "9C"}]},
+        {"role": "assistant", "content": "Paris sunny, Oslo rain.", "reasoning_content": "Both back."},
+    ], None),
+    "tool_loop_after_a_chat": ([
+        {"role": "system", "content": "Use tools.", "name": "ops"},
+        {"role": "user", "content": "Hi", "name": "ann"},
+        {"role": "assistant", "content": "Hello!", "reasoning_content": "Greet."},
+        {"role": "user", "content": "Time in Tokyo?"},
+        {"role": "assistant", "content": "", "reasoning_content": "Call it.",
+         "tool_calls": [_kcall(0, "get_time", '{"tz": "Asia/Tokyo", "note": "日本"}')]},
+        {"role": "tool", "tool_call_id": "functions.get_time:0", "name": "get_time", "content": "09:00"},
+        {"role": "assistant", "content": "", "reasoning_content": "Again.",
+         "tool_calls": [_kcall(1, "get_time", "{}")]},
+    ], None),
+    "tool_declaration": ([
+        {"role": "user", "content": "Weather in Paris?"},
+        {"role": "assistant", "content": None, "reasoning_content": "Need weather.",
+         "tool_calls": [_kcall(0, "get_weather", '{"city": "Paris"}')]},
+        {"role": "tool", "tool_call_id": "functions.get_weather:0", "content": "Sunny"},
+        {"role": "assistant", "content": "Sunny.", "reasoning_content": "Done."},
+    ], [_weather_tool(), _fn("get_time", {"type": "object", "properties": {"tz": {"type": "string"}}})]),
+}
+
+
+def _instant(messages):
+    return [{k: v for k, v in m.items() if k != "reasoning_content"} for m in messages]
+
+
+@pytest.mark.parametrize("mode", ["thinking", "instant"])
+@pytest.mark.parametrize("name", list(GOLDEN_TEMPLATE_CASES))
+def test_golden_ids_are_the_templates(tok, template, name, mode):
+    """Renderer ids == Kimi-K2.5's template's ids, as the server sees the conversation when the
+    model has answered it; instant mode also == the template applied to the whole conversation,
+    and the generation prompt after every prefix == the template's generation prompt."""
+    from specforge_k25.data.kimi_format import kimi_prompt_renderer
+
+    messages, tools = GOLDEN_TEMPLATE_CASES[name]
+    messages = messages if mode == "thinking" else _instant(messages)
+    ids, _ = rendered(tok, messages, mode, tools=tools)
+    assert ids == served_ids(tok, template, messages, mode, tools)
+    if mode == "instant":
+        assert ids == template_ids(tok, template, messages, mode, False, tools)
+    render_prompt = kimi_prompt_renderer(tok, mode=mode)
+    for cut in range(1, len(messages)):
+        if messages[cut]["role"] == "assistant":
+            prefix = messages[:cut] if not tools else _with_tools(messages[:cut], tools)
+            assert render_prompt(prefix) == template_ids(tok, template, messages[:cut], mode, True, tools)
+
+
+def _with_tools(messages, tools):
+    from specforge_k25.data.sources import Conversation
+
+    conv = Conversation(messages)
+    conv.tools = tools
+    return conv
+
+
+def test_template_inserts_no_default_system_prompt(tok, template, E):
+    """Kimi-K2.5's template starts a system-less conversation with its first turn (Kimi-K2-Instruct
+    and K2-Thinking insert "You are Kimi, an AI assistant created by Moonshot AI."): the renderer's
+    default is none, and `default_system` reproduces the older templates' turn."""
+    ids = template_ids(tok, template, [USER], "thinking", True)
+    assert ids[0] == IM_USER
+    assert kimi_prompt_renderer_ids(tok, [USER]) == ids
+    k2 = "You are Kimi, an AI assistant created by Moonshot AI."
+    with_default = kimi_prompt_renderer_ids(tok, [USER], fmt=KimiFormat(default_system=k2))
+    assert with_default == [IM_SYSTEM, *E("system"), IM_MIDDLE, *E(k2), IM_END] + ids
+    assert kimi_prompt_renderer_ids(tok, [SYS, USER], fmt=KimiFormat(default_system=k2)) == \
+        template_ids(tok, template, [SYS, USER], "thinking", True)
+
+
+def kimi_prompt_renderer_ids(tok, messages, fmt=None):
+    from specforge_k25.data.kimi_format import kimi_prompt_renderer
+
+    return kimi_prompt_renderer(tok, mode="thinking", fmt=fmt or KimiFormat())(messages)
+
+
+def test_tool_call_ids_and_arguments_as_served(tok, template, E):
+    """Ids as the data gives them (`tool_call_ids="verbatim"`) == the template's; by default an id
+    not of Kimi's form is renumbered and its result's "## Return of" line follows. Arguments are
+    served re-printed (`{"a":1}` -> `{"a": 1}`); `tool_arguments="verbatim"` keeps the string."""
+    messages = [
+        {"role": "user", "content": "Add 2+3."},
+        {"role": "assistant", "content": "", "tool_calls": [
+            {"id": "call_7", "type": "function", "function": {"name": "add", "arguments": '{"x":2,"y":3}'}}]},
+        {"role": "tool", "tool_call_id": "call_7", "content": "5"},
+        {"role": "assistant", "content": "5."},
+    ]
+    verbatim, _ = rendered(tok, messages, "instant", fmt=KimiFormat(tool_call_ids="verbatim"))
+    assert verbatim == template_ids(tok, template, messages, "instant", False)
+    ids, _ = rendered(tok, messages, "instant")
+    text = tok.decode(ids)
+    assert "<|tool_call_begin|>functions.add:0<|tool_call_argument_begin|>" in text
+    assert "## Return of functions.add:0\n5" in text and "call_7" not in text
+    assert '{"x": 2, "y": 3}' in text
+    raw, _ = rendered(tok, messages, "instant", fmt=KimiFormat(tool_arguments="verbatim"))
+    assert '{"x":2,"y":3}' in tok.decode(raw)
+    bad = copy.deepcopy(messages)
+    bad[1]["tool_calls"][0]["function"]["arguments"] = "[1, 2]"  # SGLang refuses a non-object
+    with pytest.raises(BadRow, match="bad_tool_calls"):
+        render_kimi(tok, bad, 256, mode="instant")
+
+
+# ----------------------------------------------------------------------------------------------
+# A row's tools: normalize_row -> the renderer, build_dataset, the config
+# ----------------------------------------------------------------------------------------------
+
+
+def test_normalize_row_carries_tools_for_the_kimi_renderer(tok, E):
+    from specforge_k25.data.kimi_format import kimi_tool_declaration
+
+    tool = _weather_tool()
+    base = {"messages": [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Yo"}]}
+    for given in ([tool], json.dumps([tool]), [tool["function"]]):  # list, JSON text, bare function specs
+        conv = normalize_row({**base, "tools": given}, agentic=True)
+        assert conv == base["messages"] and conv.tools == [tool]
+        ids, mask = rendered(tok, conv, "instant")
+        declare = [IM_SYSTEM, *E("tool_declare"), IM_MIDDLE, *E(kimi_tool_declaration([tool])), IM_END]
+        assert ids[: len(declare)] == declare and not any(mask[: len(declare)])
+        assert ids[len(declare):] == rendered(tok, base["messages"], "instant")[0]
+        assert rendered(tok, conv, "instant", fmt=KimiFormat(declare_tools=False))[0] == ids[len(declare):]
+    for none in (None, [], ""):
+        assert normalize_row({**base, "tools": none}, agentic=True).tools is None
+    assert normalize_row({**base, "tools": [tool]}) == base["messages"]  # the template path: untouched
+    assert type(normalize_row({**base, "tools": [tool]})) is list
+    for bad in ("{not json", {"a": 1}, [1], [{"type": "function", "function": {"description": "no name"}}],
+                [{"type": "retrieval"}]):
+        with pytest.raises(BadRow, match="bad_tools"):
+            normalize_row({**base, "tools": bad}, agentic=True)
+
+
+def test_build_dataset_counts_rows_with_bad_tools(tok, tmp_path):
+    rows = [dict(ROWS[1], tools="oops")] + [dict(r, tools=[_weather_tool()]) for r in ROWS[1:]]
+    path = tmp_path / "rows.jsonl"
+    _write_jsonl(path, rows)
+    data = build_dataset(tok, source="jsonl", path=str(path), max_length=512, num_samples=4, heldout_samples=2,
+                         end_of_turn_id=IM_END, show_progress=False, render=kimi_renderer(tok, mode="thinking"))
+    assert dict(data.skipped) == {"bad_tools": 1}
+    assert all(tok.decode(s.input_ids.tolist()).startswith("<|im_system|>tool_declare<|im_middle|># Tools\n")
+               for s in data.train + data.heldout)
+
+
+def test_target_config_kimi_options_reach_the_renderer(tok, E):
+    from specforge_k25.config import compose_job
+    from specforge_k25.data.kimi_format import kimi_format_of
+    from specforge_k25.setup.run import _renderer, prompt_renderer
+
+    job = compose_job(["target=kimi_k25"])
+    assert kimi_format_of(job.target) == KimiFormat()  # the yaml spells out the defaults
+    job = compose_job(["target=kimi_k25", "target.chat_mode=instant", "target.kimi_default_system='Be Kimi.'",
+                       "target.kimi_tool_call_ids=verbatim", "target.kimi_tool_call_index=per_message",
+                       "target.kimi_tool_arguments=verbatim", "target.kimi_keep_reasoning=final",
+                       "target.kimi_supervise_history=false", "target.kimi_missing_reasoning=empty",
+                       "target.kimi_declare_tools=false", "target.kimi_add_bos=true"])
+    fmt = kimi_format_of(job.target)
+    assert fmt == KimiFormat(default_system="Be Kimi.", tool_call_ids="verbatim", tool_call_index="per_message",
+                             tool_arguments="verbatim", keep_reasoning="final", supervise_history=False,
+                             missing_reasoning="empty", declare_tools=False, add_bos=True)
+    msgs = [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Yo"}]
+    assert _renderer(job, tok)(msgs, 64).input_ids.tolist() == render_kimi(tok, msgs, 64, mode="instant", fmt=fmt).input_ids.tolist()
+    assert prompt_renderer(job, tok)(msgs[:1])[:2] == [BOS, IM_SYSTEM]
+    with pytest.raises(ValueError, match="tool_call_ids"):
+        kimi_format_of(compose_job(["target=kimi_k25", "target.kimi_tool_call_ids=openai"]).target)
