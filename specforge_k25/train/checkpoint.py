@@ -37,6 +37,34 @@ def optimizer_tensors(sd: dict) -> tuple[dict[str, torch.Tensor], dict]:
     return tensors, {"param_groups": sd["param_groups"]}
 
 
+# How an optimizer runs, not what it learned: a resume keeps the resuming optimizer's own (its
+# layout or optimizer_device may differ from the saving run's), torch's load_state_dict would not.
+_IMPLEMENTATION = ("foreach", "fused", "capturable", "differentiable")
+
+
+def optimizer_state_for(optim: dict, optimizer, names: list[str], by_name: bool) -> dict:
+    """A checkpoint's optimizer state in the form `optimizer` loads: keyed by parameter name (a
+    draft sharded with FSDP2 saves and loads the full state that way) or by index into the
+    trainable parameters (torch's own form). Each run saves its own form, so a resume on another
+    number of ranks or layout converts. `names`: the trainable parameters' names in optimizer order."""
+    index = {name: i for i, name in enumerate(names)}
+
+    def key(k):
+        if by_name:
+            return names[k] if isinstance(k, int) else k
+        if isinstance(k, str) and k not in index:
+            raise ValueError(f"the checkpoint's optimizer state names {k!r}, not a trainable parameter of the draft")
+        return index[k] if isinstance(k, str) else k
+
+    live = optimizer.param_groups
+    if len(live) != len(optim["param_groups"]):
+        raise ValueError(f"the checkpoint has {len(optim['param_groups'])} optimizer parameter group(s), "
+                         f"the optimizer {len(live)}")
+    groups = [{**g, "params": [key(p) for p in g["params"]], **{k: now[k] for k in _IMPLEMENTATION if k in now}}
+              for g, now in zip(optim["param_groups"], live)]
+    return {"state": {key(k): v for k, v in optim["state"].items()}, "param_groups": groups}
+
+
 def save_checkpoint(run_dir: Path, step: int, draft_tensors: dict, optimizer_state: dict, scheduler_state: dict,
                     extra: dict, keep: int = 2) -> Path:
     """draft_tensors: the draft's state dict (its frozen embedding is left out); the state dicts of the

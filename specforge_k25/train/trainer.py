@@ -23,8 +23,10 @@ from ..data.regenerate import regeneration_prompt
 from ..export.serving import export_draft
 from ..setup.run import RunSetup, fresh_draft, make_target_stream, prepare
 from ..stream.producer import StreamError, StreamInterrupted, TargetStream
-from .checkpoint import check_draft_keys, list_checkpoints, read_checkpoint, read_state, save_checkpoint
+from .checkpoint import (check_draft_keys, list_checkpoints, optimizer_state_for, read_checkpoint, read_state,
+                         save_checkpoint)
 from .distributed import RankFailed, Ranks, launcher_env_hidden, start_ranks, stop_ranks
+from .fingerprint import RESHARDABLE, check_fingerprint, fingerprint_defaults, run_fingerprint
 from .feed import rebuild_regenerated, take_batches
 from .metrics import MetricsLogger, NullLogger, TTTStats
 from .regenerated import COLUMNS, RegenerationLog
@@ -70,21 +72,6 @@ def build_trainer(job: JobConfig, setup: RunSetup, steps: int, device: torch.dev
                         activation_checkpointing=tr.activation_checkpointing, ranks=ranks)
 
 
-def run_fingerprint(job: JobConfig, setup: RunSetup, n_items: int, ranks: int = 1) -> dict:
-    """What a checkpoint must agree with to be resumed: target, draft shape, data, schedule
-    (and the number of data-parallel ranks when there are several)."""
-    return {
-        "target_architecture": setup.info.architecture, "target_layers": setup.info.num_layers,
-        "target_hidden": setup.info.hidden_size, "target_vocab": setup.info.vocab_size,
-        "capture_points": list(setup.capture_points), "draft": dataclasses.asdict(setup.draft_cfg),
-        "train_data_sha1": setup.data.train_sha1(), "schedule_items": n_items, "seed": job.train.seed,
-        "regeneration": json.loads(json.dumps(dataclasses.asdict(setup.regeneration))) if setup.regeneration else None,
-        "batch_size": job.train.batch_size, "grad_accum": job.train.grad_accum, "ttt_length": job.train.ttt_length,
-        **({"trainer_ranks": ranks} if ranks > 1 else {}),
-        **({"trainer_layout": "colocated"} if job.hw.trainer_layout == "colocated" and ranks > 1 else {}),
-    }
-
-
 def find_resume_checkpoint(resume: str, run_dir: Path) -> Path | None:
     if resume in ("none", "", None):
         return None
@@ -95,12 +82,6 @@ def find_resume_checkpoint(resume: str, run_dir: Path) -> Path | None:
     if not (path / "state.json").is_file():
         raise FileNotFoundError(f"train.resume={resume}: not a checkpoint folder (no state.json)")
     return path
-
-
-def check_fingerprint(saved: dict, current: dict, checkpoint: Path) -> None:
-    diffs = [f"{k}: checkpoint {saved.get(k)!r} vs now {v!r}" for k, v in current.items() if saved.get(k) != v]
-    if diffs:
-        raise ValueError(f"cannot resume from {checkpoint}: it belongs to a different run\n  " + "\n  ".join(diffs))
 
 
 def allocated_bytes(path: Path) -> int:
@@ -154,11 +135,13 @@ class Trainer:
         """Weights, Adam, LR, RNG, vocab maps and the data cursor from the newest checkpoint (train.resume)."""
         path = find_resume_checkpoint(self.job.train.resume, self.run_dir)
         if path is not None:
-            check_fingerprint(read_state(path).get("fingerprint", {}), self.fingerprint, path)
+            saved = fingerprint_defaults(read_state(path).get("fingerprint", {}))
+            check_fingerprint(saved, self.fingerprint, path)
             t = self.draft_trainer
             state, tensors, optim = read_checkpoint(path)
             check_draft_keys(path, t.draft, tensors)
-            t.load_state_dicts(tensors, optim)
+            names = [name for name, p in t.draft.named_parameters() if p.requires_grad]
+            t.load_state_dicts(tensors, optimizer_state_for(optim, t.optimizer, names, by_name=t.sharded))
             t.scheduler.load_state_dict(state["scheduler"])
             self.saved = Progress(**{k: state[k] for k in dataclasses.asdict(Progress())})
             self.evals = state.get("evals", {})
@@ -166,6 +149,10 @@ class Trainer:
             if self.ranks.main:
                 print(f"resuming from {path} at optimizer step {self.saved.step} "
                       f"(schedule item {self.saved.schedule_item})")
+                if any(saved[k] != self.fingerprint[k] for k in RESHARDABLE):
+                    print(f"  saved by {saved['trainer_ranks']} {saved['trainer_layout']} trainer rank(s) x batch "
+                          f"{saved['batch_size']}, resumed on {self.ranks.world} {self.job.hw.trainer_layout} x batch "
+                          f"{self.job.train.batch_size}: the same global batches")
         self.ranks.check_same(self.saved.schedule_item, "the schedule item to resume from", self.device)
 
     def train_micro_batch(self, index: int, item: BatchItem, batch, tokens: int) -> None:

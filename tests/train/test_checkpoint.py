@@ -300,3 +300,150 @@ def test_load_checkpoint_missing_tensor_raises(tmp_path):
     save_file(tensors, path / "draft.safetensors")
     with pytest.raises(ValueError, match=r"does not match the draft.*midlayer\.mlp\.up_proj\.weight"):
         load_checkpoint(path, make_draft(seed=1))
+
+
+# ------------------------------------------------------------------ 9. what a resume must match
+def _fingerprint(ranks: int = 1, batch_size: int = 4, layout: str = "dedicated", regenerate: bool = False,
+                 regen_cut: str = "keep") -> dict:
+    """run_fingerprint of a small stand-in setup: ranks x batch_size trainer ranks."""
+    import dataclasses
+    from types import SimpleNamespace
+
+    from specforge_k25.config import JobConfig
+    from specforge_k25.data.dataset import TokenizedData
+    from specforge_k25.data.tokenize import Sample
+    from specforge_k25.target.sampling import Regeneration
+    from specforge_k25.train.fingerprint import run_fingerprint
+
+    job = JobConfig()
+    job = dataclasses.replace(job, train=dataclasses.replace(job.train, batch_size=batch_size),
+                              hw=dataclasses.replace(job.hw, trainer_layout=layout),
+                              data=dataclasses.replace(job.data, regen_cut=regen_cut))
+    sample = Sample(torch.arange(6), torch.ones(6, dtype=torch.bool))
+    setup = SimpleNamespace(info=SimpleNamespace(architecture="LlamaForCausalLM", num_layers=4, hidden_size=H,
+                                                 vocab_size=V),
+                            capture_points=[1, 2, 3], draft_cfg=make_cfg(), data=TokenizedData([sample], [sample]),
+                            regeneration=Regeneration(stop_ids=(0,)) if regenerate else None)
+    return run_fingerprint(job, setup, n_items=9, ranks=ranks)
+
+
+def _older(fingerprint: dict) -> dict:
+    """As checkpoints recorded it before: trainer ranks and layout only with several ranks (the
+    layout only when co-located), no regen_cut."""
+    old = {k: v for k, v in fingerprint.items() if k not in ("trainer_ranks", "trainer_layout", "regen_cut")}
+    if fingerprint["trainer_ranks"] > 1:
+        old["trainer_ranks"] = fingerprint["trainer_ranks"]
+        if fingerprint["trainer_layout"] == "colocated":
+            old["trainer_layout"] = "colocated"
+    return old
+
+
+def _refusal(saved: dict, current: dict) -> str:
+    from specforge_k25.train.fingerprint import check_fingerprint
+
+    with pytest.raises(ValueError, match="belongs to a different run") as err:
+        check_fingerprint(saved, current, Path("ckpt"))
+    return str(err.value)
+
+
+def test_resume_onto_other_ranks_needs_the_same_global_batch():
+    """The schedule and its cursor count global batches (batch_size x ranks): a checkpoint resumes
+    on any number of ranks and either layout that keeps the global batch, old checkpoints included
+    (no trainer_ranks recorded: one rank), and is refused by name otherwise."""
+    from specforge_k25.train.fingerprint import check_fingerprint
+
+    two_colocated = _fingerprint(ranks=2, batch_size=2, layout="colocated")
+    for saved in (two_colocated, _older(two_colocated), _fingerprint(ranks=4, batch_size=1),
+                  _fingerprint(1, 4), _older(_fingerprint(1, 4))):
+        for now in (_fingerprint(1, 4), _fingerprint(2, 2), _fingerprint(2, 2, "colocated"), _fingerprint(4, 1)):
+            check_fingerprint(saved, now, Path("ckpt"))
+    # what a one-rank resume of a two-rank checkpoint with the same per-rank batch used to accept
+    message = _refusal(_older(_fingerprint(ranks=2, batch_size=1)), _fingerprint(ranks=1, batch_size=1))
+    assert "global batch (train.batch_size x trainer ranks): checkpoint 1 x 2 vs now 1 x 1" in message
+    assert "resume on 1 rank(s) with train.batch_size=2" in message
+    # an old checkpoint without trainer_ranks is one rank, not whatever resumes it
+    message = _refusal(_older(_fingerprint(ranks=1, batch_size=2)), _fingerprint(ranks=2, batch_size=2))
+    assert "checkpoint 2 x 1 vs now 2 x 2" in message and "train.batch_size=1" in message
+    assert "a number of ranks that divides 3" in _refusal(_fingerprint(1, 3), _fingerprint(2, 1))
+
+
+def test_fingerprint_differences_count_on_either_side_and_include_regen_cut():
+    now = _fingerprint(regenerate=True, regen_cut="drop")
+    assert "regen_cut: checkpoint 'keep' vs now 'drop'" in _refusal(_fingerprint(regenerate=True), now)
+    # an older checkpoint recorded no regen_cut: it regenerated with the default, keep
+    from specforge_k25.train.fingerprint import check_fingerprint
+
+    check_fingerprint(_older(_fingerprint(regenerate=True)), _fingerprint(regenerate=True), Path("ckpt"))
+    assert "regen_cut: checkpoint 'keep' vs now 'drop'" in _refusal(_older(_fingerprint(regenerate=True)), now)
+    check_fingerprint(_older(_fingerprint()), _fingerprint(regen_cut="drop"), Path("ckpt"))  # not regenerating
+    # a key only one side records is a difference, whichever side
+    base = _fingerprint()
+    assert "extra: checkpoint 1 vs now '(not recorded)'" in _refusal({**base, "extra": 1}, base)
+    assert "extra: checkpoint '(not recorded)' vs now 1" in _refusal(base, {**base, "extra": 1})
+    no_seed = {k: v for k, v in base.items() if k != "seed"}
+    assert "seed: checkpoint '(not recorded)' vs now 0" in _refusal(no_seed, base)
+    assert "global batch" in _refusal({k: v for k, v in base.items() if k != "batch_size"}, base)
+    message = _refusal({}, base)  # a checkpoint without a fingerprint matches nothing
+    assert "train_data_sha1: checkpoint '(not recorded)'" in message and "draft: checkpoint" in message
+
+
+# ------------------------------------------------------------------ 10. optimizer state across layouts
+def _named_optimizer_state(draft, opt) -> dict:
+    """The form a sharded (FSDP2) run gathers and saves: torch's full optimizer state dict, keyed by name."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict
+
+    return get_optimizer_state_dict(draft, opt, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+
+
+def _assert_same_optimizer_state(a: dict, b: dict) -> None:
+    assert a["state"].keys() == b["state"].keys()
+    for pid, st in a["state"].items():
+        assert st.keys() == b["state"][pid].keys(), pid
+        for name, value in st.items():
+            assert torch.equal(torch.as_tensor(value), torch.as_tensor(b["state"][pid][name])), (pid, name)
+    assert a["param_groups"] == b["param_groups"]
+
+
+def test_optimizer_state_converts_between_the_sharded_and_the_plain_form(tmp_path):
+    """A co-located run's checkpoint (AdamW keyed by parameter name) resumed by one unsharded rank
+    (keyed by index), and the reverse: each converted form is exactly the other run's own, and the
+    resumed optimizer steps bit-identically."""
+    from specforge_k25.train.checkpoint import optimizer_state_for, read_checkpoint
+
+    draft, opt, sched = make_training(seed=0)
+    train_step(draft, opt, sched, seed=1)
+    names = [n for n, p in draft.named_parameters() if p.requires_grad]
+    named, indexed = _named_optimizer_state(draft, opt), opt.state_dict()
+    assert set(named["state"]) == set(names)
+    _assert_same_optimizer_state(optimizer_state_for(named, opt, names, by_name=False), indexed)
+    _assert_same_optimizer_state(optimizer_state_for(indexed, opt, names, by_name=True), named)
+    for same, by_name in ((named, True), (indexed, False)):  # a run resuming its own form: unchanged
+        _assert_same_optimizer_state(optimizer_state_for(same, opt, names, by_name=by_name), same)
+
+    path = save_checkpoint(tmp_path, 1, draft.state_dict(), named, sched.state_dict(), {}, keep=1)
+    _, tensors, optim = read_checkpoint(path)
+    fresh, fopt, fsched = make_training(seed=5)
+    fresh.load_state_dict({**tensors, "embed_tokens.weight": draft.embed_tokens.weight}, strict=False)
+    fopt.load_state_dict(optimizer_state_for(optim, fopt, names, by_name=False))
+    fsched.load_state_dict(sched.state_dict())
+    train_step(draft, opt, sched, seed=2)
+    train_step(fresh, fopt, fsched, seed=2)
+    for k, v in draft_state(draft).items():
+        assert torch.equal(draft_state(fresh)[k], v), k
+
+
+def test_optimizer_state_keeps_the_resuming_optimizers_implementation():
+    """How AdamW runs (fused, foreach) is the resuming run's: a layout or optimizer_device change
+    may change it, torch's load_state_dict would take the saved one."""
+    from specforge_k25.train.checkpoint import optimizer_state_for
+
+    draft, opt, sched = make_training(seed=0)
+    train_step(draft, opt, sched, seed=1)
+    names = [n for n, p in draft.named_parameters() if p.requires_grad]
+    saved = opt.state_dict()
+    saved["param_groups"][0].update(fused=True, foreach=False)
+    loaded = optimizer_state_for(saved, opt, names, by_name=False)["param_groups"][0]
+    assert (loaded["fused"], loaded["foreach"]) == (opt.param_groups[0]["fused"], opt.param_groups[0]["foreach"])
+    assert loaded["lr"] == saved["param_groups"][0]["lr"] and loaded["params"] == saved["param_groups"][0]["params"]
+    with pytest.raises(ValueError, match="'nope.weight', not a trainable parameter"):
+        optimizer_state_for({"state": {"nope.weight": {}}, "param_groups": saved["param_groups"]}, opt, names, False)

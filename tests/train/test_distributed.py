@@ -327,6 +327,39 @@ def test_two_ranks_resume_from_rank0_checkpoint_bit_identically(dp_runs, tmp_pat
     assert [r["optimizer_step"] for r in _train_records(run)] == [3, 4]
 
 
+@pytest.mark.e2e
+def test_two_rank_checkpoint_resumes_on_one_rank_with_the_same_global_batch(dp_runs, tmp_path):
+    """Resharding: the two-rank run's step-2 checkpoint (2 ranks x batch 2) resumed by ONE rank x
+    batch 4. The schedule and its cursor count global batches, so the resumed rank trains exactly
+    what the checkpoint had not: steps 3 and 4 see the uninterrupted runs' loss positions and
+    tokens, and the weights end where both runs' do (the tolerance of the comparison above).
+    Planted: the cursor moved back one micro-batch on a resharded resume (a repeat) fails here
+    (27 samples trained, not 26); ~45 s on 2 cores."""
+    import shutil
+
+    one, two, _ = dp_runs
+    run = tmp_path / "resharded"
+    (run / "checkpoints").mkdir(parents=True)
+    shutil.copytree(two / "checkpoints" / "step_00000002", run / "checkpoints" / "step_00000002")
+    out = subprocess.run([sys.executable, WORKER, str(run), *COMMON, "train.batch_size=4", "train.resume=auto"],
+                         env=rank_env(), cwd=ROOT, capture_output=True, text=True, timeout=600)
+    assert out.returncode == 0, (out.stdout + out.stderr)[-5000:]
+    assert "saved by 2 dedicated trainer rank(s) x batch 2, resumed on 1 dedicated x batch 4" in out.stdout
+    s1, s = (json.loads((d / "summary.json").read_text()) for d in (one, run))
+    assert s["resumed_from"].endswith("step_00000002") and s["trainer_ranks"] == 1
+    for key in ("steps", "samples_trained", "tokens_trained"):
+        assert s[key] == s1[key], key
+    resumed, whole = _train_records(run), _train_records(one)[2:]
+    assert [r["optimizer_step"] for r in resumed] == [3, 4]
+    for x, y in zip(whole, resumed):
+        assert y["train/positions"] == x["train/positions"]
+        assert y["train/loss"] == pytest.approx(x["train/loss"], rel=1e-5, abs=1e-6)
+    assert_same_evals(s1, s)
+    weights = load_file(run / "export" / "model.safetensors")
+    diffs = [max_rel_diff(load_file(d / "export" / "model.safetensors"), weights) for d in (one, two)]
+    assert max(diffs) < 2e-6, diffs
+
+
 # ------------------------------------------------------------------ a hung rank does not hang the others
 def _rank_main(rank: int, port: int, results) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE="2",

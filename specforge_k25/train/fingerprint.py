@@ -1,0 +1,67 @@
+"""What a checkpoint must agree with to be resumed (its `fingerprint` in state.json), and what a
+resume may change: the number of trainer ranks and their layout, as long as the global batch stays."""
+from __future__ import annotations
+
+import dataclasses
+import json
+from pathlib import Path
+
+from ..config import JobConfig
+from ..setup.run import RunSetup
+
+
+def run_fingerprint(job: JobConfig, setup: RunSetup, n_items: int, ranks: int = 1) -> dict:
+    """What a checkpoint must agree with to be resumed: target, draft shape, data, schedule; and
+    how the trainer ranks cut it, which a resume may change (`check_fingerprint`)."""
+    return {
+        "target_architecture": setup.info.architecture, "target_layers": setup.info.num_layers,
+        "target_hidden": setup.info.hidden_size, "target_vocab": setup.info.vocab_size,
+        "capture_points": list(setup.capture_points), "draft": dataclasses.asdict(setup.draft_cfg),
+        "train_data_sha1": setup.data.train_sha1(), "schedule_items": n_items, "seed": job.train.seed,
+        "regeneration": json.loads(json.dumps(dataclasses.asdict(setup.regeneration))) if setup.regeneration else None,
+        "regen_cut": job.data.regen_cut if setup.regeneration else None,
+        "batch_size": job.train.batch_size, "grad_accum": job.train.grad_accum, "ttt_length": job.train.ttt_length,
+        "trainer_ranks": ranks, "trainer_layout": job.hw.trainer_layout,
+    }
+
+
+# Fingerprint keys a resume may change. The schedule is cut into GLOBAL batches (train.batch_size
+# x trainer ranks) and the data cursor is an item of it, so with the same global batch the cursor
+# names the same samples on any number of ranks; checkpoints hold the full state (FSDP2 gathers
+# it), loaded into either layout (`optimizer_state_for`).
+RESHARDABLE = ("batch_size", "trainer_ranks", "trainer_layout")
+
+
+def fingerprint_defaults(fingerprint: dict) -> dict:
+    """A saved fingerprint with the keys older checkpoints left out at the value they meant: the
+    trainer ranks were recorded only when there were several (absent: one), the layout only when
+    co-located, regen_cut not at all (absent while regenerating: its default, keep)."""
+    fp = {"trainer_ranks": 1, "trainer_layout": "dedicated", **fingerprint}
+    fp.setdefault("regen_cut", "keep" if fp.get("regeneration") else None)
+    return fp
+
+
+def global_batch(fingerprint: dict) -> int | None:
+    b, ranks = fingerprint.get("batch_size"), fingerprint.get("trainer_ranks")
+    return b * ranks if isinstance(b, int) and isinstance(ranks, int) else None
+
+
+def check_fingerprint(saved: dict, current: dict, checkpoint: Path) -> None:
+    """Refuse a checkpoint of another run, listing every difference; a key recorded on one side
+    only is one. The trainer ranks, their layout and the per-rank batch may differ while the
+    global batch stays (RESHARDABLE)."""
+    saved, current = fingerprint_defaults(saved), fingerprint_defaults(current)
+    absent = "(not recorded)"
+    diffs = [f"{k}: checkpoint {saved.get(k, absent)!r} vs now {current.get(k, absent)!r}"
+             for k in [*saved, *(k for k in current if k not in saved)]
+             if k not in RESHARDABLE and (k not in saved or k not in current or saved[k] != current[k])]
+    before, now = global_batch(saved), global_batch(current)
+    if before is None or before != now:
+        ranks = current["trainer_ranks"]
+        hint = (f"resume on {ranks} rank(s) with train.batch_size={before // ranks}" if before and before % ranks == 0
+                else f"resume on a number of ranks that divides {before}" if before else "it cannot be resumed")
+        diffs.append(f"global batch (train.batch_size x trainer ranks): checkpoint {saved.get('batch_size', absent)!r} "
+                     f"x {saved['trainer_ranks']!r} vs now {current.get('batch_size')!r} x {ranks!r}; the schedule "
+                     f"and its cursor count global batches: {hint}")
+    if diffs:
+        raise ValueError(f"cannot resume from {checkpoint}: it belongs to a different run\n  " + "\n  ".join(diffs))
