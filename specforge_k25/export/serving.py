@@ -26,9 +26,21 @@ from ..paths import write_atomic, write_text_atomic
 from ..target.layers import vllm_layer_ids
 
 
+def served_eos(eos_token_id, end_of_turn_id: int | None = None):
+    """The `eos_token_id` an export writes: the ids the served model stops at. A chat target whose
+    turns end with their own token (Kimi-K2.5: `<|im_end|>` 163586, while its config's eos is
+    [EOS] 163585) gets that token first, then the config's eos ids; without one, the config's eos."""
+    if end_of_turn_id is None:
+        return eos_token_id
+    rest = eos_token_id if isinstance(eos_token_id, list) else [] if eos_token_id is None else [eos_token_id]
+    rest = [i for i in rest if i != end_of_turn_id]
+    return [int(end_of_turn_id), *rest] if rest else int(end_of_turn_id)
+
+
 def serving_config(cfg: DraftConfig, eagle_layer_ids: list[int], bos_token_id, eos_token_id, dtype: str,
-                   capture_points: list[int]) -> dict:
-    """`eagle_layer_ids`: SGLang's ids for this target; `capture_points`: the layers they capture."""
+                   capture_points: list[int], end_of_turn_id: int | None = None) -> dict:
+    """`eagle_layer_ids`: SGLang's ids for this target; `capture_points`: the layers they capture;
+    `end_of_turn_id`: the token ending a served turn, written first in `eos_token_id` (`served_eos`)."""
     vllm_ids = vllm_layer_ids(capture_points)
     config = {
         "architectures": ["LlamaForCausalLMEagle3"],
@@ -51,7 +63,7 @@ def serving_config(cfg: DraftConfig, eagle_layer_ids: list[int], bos_token_id, e
         "mlp_bias": False,
         "torch_dtype": dtype,
         "bos_token_id": bos_token_id,
-        "eos_token_id": eos_token_id,
+        "eos_token_id": served_eos(eos_token_id, end_of_turn_id),
         "eagle_config": {"eagle_aux_hidden_state_layer_ids": list(eagle_layer_ids), "use_aux_hidden_state": True,
                          "layer_ids": vllm_ids},
         "eagle_aux_hidden_state_layer_ids": vllm_ids,
@@ -62,11 +74,13 @@ def serving_config(cfg: DraftConfig, eagle_layer_ids: list[int], bos_token_id, e
 
 
 def export_draft(draft: Eagle3Draft, out_dir: str | Path, eagle_layer_ids: list[int], bos_token_id, eos_token_id,
-                 dtype: torch.dtype = torch.float32, *, capture_points: list[int]) -> Path:
+                 dtype: torch.dtype = torch.float32, *, capture_points: list[int],
+                 end_of_turn_id: int | None = None) -> Path:
     """Atomically write <out_dir>/{config.json, model.safetensors}; no embedding (the server shares the target's).
 
     `eagle_layer_ids` are SGLang's ids (`target.layers.sglang_layer_ids`), `capture_points` the
-    layer inputs they capture; the vLLM ids are derived from the latter.
+    layer inputs they capture; the vLLM ids are derived from the latter. `end_of_turn_id`
+    (target.end_of_turn_token's id) goes first in the written `eos_token_id` (`served_eos`).
     """
     out = Path(out_dir)
     tmp = out.with_name(out.name + ".tmp")
@@ -76,7 +90,7 @@ def export_draft(draft: Eagle3Draft, out_dir: str | Path, eagle_layer_ids: list[
     # the umask's mode: a server running as another user reads the folder (save_file alone makes 0600)
     write_atomic(tmp / "model.safetensors", lambda f: save_file(tensors, f, metadata={"format": "pt"}))
     config = serving_config(draft.cfg, eagle_layer_ids, bos_token_id, eos_token_id, str(dtype).replace("torch.", ""),
-                            capture_points)
+                            capture_points, end_of_turn_id)
     write_text_atomic(tmp / "config.json", json.dumps(config, indent=2))
     try:
         validate_export(tmp)
