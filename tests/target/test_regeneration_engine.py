@@ -21,13 +21,13 @@ def _rel(a, b) -> float:
     return float(((a - b).abs() / (1e-4 * b.abs().clamp(min=1))).max())
 
 
-def _regenerate_through_the_stream(path, prompts, regen, **spec_fields):
+def _regenerate_through_the_stream(path, prompts, regen, batches=([0, 1], [2]), **spec_fields):
     info = read_target_info(path)
     points = default_capture_points(info.num_layers)
     spec = TargetSpec(engine="sglang", model_path=path, architecture=info.architecture, capture_points=points,
                       regeneration=regen, **{"num_threads": 2, **spec_fields})
     got = []
-    with TargetStream(spec, prompts, [[0, 1], [2]], hidden_size=info.hidden_size, slots=2, timeout_s=600) as stream:
+    with TargetStream(spec, prompts, list(batches), hidden_size=info.hidden_size, slots=2, timeout_s=600) as stream:
         for msg, aux, final in stream:
             ids = torch.split(stream.ids(msg).clone(), msg.lengths)
             got += list(zip(msg.prompt_lengths, ids, torch.split(aux.clone(), msg.lengths),
@@ -47,14 +47,23 @@ def test_sglang_answers_as_hf_and_captures_a_plain_prefill(smollm2_path, sglang_
 
     tok = AutoTokenizer.from_pretrained(smollm2_path)
     end = tok.convert_tokens_to_ids("<|im_end|>")
-    questions = ["What is the capital of France?", "Name three colors.", "Write a haiku about rain."]
+    questions = ["What is the capital of France?", "Name three colors.", "Write a haiku about rain.",
+                 "Answer in one word, without explaining: " * 6 + "is rain wet?"]
     prompts = []
     for q in questions:
         ids = tok.apply_chat_template([{"role": "user", "content": q}], add_generation_prompt=True, tokenize=True)
         prompts.append(torch.tensor(ids["input_ids"] if hasattr(ids, "keys") else ids))
-    regen = Regeneration(max_new_tokens=16, max_length=256, stop_ids=(end, tok.eos_token_id))
-    got, hf = _regenerate_through_the_stream(smollm2_path, prompts, regen)
-    answers = hf.generate(prompts, [16] * 3, regen)
+    # the long last prompt leaves room for 2 new tokens only; the others get all 16
+    regen = Regeneration(max_new_tokens=16, max_length=len(prompts[-1]) + 2, stop_ids=(end, tok.eos_token_id))
+    budgets = [regen.budget(len(p)) for p in prompts]
+    assert budgets == [16, 16, 16, 2]
+    answers = HFTarget(smollm2_path, default_capture_points(30)).generate(prompts, budgets, regen)
+    # A KV pool of exactly prompt + budget per request, as the admission check counts: keeping the
+    # finished requests in the decode batch (issue 18 §3) would allocate one slot each per step.
+    pool = sum(len(p) + b for p, b in zip(prompts, budgets))
+    assert sum(len(p) for p in prompts) + len(prompts) * (max(len(a) for a in answers) - 1) > pool
+    got, _ = _regenerate_through_the_stream(smollm2_path, prompts, regen, batches=([0, 1], [2, 3]),
+                                            max_total_tokens=pool)
     for prompt, answer, (prompt_len, ids, _, _) in zip(prompts, answers, got):
         assert prompt_len == len(prompt) and ids[:prompt_len].tolist() == prompt.tolist()
         assert ids[prompt_len:].tolist() == answer, tok.decode(ids[prompt_len:])
