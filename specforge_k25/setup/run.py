@@ -36,6 +36,7 @@ class RunSetup:
     data: TokenizedData
     draft_cfg: DraftConfig
     regeneration: Regeneration | None = None  # data.regenerate: how the target answers each prompt
+    end_of_turn_id: int | None = None  # the token a served answer ends with (target.end_of_turn_token)
 
 
 def prepare(job: JobConfig) -> RunSetup:
@@ -59,10 +60,11 @@ def prepare(job: JobConfig) -> RunSetup:
     if job.draft.vocab_size > info.vocab_size:
         raise ValueError(f"draft.vocab_size={job.draft.vocab_size} exceeds the target vocab {info.vocab_size}")
     tokenizer = AutoTokenizer.from_pretrained(model_path, trust_remote_code=job.target.trust_remote_code)
+    end_of_turn_id = _end_of_turn_id(tokenizer, job.target.end_of_turn_token)
     data = build_dataset(
         tokenizer, source=job.data.source, path=job.data.path, max_length=job.data.max_length,
         num_samples=job.data.num_samples, heldout_samples=job.data.heldout_samples,
-        end_of_turn_id=_end_of_turn_id(tokenizer, job.target.end_of_turn_token), seed=job.data.seed,
+        end_of_turn_id=end_of_turn_id, seed=job.data.seed,
         split=job.data.split, show_progress=job.train.progress, render=_renderer(job, tokenizer),
     )
     top = max((int(s.input_ids.max()) for s in [*data.train, *data.heldout] if len(s.input_ids)), default=-1)
@@ -70,7 +72,7 @@ def prepare(job: JobConfig) -> RunSetup:
         raise ValueError(f"the tokenizer produced token id {top}, outside the target's vocab ({info.vocab_size}): "
                          f"tokenizer and target weights in {model_path} do not match")
     return RunSetup(model_path, info, points, eagle_ids, tokenizer, data, resolve_draft(job.draft, facts),
-                    regeneration(job, tokenizer))
+                    regeneration(job, tokenizer), end_of_turn_id)
 
 
 def _end_of_turn_id(tokenizer, token: str | None) -> int:

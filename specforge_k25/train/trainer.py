@@ -279,7 +279,7 @@ class Trainer:
             draft = self.draft_trainer.plain_draft() if (self.ranks.main or self.draft_trainer.sharded) else None
             export = (export_draft(draft, self.run_dir / "export", self.setup.eagle_layer_ids,
                                    self.setup.info.bos_token_id, self.setup.info.eos_token_id,
-                                   capture_points=self.setup.capture_points)
+                                   capture_points=self.setup.capture_points, end_of_turn_id=self.setup.end_of_turn_id)
                       if self.ranks.main else None)
         except (TrainingInterrupted, StreamInterrupted, StreamError, RankFailed) as err:
             raise self._saved_on_failure(err) from None

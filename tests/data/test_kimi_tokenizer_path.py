@@ -280,6 +280,7 @@ def test_prepare_uses_remote_code_tokenizer_and_kimi_renderer(kimi_target_dir, l
     cls = type(setup.tokenizer)
     assert cls.__name__ == "TikTokenTokenizer" and cls.__module__.startswith("transformers_modules.")
     assert setup.model_path == str(kimi_target_dir) and setup.info.vocab_size == 163840
+    assert setup.end_of_turn_id == SPECIAL.im_end  # what the export and regeneration stop at
     samples = setup.data.train + setup.data.heldout
     assert (len(setup.data.train), len(setup.data.heldout)) == (5, 2) and setup.data.rows_seen == 8
     assert dict(setup.data.skipped) == {"special_token_in_text": 1}  # the row with "<|im_end|>" typed in

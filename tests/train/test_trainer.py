@@ -211,6 +211,16 @@ def test_resume_continues_from_the_step_boundary_exactly(tiny_setup, tmp_path):
     assert resumed.evals["end"] == full.evals["end"]
 
 
+def test_the_export_ends_a_served_turn_at_the_runs_end_of_turn_token(tiny_setup, tmp_path):
+    """The export's eos is the run's end-of-turn token first (Kimi-K2.5: <|im_end|>, not its
+    config's [EOS]), then the target config's eos."""
+    import json
+
+    _run(_job(tmp_path, grad_accum=1), dataclasses.replace(tiny_setup, end_of_turn_id=5))
+    (config,) = tmp_path.rglob("export/config.json")
+    assert json.loads(config.read_text())["eos_token_id"] == [5, tiny_setup.info.eos_token_id]
+
+
 # ------------------------------------------------------------------- regeneration through the loop
 class FakeRegenStream(FakeStream):
     """The stand-in target answers each prompt itself: the prompt reversed, cut to (sum of the
