@@ -22,7 +22,7 @@ bound of tests/target/test_target.py), for aux and final, against the packed pre
   prefill again          the same batch once more (the prefill design: exact by construction)
   prefill alone          each conversation prefilled on its own (batch composition alone)
   decode capture         prompt rows from the extend + one row per fed answer token (the last token
-                         of the longest answer is never fed: only positions both have are compared),
+                         of an answer is never fed: only positions both have are compared),
                          overall, prompt rows, answer rows, and the worst position.
 
 Prints two tables and writes JSON (benchmarks/results/regeneration.json). No assertion on any number.
@@ -107,8 +107,9 @@ class StepRecorder:
 def assemble(calls: list[dict], prompts: list[torch.Tensor], answers: list[list[int]]):
     """Per conversation: (ids, aux, final) of the positions the generation computed: every prompt token
     (the extend's rows, packed in request order) and each answer token that was fed to a decode step
-    (decode step j feeds answer token j of every request; rows of requests that already stopped carry
-    ignored tokens and are dropped). Checks the recorded ids and positions against the answers."""
+    (decode step j feeds answer token j of every request still decoding, in request order: a finished
+    request has left the batch, so the last token of an answer is never fed). Checks the recorded ids
+    and positions against the answers."""
     extend, decodes = calls[0], calls[1:]
     if extend["decode"] or not all(c["decode"] for c in decodes):
         raise RuntimeError(f"expected one extend then decode steps, saw {[c['decode'] for c in calls]}")
@@ -123,14 +124,15 @@ def assemble(calls: list[dict], prompts: list[torch.Tensor], answers: list[list[
             raise RuntimeError(f"extend rows of request {b} are not its prompt")
         ids, aux, final = [ids.to(torch.int64)], [aux], [final]
         for j, step in enumerate(decodes):
-            if j >= len(answers[b]):
+            if j + 1 >= len(answers[b]):
                 break
-            if int(step["ids"][b]) != answers[b][j] or int(step["positions"][b]) != lengths[b] + j:
-                raise RuntimeError(f"decode step {j} row {b}: fed id {int(step['ids'][b])} at position "
-                                   f"{int(step['positions'][b])}, expected {answers[b][j]} at {lengths[b] + j}")
-            ids.append(step["ids"][b:b + 1].to(torch.int64))
-            aux.append(step["aux"][b:b + 1])
-            final.append(step["final"][b:b + 1])
+            r = sum(1 for c in range(b) if len(answers[c]) > j + 1)  # its row: the requests before it still decoding
+            if int(step["ids"][r]) != answers[b][j] or int(step["positions"][r]) != lengths[b] + j:
+                raise RuntimeError(f"decode step {j} request {b}: fed id {int(step['ids'][r])} at position "
+                                   f"{int(step['positions'][r])}, expected {answers[b][j]} at {lengths[b] + j}")
+            ids.append(step["ids"][r:r + 1].to(torch.int64))
+            aux.append(step["aux"][r:r + 1])
+            final.append(step["final"][r:r + 1])
         out.append((torch.cat(ids), torch.cat(aux), torch.cat(final)))
     return out
 
