@@ -12,7 +12,7 @@ import os
 import signal
 import sys
 import traceback
-from collections import Counter
+from collections import deque
 
 import psutil
 import torch
@@ -150,7 +150,8 @@ class Regenerated:
     `batches` is the whole schedule; a resumed run starts at `start` and decodes a group that began
     before it whole again. A conversation used again later (a held-out sample at every evaluation)
     is kept for that use while the kept ones stay under KEEP_TOKENS, else its group is decoded again
-    (the same answers). Memory stays bounded."""
+    (the same answers). Memory stays bounded: besides the kept ones, only the conversations of the
+    group being used (up to its members' first uses) and of the current batch are held."""
 
     KEEP_TOKENS = 1 << 20
 
@@ -162,6 +163,11 @@ class Regenerated:
         page = getattr(target, "kv_page_size", 1)
         self.groups = regeneration_groups(batches, lambda i: len(self.prompt(i)), regen, spec.max_total_tokens, page)
         self.group_of = {i: g for g, group in enumerate(self.groups) for i in group}
+        first = {}
+        for item, batch in enumerate(batches):
+            for i in batch:
+                first.setdefault(i, item)
+        self.group_end = [max(first[i] for i in group) for group in self.groups]  # its members' last first use
         pool = getattr(target, "max_total_tokens", None)  # the engine's; None: no KV pool (the HF reference)
         need = max((generation_slots([len(self.prompt(i)) for i in group],
                                      [regen.budget(len(self.prompt(i))) for i in group], page)
@@ -170,7 +176,10 @@ class Regenerated:
             raise ValueError(f"a regeneration group needs {need} KV slots but the engine's pool holds {pool}: "
                              f"lower data.regen_group or hw.max_total_tokens, or raise hw.mem_fraction_static")
         self.ready: dict[int, torch.Tensor] = {}  # sample -> its conversation, until its last use
-        self.uses = Counter(i for batch in batches[start:] for i in batch)
+        self.uses: dict[int, deque] = {}  # sample -> the items still to use it
+        for item in range(start, len(batches)):
+            for i in batches[item]:
+                self.uses.setdefault(i, deque()).append(item)
         self.kept: set[int] = set()  # used again later, kept meanwhile
         self.kept_tokens = 0
 
@@ -179,14 +188,11 @@ class Regenerated:
         batch = self.batches[item]
         for i in batch:
             if i not in self.ready:
-                self._generate(self.group_of[i])
+                self._generate(self.group_of[i], item)
         conversations = [self.ready[i] for i in batch]
         for i in batch:
-            self.uses[i] -= 1
-            if self.uses[i] > 0 and (i in self.kept or self.kept_tokens + len(self.ready[i]) <= self.KEEP_TOKENS):
-                if i not in self.kept:
-                    self.kept.add(i)
-                    self.kept_tokens += len(self.ready[i])
+            self.uses[i].popleft()
+            if self.uses[i] and (i in self.kept or self._keep(i)):
                 continue
             conversation = self.ready.pop(i)
             if i in self.kept:
@@ -194,14 +200,25 @@ class Regenerated:
                 self.kept_tokens -= len(conversation)
         return conversations, [len(self.prompt(i)) for i in batch]
 
-    def _generate(self, g: int) -> None:
+    def _keep(self, i: int) -> bool:
+        if self.kept_tokens + len(self.ready[i]) > self.KEEP_TOKENS:
+            return False
+        self.kept.add(i)
+        self.kept_tokens += len(self.ready[i])
+        return True
+
+    def _generate(self, g: int, item: int) -> None:
         group = self.groups[g]
         prompts = [self.prompt(i) for i in group]
         if self.spec.tp_size > 1:
             self.target.share_batch([GENERATE, *prompts])
         for i, conversation in zip(group, regenerate(self.target, prompts, self.spec.regeneration)):
-            if self.uses[i] > 0 and i not in self.ready:  # a group decoded again: only what is still to come
-                self.ready[i] = conversation
+            if not self.uses.get(i) or i in self.ready:  # used before a resume or already held
+                continue
+            self.ready[i] = conversation
+            # a group decoded again for one of its members: the others only while there is room to keep them
+            if self.uses[i][0] > max(item, self.group_end[g]) and not self._keep(i):
+                del self.ready[i]
 
 
 def regenerate(target, prompts: list[torch.Tensor], regen) -> list[torch.Tensor]:

@@ -138,3 +138,17 @@ def test_the_target_process_resumes_in_the_uninterrupted_runs_groups(monkeypatch
 
     whole = produce([], batches)
     assert produce(batches[:2], batches[2:]) == [(item - 2, ids, lens) for item, ids, lens in whole[2:]]
+
+
+def test_a_group_decoded_again_holds_only_what_is_used_now_or_kept():
+    """Two epochs in other orders, nothing kept: each second use decodes the sample's group again,
+    and its other members (used much later) are not held meanwhile: memory stays bounded."""
+    batches = [[i] for i in range(8)] + [[7], [3], [5], [1], [0], [6], [2], [4]]
+    ahead, target = _regenerated(batches, group=4, keep_tokens=0, lengths=[3] * 8)
+    held = []
+    for item, batch in enumerate(batches):
+        conversations, _ = ahead.take(item)
+        assert [c.tolist() for c in conversations] == [[10 + i, 1, 2, 10 + i, 10 + i] for i in batch]
+        held.append(len(ahead.ready))
+    assert max(held) <= 3 and held[8:] == [0] * 8
+    assert len(target.calls) == 2 + 8  # each group once in the first epoch, then once per use
