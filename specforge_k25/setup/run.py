@@ -41,7 +41,7 @@ class RunSetup:
 
 def prepare(job: JobConfig) -> RunSetup:
     """Everything decided before any process starts; bad config fails here."""
-    from transformers import AutoTokenizer
+    from ..data.kimi_tiktoken import load_tokenizer
 
     check_layout(job.hw, World.from_env())  # torchrun ranks per node == target replicas of the hw profile
     model_path = resolve_target_path(job.target)
@@ -59,7 +59,9 @@ def prepare(job: JobConfig) -> RunSetup:
     eagle_ids = sglang_layer_ids(points, layer_id_rule(info.architecture))
     if job.draft.vocab_size > info.vocab_size:
         raise ValueError(f"draft.vocab_size={job.draft.vocab_size} exceeds the target vocab {info.vocab_size}")
-    tokenizer = AutoTokenizer.from_pretrained(model_path, trust_remote_code=job.target.trust_remote_code)
+    # Kimi-K2.5's remote-code tokenizer can fail on the pinned transformers; load_tokenizer then
+    # builds the same tokenizer from the folder's files (data/kimi_tiktoken.py)
+    tokenizer = load_tokenizer(model_path, trust_remote_code=job.target.trust_remote_code)
     end_of_turn_id = _end_of_turn_id(tokenizer, job.target.end_of_turn_token)
     data = build_dataset(
         tokenizer, source=job.data.source, path=job.data.path, max_length=job.data.max_length,

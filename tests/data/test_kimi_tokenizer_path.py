@@ -4,29 +4,41 @@ Kimi-K2.5's tokenizer is `tiktoken.model` + `tokenization_kimi.py` + `tokenizer_
 (`auto_map` -> `TikTokenTokenizer`), loaded by `AutoTokenizer.from_pretrained(path,
 trust_remote_code=True)`. The real files are not available offline; `kimi_remote_tokenizer.py`
 writes the same three files around the local stand-in BPE (`data/kimi_tokenizer.py`), with a
-`TikTokenTokenizer` written for these tests. What is checked:
+`TikTokenTokenizer` written for these tests after the public copies of Moonshot's class. What is
+checked:
 
 (a) the folder loads through transformers' remote-code machinery (a class from
     `transformers_modules`, offline), and a tokenizer-only folder is refused without
     trust_remote_code;
+(a') the same folder with the K2-family code as first published (bytes_to_unicode imported from
+    transformers.models.gpt2.tokenization_gpt2) fails on the pinned transformers 5.19 with
+    ImportError; `load_tokenizer` then builds `data/kimi_tiktoken.TikTokenTokenizer` from the files
+    and says why in one line, and that tokenizer gives the remote-code class's ids, strings and
+    tables on a corpus of ordinary text, unicode, whitespace runs (past the 25,000-character cut)
+    and special-token strings; a folder whose code loads keeps its own class; one whose code fails
+    and whose pattern cannot be read is refused with the fix;
 (b) the Kimi renderer gives the same ids and loss masks with it as with the local tiktoken
     `Encoding`: the hand-written golden cases of test_kimi_format.py are re-run here with the
     remote-code tokenizer as `tok` (their expected text ids still come from the local
     tokenizer), plus random conversations; `special_tokens_of` finds the real ids;
 (c) `prepare(job)` with `target=kimi_k25` (trust_remote_code true, chat_format kimi) and
     `target.path` = remote-code tokenizer + a tiny Kimi-K2.5 checkpoint builds the dataset with
-    the Kimi renderer; with target.trust_remote_code=false it refuses. (Next to a kimi_k25
+    the Kimi renderer (and with the failing code, the same samples through the stand-in); with
+    target.trust_remote_code=false it refuses. (Next to a kimi_k25
     config.json transformers 5.x does not refuse: it substitutes its own conversion of
     tiktoken.model, whose ordinary-text ids differ; `check_remote_code_tokenizer` in
     kimi_format.py, called by kimi_renderer, catches that.)
 
-What it cannot check: Moonshot's own `tokenization_kimi.py` (its encode/special-token handling
-may differ from this stand-in's; `special_tokens_of` and `text_encoder` rely only on the
-transformers API: `get_added_vocab()` and `encode(text, add_special_tokens=False)`).
+What it cannot check: Moonshot's own `tokenization_kimi.py` for K2.5 (not in the stored public
+sources; the reproduction follows public copies of the K2-family class, and the stand-in was
+compared with one of them by hand, docs/KIMI_K25.md §4). `special_tokens_of` and `text_encoder` rely
+only on the transformers API: `get_added_vocab()` and `encode(text, add_special_tokens=False)`.
 """
 from __future__ import annotations
 
+import contextlib
 import copy
+import io
 import json
 import os
 import subprocess
@@ -38,7 +50,13 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import test_kimi_format as golden  # its folder is on sys.path (pytest's default prepend import mode)
-from kimi_remote_tokenizer import TOKENIZER_FILES, write_remote_tokenizer, write_tiny_kimi_model
+from kimi_remote_tokenizer import (
+    TOKENIZER_FILES,
+    UNK,
+    tokenization_kimi_py,
+    write_remote_tokenizer,
+    write_tiny_kimi_model,
+)
 from specforge_k25.data.kimi_format import (
     KimiFormat,
     KimiSpecialTokens,
@@ -47,6 +65,7 @@ from specforge_k25.data.kimi_format import (
     render_kimi,
     special_tokens_of,
 )
+from specforge_k25.data.kimi_tiktoken import load_tokenizer
 from specforge_k25.data.kimi_tokenizer import build_kimi_local_tokenizer
 from specforge_k25.data.sources import BadRow, normalize_row
 
@@ -108,10 +127,11 @@ def test_folder_is_kimi_shaped(remote_dir):
     config = json.loads((remote_dir / "tokenizer_config.json").read_text())
     assert config["auto_map"] == {"AutoTokenizer": ["tokenization_kimi.TikTokenTokenizer", None]}
     decoder = {int(i): t["content"] for i, t in config["added_tokens_decoder"].items()}
-    assert {v: k for k, v in decoder.items() if not v.startswith("<|reserved_token_")} == SPECIAL.by_name()
+    named = {v: k for k, v in decoder.items() if not v.startswith("<|reserved_token_")}
+    assert named == {**SPECIAL.by_name(), UNK[0]: UNK[1]}  # [UNK]: the class needs one (kimi_remote_tokenizer.py)
     assert sorted(decoder) == list(range(163584, 163840))
-    first = (remote_dir / "tiktoken.model").read_text().splitlines()[0].split()
-    assert len(first) == 2 and first[1] == "0"  # base64(token bytes) rank
+    lines = (remote_dir / "tiktoken.model").read_text().splitlines()
+    assert len(lines) == 163584 and lines[0].split()[1] == "0"  # base64(token bytes) rank; specials follow
 
 
 def test_remote_code_tokenizer_loads_via_auto_tokenizer(tok, local):
@@ -159,6 +179,98 @@ def test_loads_offline_in_a_fresh_process(remote_dir, local, tmp_path):
     assert got["module"].startswith("transformers_modules.") and got["module"].endswith(".tokenization_kimi")
     assert got["ids"] == local.encode_ordinary("Weather in Paris? ") + [SPECIAL.im_end]
     assert list((tmp_path / "modules").rglob("tokenization_kimi.py"))
+
+
+# ----------------------------------------------------------------------------------------------
+# (a') the K2-family code as first published: fails on transformers 5.19, load_tokenizer's stand-in
+# ----------------------------------------------------------------------------------------------
+
+# ordinary text, unicode, whitespace runs, special-token strings (documented, reserved, and the names
+# the class adds past the vocabulary), and runs past Moonshot's 25,000-character cut
+CORPUS = [
+    "Hello, world! 12345 and 2024.5 don't WE'LL",
+    "日本語の文章と中文混合 émoji 🤖 ÀÉÎõü ΑΒΓ абв עברית {\"a\": [1, 2]}",
+    "  lead\t\ttabs\n\n\n  trail \r\n\u00a0\u2028 \u3000x  ",
+    "<|im_user|>user<|im_middle|>hi<|im_end|><|im_assistant|>assistant<|im_middle|><think>",
+    "[BOS] a <|reserved_token_163700|> b [EOT] <|start_header_id|> [UNK]",
+    "",
+    "x" * 24_998 + "hello world" + " " * 25_002 + "z",  # the cut in "hello" changes its ids
+]
+
+
+@pytest.fixture(scope="module")
+def release_dir(tmp_path_factory, local):
+    return write_remote_tokenizer(tmp_path_factory.mktemp("kimi_release_tokenizer"), local, release=True)
+
+
+@pytest.fixture(scope="module")
+def fallback(release_dir):
+    """load_tokenizer on the failing folder: (tokenizer, what it printed)."""
+    err = io.StringIO()
+    with contextlib.redirect_stderr(err):
+        tokenizer = load_tokenizer(str(release_dir), trust_remote_code=True)
+    return tokenizer, err.getvalue()
+
+
+def test_release_remote_code_fails_on_pinned_transformers(release_dir):
+    from transformers import AutoTokenizer
+
+    with pytest.raises(ImportError, match=r"cannot import name 'bytes_to_unicode' from "
+                                          r"'transformers\.models\.gpt2\.tokenization_gpt2'"):
+        AutoTokenizer.from_pretrained(str(release_dir), trust_remote_code=True)
+
+
+def test_load_tokenizer_falls_back_with_one_line(fallback):
+    tokenizer, printed = fallback
+    cls = type(tokenizer)
+    assert (cls.__module__, cls.__name__) == ("specforge_k25.data.kimi_tiktoken", "TikTokenTokenizer")
+    assert printed.count("\n") == 1 and printed.rstrip() == printed.rstrip().splitlines()[-1]
+    assert "tokenization_kimi.TikTokenTokenizer fails on transformers" in printed
+    assert "ImportError: cannot import name 'bytes_to_unicode'" in printed and "same ids" in printed
+    assert tokenizer.fallback_reason in printed
+
+
+def test_fallback_gives_the_remote_code_ids(fallback, tok, local):
+    """Against the remote-code class on the same files: ids (every encode path), token strings,
+    decoded text and the token tables."""
+    fb = fallback[0]
+    for text in CORPUS:
+        for kwargs in ({}, {"add_special_tokens": False}, {"add_special_tokens": True}):
+            assert fb.encode(text, **kwargs) == tok.encode(text, **kwargs), (text[:40], kwargs)
+        ids = tok.encode(text)
+        assert fb.encode(text, allow_special_tokens=False) == tok.encode(text, allow_special_tokens=False)
+        assert fb(text)["input_ids"] == tok(text)["input_ids"] and fb.tokenize(text) == tok.tokenize(text)
+        for kwargs in ({}, {"skip_special_tokens": False}, {"skip_special_tokens": True}):
+            assert fb.decode(ids, **kwargs) == tok.decode(ids, **kwargs), (text[:40], kwargs)
+    assert fb.encode(CORPUS[0], add_special_tokens=False) == local.encode_ordinary(CORPUS[0])
+    long_ids = tok.encode(CORPUS[-1])
+    assert len(long_ids) > 2 and fb.decode(long_ids) == CORPUS[-1]  # cut, and whole again
+    for name in ("bos_token_id", "eos_token_id", "pad_token_id", "unk_token_id", "vocab_size", "all_special_ids"):
+        assert getattr(fb, name) == getattr(tok, name), name
+    assert len(fb) == len(tok) and fb.get_added_vocab() == tok.get_added_vocab()
+    assert fb.get_vocab() == tok.get_vocab()
+    assert special_tokens_of(fb) == SPECIAL and fb.convert_tokens_to_ids("<|im_end|>") == SPECIAL.im_end
+    check_remote_code_tokenizer(fb)  # the class the folder's auto_map names
+
+
+def test_load_tokenizer_keeps_working_remote_code(remote_dir):
+    err = io.StringIO()
+    with contextlib.redirect_stderr(err):
+        tokenizer = load_tokenizer(str(remote_dir), trust_remote_code=True)
+    assert type(tokenizer).__module__.startswith("transformers_modules.") and not err.getvalue()
+
+
+def test_load_tokenizer_refuses_what_it_cannot_stand_in_for(release_dir, tmp_path):
+    """Failing remote code without a literal pattern to read: refused, naming the failure and the fix."""
+    for name in TOKENIZER_FILES:
+        (tmp_path / name).symlink_to(release_dir / name)
+    (tmp_path / "tokenization_kimi.py").unlink()
+    source = (release_dir / "tokenization_kimi.py").read_text()
+    (tmp_path / "tokenization_kimi.py").write_text(source.replace('pat_str = "|".join(', 'pat_str = str("|").join(', 1))
+    with pytest.raises(ValueError, match=r"fails on transformers .*ImportError.*no literal `pat_str`.*"
+                                         r"transformers\.convert_slow_tokenizer") as err:
+        load_tokenizer(str(tmp_path), trust_remote_code=True)
+    assert isinstance(err.value.__cause__, ImportError)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -297,6 +409,20 @@ def test_prepare_uses_remote_code_tokenizer_and_kimi_renderer(kimi_target_dir, l
         s = render_kimi(local, normalize_row(r, agentic=True), 128, mode="thinking")
         want.append(s.input_ids.tolist() + [-1] + s.loss_mask.int().tolist())
     assert got == sorted(want)
+
+    # The same folder with the code as first published (fails on transformers 5.19): prepare goes on
+    # with load_tokenizer's stand-in, to the same samples
+    release = tmp_path / "Kimi-K2.5-release"
+    release.mkdir()
+    for f in kimi_target_dir.iterdir():
+        (release / f.name).symlink_to(f)
+    (release / "tokenization_kimi.py").unlink()
+    (release / "tokenization_kimi.py").write_text(tokenization_kimi_py(local._pat_str, release=True))
+    fell_back = prepare(_compose([*overrides[:2], f"target.path={release}", *overrides[3:]]))
+    assert type(fell_back.tokenizer).__module__ == "specforge_k25.data.kimi_tiktoken"
+    assert fell_back.end_of_turn_id == SPECIAL.im_end
+    assert [(s.input_ids.tolist(), s.loss_mask.tolist()) for s in fell_back.data.train + fell_back.data.heldout] == [
+        (s.input_ids.tolist(), s.loss_mask.tolist()) for s in samples]
 
     # Without the flag, transformers 5.x does not refuse the folder (config.json says kimi_k25): it
     # converts tiktoken.model into its own fast tokenizer (right special ids, generic regex; measured:
