@@ -160,9 +160,9 @@ def target_spec(job: JobConfig, engine: str = "sglang", tokenizer=None) -> Targe
                       nnodes=hw.target_nnodes, node_rank=hw.target_node_rank, dist_init_addr=hw.target_dist_init_addr)
     if job.data.regenerate:
         if tokenizer is None:
-            from transformers import AutoTokenizer
+            from ..data.kimi_tiktoken import load_tokenizer
 
-            tokenizer = AutoTokenizer.from_pretrained(model_path, trust_remote_code=job.target.trust_remote_code)
+            tokenizer = load_tokenizer(model_path, trust_remote_code=job.target.trust_remote_code)
         spec.regeneration = regeneration(job, tokenizer)
     check_tp_layout(spec)
     return spec
