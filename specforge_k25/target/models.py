@@ -7,7 +7,7 @@ staging folder renamed into place when complete (paths.build_once).
 """
 from __future__ import annotations
 
-import shutil
+import re
 from pathlib import Path
 
 from ..paths import build_once, cache_root
@@ -190,43 +190,160 @@ def tiny_kimi_k25_path(tokenizer_from: Path, num_layers: int = 8, hidden_size: i
         import json
 
         import torch
-        from safetensors.torch import load_file, save_file
-        from transformers import AutoTokenizer
+        from safetensors.torch import save_file
 
-        tokenizer = AutoTokenizer.from_pretrained(tokenizer_from)
-        # Kimi-K2.5 has no MTP layer (DeepseekV3Config's default says 1).
-        model = _random_tiny_deepseek(tokenizer, num_layers, hidden_size, seed, num_nextn_predict_layers=0)
-        # save_pretrained writes the on-disk (per-expert) layout that checkpoints use; re-key it.
-        text_dir = out / "_text"
-        model.save_pretrained(text_dir, safe_serialization=True)
-        weights = {}
-        for file in sorted(text_dir.glob("*.safetensors")):
-            weights.update({"language_model." + k: v for k, v in load_file(file).items()})
-        text_dict = json.loads((text_dir / "config.json").read_text())
-        shutil.rmtree(text_dir)
-
+        tokenizer, text_dict, weights = _tiny_kimi_text(tokenizer_from, num_layers, hidden_size, hidden_size // 2, seed)
         vision = tiny_kimi_vision_config(hidden_size)
         weights.update(_tiny_vision_weights(vision, torch.Generator().manual_seed(seed + 1)))
         save_file({k: v.contiguous() for k, v in weights.items()}, out / "model.safetensors", metadata={"format": "pt"})
 
-        config = {
-            "architectures": ["KimiK25ForConditionalGeneration"],
-            "model_type": "kimi_k25",
-            "text_config": text_dict,
-            "vision_config": vision,
-            "media_placeholder_token_id": len(tokenizer) - 1,
-            "ignore_index": -100,
-            "pad_token_id": tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0,
-            "bos_token_id": tokenizer.bos_token_id,
-            "eos_token_id": tokenizer.eos_token_id,
-            "tie_word_embeddings": False,
-            "use_unified_vision_chunk": False,
-            "torch_dtype": "float32",
-        }
+        config = _kimi_config(text_dict, vision, tokenizer, "float32")
         (out / "config.json").write_text(json.dumps(config, indent=2) + "\n")
         tokenizer.save_pretrained(out)
 
     return _build_model_once(cache_root() / "models" / name, build)
+
+
+# Kimi-K2.5's quantization_config (in `text_config`; SGLang's KimiK25Config hands it to the top
+# level): compressed-tensors `pack-quantized`, INT4 symmetric in groups of 32 along the input dim,
+# routed experts only. The ignore list leaves attention, shared experts, the dense MLP of the first
+# layers, lm_head and the vision side in bf16. SGLang 0.5.23 keys its Blackwell MoE backend on
+# exactly `config_groups.group_0.weights` (num_bits 4, group_size 32, strategy group, type int).
+KIMI_INT4_QUANTIZATION = {
+    "quant_method": "compressed-tensors",
+    "format": "pack-quantized",
+    "quantization_status": "compressed",
+    "kv_cache_scheme": None,
+    "config_groups": {"group_0": {
+        "targets": ["Linear"], "input_activations": None, "output_activations": None,
+        "weights": {"num_bits": 4, "type": "int", "symmetric": True, "strategy": "group", "group_size": 32,
+                    "dynamic": False, "actorder": None, "block_structure": None, "observer": "minmax",
+                    "observer_kwargs": {}},
+    }},
+    "ignore": ["re:.*self_attn.*", "re:.*shared_experts.*", "re:.*mlp\\.(gate|up|gate_up|down)_proj.*",
+               "re:.*lm_head.*", "re:vision_tower.*", "re:mm_projector.*"],
+}
+ROUTED_EXPERT_WEIGHT = re.compile(r"\.mlp\.experts\.\d+\.(gate|up|down)_proj\.weight$")
+
+
+def quantize_int4_group32(weight):
+    """{weight_packed int32 [out, in/8], weight_scale bf16 [out, in/32], weight_shape int64 [2]} of one
+    expert projection, written by compressed-tensors' own pack-quantized compressor (scales from its
+    min/max rule: max |w| of a group / 7.5, kept in bf16 as Kimi-K2.5's; values round(w / scale)
+    clamped to [-8, 7], stored +8 as nibbles, element i of a word in bits 4i..4i+3)."""
+    import torch
+    from compressed_tensors.compressors.pack_quantized.base import PackedQuantizationCompressor
+    from compressed_tensors.quantization import QuantizationScheme
+    from compressed_tensors.quantization.utils.helpers import calculate_qparams
+
+    group = KIMI_INT4_QUANTIZATION["config_groups"]["group_0"]
+    scheme = QuantizationScheme(targets=group["targets"], weights=group["weights"])
+    size = scheme.weights.group_size
+    w = weight.float()
+    groups = w.reshape(w.shape[0], w.shape[1] // size, size)
+    scale, zero = calculate_qparams(groups.amin(-1), groups.amax(-1), scheme.weights)
+    packed = PackedQuantizationCompressor.compress(
+        {"weight": w, "weight_scale": scale.to(torch.bfloat16), "weight_zero_point": zero}, scheme)
+    return {k: packed[k].contiguous() for k in ("weight_packed", "weight_scale", "weight_shape")}
+
+
+def tiny_kimi_k25_int4_path(tokenizer_from: Path, num_layers: int = 8, hidden_size: int = 256,
+                            expert_width: int = 256, seed: int = 0) -> Path:
+    """A tiny Kimi-K2.5 checkpoint in Kimi-K2.5's INT4 format (`KIMI_INT4_QUANTIZATION`).
+
+    Same layout as `tiny_kimi_k25_path` (text model under `language_model.`, a 1-block MoonViT),
+    bf16 like the real checkpoint, with every routed expert projection replaced by
+    `...experts.E.{gate,up,down}_proj.{weight_packed, weight_scale, weight_shape}`
+    (`quantize_int4_group32` of the seeded fp32 weight `tiny_kimi_int4_reference` rebuilds).
+    Hidden size and expert width are >= 256, the smallest the GPU INT4 MoE kernels tile. Sharded as
+    real checkpoints are: embed_tokens alone in the first file, one file per decoder layer, then
+    norm + lm_head + vision, with a `model.safetensors.index.json` weight map.
+    """
+    name = f"tiny-kimi-k25-int4-L{num_layers}-H{hidden_size}-E{expert_width}-s{seed}"
+
+    def build(out: Path):
+        import json
+
+        import torch
+        from safetensors.torch import save_file
+
+        tokenizer, text_dict, weights = _tiny_kimi_text(tokenizer_from, num_layers, hidden_size, expert_width, seed)
+        vision = tiny_kimi_vision_config(hidden_size)
+        weights.update(_tiny_vision_weights(vision, torch.Generator().manual_seed(seed + 1)))
+        stored = {}
+        for key, tensor in weights.items():
+            if ROUTED_EXPERT_WEIGHT.search(key):
+                for part, value in quantize_int4_group32(tensor).items():
+                    stored[key[: -len("weight")] + part] = value
+            else:
+                stored[key] = tensor.to(torch.bfloat16).contiguous()
+        shards: dict[int, dict] = {}
+        for key, tensor in stored.items():
+            layer = re.match(r"language_model\.model\.layers\.(\d+)\.", key)
+            index = 0 if key.endswith("embed_tokens.weight") else int(layer.group(1)) + 1 if layer else num_layers + 1
+            shards.setdefault(index, {})[key] = tensor
+        files = len(shards)
+        weight_map, total = {}, 0
+        for index, tensors in sorted(shards.items()):
+            file = f"model-{index + 1:05d}-of-{files:05d}.safetensors"
+            save_file(tensors, out / file, metadata={"format": "pt"})
+            weight_map.update({k: file for k in tensors})
+            total += sum(t.numel() * t.element_size() for t in tensors.values())
+        index_json = {"metadata": {"total_size": total}, "weight_map": dict(sorted(weight_map.items()))}
+        (out / "model.safetensors.index.json").write_text(json.dumps(index_json, indent=2) + "\n")
+        text_dict.update(torch_dtype="bfloat16", quantization_config=KIMI_INT4_QUANTIZATION)
+        config = _kimi_config(text_dict, vision, tokenizer, "bfloat16")
+        (out / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+        tokenizer.save_pretrained(out)
+
+    return _build_model_once(cache_root() / "models" / name, build)
+
+
+def tiny_kimi_int4_reference(tokenizer_from: Path, num_layers: int = 8, hidden_size: int = 256,
+                             expert_width: int = 256, seed: int = 0) -> dict:
+    """The fp32 text weights (`language_model.`-prefixed, per-expert names) that
+    `tiny_kimi_k25_int4_path` quantized, rebuilt from the same seed."""
+    return _tiny_kimi_text(tokenizer_from, num_layers, hidden_size, expert_width, seed)[2]
+
+
+def _tiny_kimi_text(tokenizer_from: Path, num_layers: int, hidden_size: int, expert_width: int, seed: int):
+    """(tokenizer, text_config dict, fp32 weights under `language_model.`) of a seeded tiny text model
+    with MoE experts `expert_width` wide. save_pretrained writes the on-disk (per-expert) names that
+    checkpoints use; they are re-keyed under the prefix. Kimi-K2.5 has no MTP layer
+    (DeepseekV3Config's default says 1)."""
+    import json
+    import tempfile
+
+    from safetensors.torch import load_file
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(tokenizer_from)
+    model = _random_tiny_deepseek(tokenizer, num_layers, hidden_size, seed, num_nextn_predict_layers=0,
+                                  moe_intermediate_size=expert_width)
+    with tempfile.TemporaryDirectory() as tmp:
+        model.save_pretrained(tmp, safe_serialization=True)
+        weights = {}
+        for file in sorted(Path(tmp).glob("*.safetensors")):
+            weights.update({"language_model." + k: v for k, v in load_file(file).items()})
+        text_dict = json.loads(Path(tmp, "config.json").read_text())
+    return tokenizer, text_dict, weights
+
+
+def _kimi_config(text_dict: dict, vision: dict, tokenizer, dtype: str) -> dict:
+    return {
+        "architectures": ["KimiK25ForConditionalGeneration"],
+        "model_type": "kimi_k25",
+        "text_config": text_dict,
+        "vision_config": vision,
+        "media_placeholder_token_id": len(tokenizer) - 1,
+        "ignore_index": -100,
+        "pad_token_id": tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0,
+        "bos_token_id": tokenizer.bos_token_id,
+        "eos_token_id": tokenizer.eos_token_id,
+        "tie_word_embeddings": False,
+        "use_unified_vision_chunk": False,
+        "torch_dtype": dtype,
+    }
 
 
 BUILTINS = ("smollm2", "tiny_deepseek", "tiny_kimi")
