@@ -296,4 +296,5 @@ class TargetStream:
     def close(self) -> None:
         """Stop the target processes (every TP rank on this node) and anything they started (no orphans)."""
         _stop(list(self.tp_processes.values()))
+        self.ring.close()
         self.rendezvous = None  # closes the store's port

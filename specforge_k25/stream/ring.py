@@ -97,6 +97,18 @@ class SlotRing:
         except NotImplementedError:  # macOS
             return -1
 
+    def close(self) -> None:
+        """The trainer's side, once the target processes are gone: end the queues' feeder threads
+        and drop the queues. Each queue holds three named POSIX semaphores, which multiprocessing
+        unlinks when their last handle in this process is collected; left to interpreter exit,
+        which a torchrun rank skips (train/__main__.py `leave`), they stay in /dev/shm until
+        Python's resource tracker removes them with a "leaked semaphore objects" warning."""
+        for q in (self.free, self.ready):
+            if q is not None:
+                q.close()
+                q.join_thread()
+        self.free = self.ready = None
+
 
 def slot_checksum(aux: torch.Tensor, final: torch.Tensor) -> float:
     """float64 sum of a batch's aux [N, 3Ht] and final [N, Ht] states: the producer records it for

@@ -17,7 +17,8 @@ SGLang internals touched (all in this file, covered by tests/target/test_target.
 - TP > 1: `ServerArgs(nnodes, node_rank, dist_init_addr)`, `SGLANG_DISTRIBUTED_INIT_METHOD_OVERRIDE`
   (one node: env:// to the trainer's TCPStore, stream/producer.py `Rendezvous`) and SGLang's TP group
   (`parallel_state.get_tp_group()`: `cpu_group`, `ranks`, `rank_in_group`), over which TP rank 0
-  broadcasts each batch's token ids to the other ranks (`share_batch`).
+  broadcasts each batch's token ids to the other ranks (`share_batch`), and its teardown
+  (`parallel_state.destroy_model_parallel`, `destroy_distributed_environment`) in `close`.
 """
 from __future__ import annotations
 
@@ -259,4 +260,14 @@ class SGLangTarget:
             self.forward([torch.arange(1, n + 1, dtype=torch.int64)])
 
     def close(self) -> None:
+        """Free the KV pool and, with TP > 1, tear down SGLang's process groups as its own one_batch
+        benchmark ends: the TP group's shared-memory broadcaster (SGLang's MessageQueue, created by
+        TP rank 0 and registered with Python's resource tracker) is unlinked here, before the
+        trainer stops this process, instead of by the tracker with a "leaked shared_memory
+        objects" warning. Every TP rank calls it after the last batch."""
         self._runner.clear()
+        if self.tp_size > 1:
+            from sglang.srt.distributed.parallel_state import destroy_distributed_environment, destroy_model_parallel
+
+            destroy_model_parallel()
+            destroy_distributed_environment()

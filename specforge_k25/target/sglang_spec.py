@@ -27,6 +27,18 @@ elif os.environ.get("SPECFORGE_SGLANG_GPU") == "1":  # CUDA: the sgl_kernel stan
 
     sglang_cpu_compat.apply_gpu()
 
+if __name__ in ("__main__", "__mp_main__"):  # the worker and every process SGLang spawns from it
+    # tqdm guards its bars with a multiprocessing RLock by default: a named POSIX semaphore that the
+    # first bar of a process creates. SGLang's scheduler shows bars while loading weights, and
+    # Engine.shutdown SIGKILLs the scheduler together with the resource tracker that would unlink
+    # it, so one semaphore stayed in /dev/shm per engine run. Bars within one process need only a
+    # thread lock.
+    import threading
+
+    from tqdm import tqdm
+
+    tqdm.set_lock(threading.RLock())
+
 
 @dataclass
 class Chain:
@@ -113,10 +125,23 @@ def _run_engine(engine_args: dict, prompts: list[list[int]], max_new_tokens: int
         generate_s = time.perf_counter() - t0
     finally:
         engine.shutdown()
+        _remove_load_snapshot(engine)
     meta = [r["meta_info"] for r in results]
     verify = [int(m.get("spec_verify_ct") or 0) for m in meta] if speculative else None
     return Generation([list(r["output_ids"]) for r in results], [int(m["completion_tokens"]) for m in meta],
                       verify, start_s, generate_s)
+
+
+def _remove_load_snapshot(engine) -> None:
+    """Remove the load-snapshot file this engine's scheduler created in /dev/shm
+    (`sglang_loads_<name>_<hash>.shm`, SGLang's managers/load_snapshot.py): `shutdown` SIGKILLs the
+    scheduler, which never removes it. Its name derives from this engine's own instance id, so
+    no other engine's file is touched."""
+    from sglang.srt.managers.load_snapshot import shm_path_for
+
+    port_args = getattr(engine, "port_args", None)
+    if port_args is not None:
+        Path(shm_path_for(port_args.instance_id)).unlink(missing_ok=True)
 
 
 if __name__ == "__main__":

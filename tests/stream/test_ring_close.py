@@ -1,0 +1,41 @@
+"""SlotRing.close releases the ring's named semaphores at once, not at interpreter exit.
+
+A torchrun rank ends with os._exit (train/__main__.py `leave`), which skips the finalizers that
+would unlink the semaphores of the ring's two multiprocessing queues; every co-located or
+data-parallel run then ended with Python's resource tracker warning "There appear to be 6 leaked
+semaphore objects". The test runs a ring's whole life in a process that ends the same way.
+"""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+
+SCRIPT = textwrap.dedent("""
+    import json, os, torch
+    from specforge_k25.stream.ring import SlotRing
+
+    ring = SlotRing(torch.multiprocessing.get_context("spawn"), 2, 8, 4, torch.float32)
+    ring.put(0, torch.ones(3, 12), torch.ones(3, 4), [3])  # both queues' feeder threads start
+    msg = ring.get(timeout=10)
+    assert ring.view(msg)[0].sum().item() == 36
+    ring.release(msg)
+    names = [lock._semlock.name for q in (ring.free, ring.ready) for lock in (q._rlock, q._wlock, q._sem)]
+    ring.close()
+    ring.close()  # idempotent (TargetStream.close may run twice on a failure path)
+    still = [n for n in names if os.path.exists("/dev/shm/sem." + n.lstrip("/"))]
+    print(json.dumps({"names": names, "still": still}), flush=True)
+    os._exit(0)  # as a torchrun rank leaves: no interpreter teardown
+""")
+
+
+def test_closed_ring_leaves_no_semaphore_behind():
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONWARNINGS"}  # the tracker's warning must show
+    out = subprocess.run([sys.executable, "-c", SCRIPT], capture_output=True, text=True, timeout=120, env=env)
+    assert out.returncode == 0, out.stderr
+    report = json.loads(out.stdout.strip().splitlines()[-1])
+    assert len(report["names"]) == 6
+    assert report["still"] == [], "semaphores still linked after close"
+    assert "leaked" not in out.stderr and "resource_tracker" not in out.stderr, out.stderr
