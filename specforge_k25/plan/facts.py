@@ -51,6 +51,16 @@ class TargetFacts:
     multimodal: bool = False  # SGLang reserves SGLANG_VLM_CACHE_SIZE_MB out of the KV budget
     max_position_embeddings: int = 4096
     rms_norm_eps: float = 1e-6
+    # quantized routed experts (`quantization_config`): method, weight bits and group size; None = bf16/fp32
+    quant_method: Optional[str] = None
+    expert_weight_bits: Optional[int] = None
+    quant_group_size: Optional[int] = None
+
+    @property
+    def int4_experts(self) -> bool:
+        """Routed experts in compressed-tensors INT4 (Kimi-K2.5's format): SGLang runs them with its
+        WNA16 MoE kernels (plan/kernels.py)."""
+        return self.quant_method == "compressed-tensors" and self.expert_weight_bits == 4 and self.num_moe_layers > 0
 
     @property
     def is_mla(self) -> bool:
@@ -83,21 +93,52 @@ class TargetFacts:
 
 # Kimi-K2.5 (docs/KIMI_K25.md §2): 61 layers (1 dense + 60 MoE), hidden 7168, 64 heads,
 # MLA q_lora 1536 / kv_lora 512 / rope 64, dense I 18432, 384 routed experts, vocab 163840,
-# INT4 (group 32) experts ~595 GB on disk; each token runs 8 routed + 1 shared expert of width
-# 2048, MLA heads qk_nope 128 / v 128. A real `target.path` replaces all of these.
+# INT4 (compressed-tensors, group 32) routed experts, ~595 GB on disk; each token runs 8 routed +
+# 1 shared expert of width 2048, MLA heads qk_nope 128 / v 128. A real `target.path` replaces all
+# of these (its config.json and the index's total size suffice: `facts_from_folder`).
 KIMI_K25 = TargetFacts(
     name="kimi_k25", num_layers=61, hidden_size=7168, vocab_size=163840, num_attention_heads=64,
     num_key_value_heads=64, intermediate_size=18432, head_dim=112, weight_bytes=595_000_000_000,
     kv_lora_rank=512, qk_rope_head_dim=64, q_lora_rank=1536, n_routed_experts=384, num_moe_layers=60,
     num_experts_per_tok=8, n_shared_experts=1, moe_intermediate_size=2048, qk_nope_head_dim=128, v_head_dim=128,
-    multimodal=True, max_position_embeddings=262144,
+    multimodal=True, max_position_embeddings=262144, quant_method="compressed-tensors", expert_weight_bits=4,
+    quant_group_size=32,
 )
 KNOWN_TARGETS = {"kimi_k25": KIMI_K25}
 
 
+def weight_bytes_of_folder(path: Path) -> int:
+    """Bytes of the weights SGLang loads: the *.safetensors files, or without them the total size
+    `model.safetensors.index.json` records (planning from config.json + index alone); 0 when neither."""
+    files = list(path.glob("*.safetensors"))
+    if files:
+        return sum(f.stat().st_size for f in files)
+    index = path / "model.safetensors.index.json"
+    if index.is_file():
+        return int(json.loads(index.read_text()).get("metadata", {}).get("total_size") or 0)
+    return 0
+
+
+def expert_quantization(config: dict) -> dict:
+    """TargetFacts' quant fields from a `quantization_config` (None: unquantized). compressed-tensors:
+    the weights of its first config group (Kimi-K2.5 has one, `group_0`, targeting the experts)."""
+    from ..target.hf_config import quantization_config
+
+    quant = quantization_config(config)
+    if not quant:
+        return {}
+    fields = {"quant_method": quant.get("quant_method")}
+    groups = quant.get("config_groups") or {}
+    weights = (next(iter(groups.values()), None) or {}).get("weights") if isinstance(groups, dict) else None
+    if isinstance(weights, dict):
+        fields.update(expert_weight_bits=weights.get("num_bits"), quant_group_size=weights.get("group_size"))
+    return fields
+
+
 def facts_from_folder(path: str | Path, name: str | None = None) -> TargetFacts:
-    """Facts from an HF folder: config.json (text_config for multimodal models) and the sizes of
-    its *.safetensors files (0 when it has none: `check_fits` then asks for hw.target_weight_gb)."""
+    """Facts from an HF folder: config.json (text_config for multimodal models, its
+    quantization_config) and the weights' size (`weight_bytes_of_folder`; 0 when unknown:
+    `check_fits` then asks for hw.target_weight_gb)."""
     from ..target.hf_config import read_target_info
 
     path = Path(path)
@@ -114,7 +155,7 @@ def facts_from_folder(path: str | Path, name: str | None = None) -> TargetFacts:
         num_attention_heads=heads, num_key_value_heads=int(text.get("num_key_value_heads") or heads),
         intermediate_size=int(text.get("intermediate_size") or 4 * info.hidden_size),
         head_dim=int(text.get("head_dim") or info.hidden_size // heads),
-        weight_bytes=sum(f.stat().st_size for f in path.glob("*.safetensors")),
+        weight_bytes=weight_bytes_of_folder(path),
         kv_lora_rank=text.get("kv_lora_rank"), qk_rope_head_dim=text.get("qk_rope_head_dim"),
         q_lora_rank=text.get("q_lora_rank"), n_routed_experts=experts, num_moe_layers=moe_layers,
         num_experts_per_tok=int(text.get("num_experts_per_tok") or 0),
@@ -122,7 +163,7 @@ def facts_from_folder(path: str | Path, name: str | None = None) -> TargetFacts:
         moe_intermediate_size=int(text.get("moe_intermediate_size") or 0),
         qk_nope_head_dim=text.get("qk_nope_head_dim"), v_head_dim=text.get("v_head_dim"),
         multimodal="text_config" in config, max_position_embeddings=info.max_position_embeddings,
-        rms_norm_eps=float(text.get("rms_norm_eps") or 1e-6),
+        rms_norm_eps=float(text.get("rms_norm_eps") or 1e-6), **expert_quantization(config),
     )
 
 

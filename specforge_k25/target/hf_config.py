@@ -31,12 +31,24 @@ def read_target_info(model_path: str | Path) -> TargetInfo:
     )
 
 
+def quantization_config(config: dict) -> dict | None:
+    """The checkpoint's `quantization_config`: the top level's, else `text_config`'s (Kimi-K2.5 keeps
+    it there; SGLang's KimiK25Config copies it to the top level)."""
+    return config.get("quantization_config") or _text_config(config).get("quantization_config")
+
+
 def _find_tensor(path: Path, names: list[str]) -> torch.Tensor | None:
-    files = sorted(path.glob("*.safetensors"))
+    """The first of `names` in the folder's safetensors. With a `model.safetensors.index.json` only
+    the shard its weight map names is opened (a name it lacks is not in the checkpoint: Kimi-K2.5's
+    64 shards are 595 GB, and the plain names are looked up before the `language_model.` ones);
+    without one, every file is searched."""
     index = path / "model.safetensors.index.json"
     weight_map = json.loads(index.read_text())["weight_map"] if index.is_file() else None
     for name in names:
-        candidates = [path / weight_map[name]] if weight_map and name in weight_map else files
+        if weight_map is not None:
+            candidates = [path / weight_map[name]] if name in weight_map else []
+        else:
+            candidates = sorted(path.glob("*.safetensors"))
         for file in candidates:
             with safe_open(file, framework="pt") as f:
                 if name in f.keys():
