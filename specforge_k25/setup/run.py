@@ -157,7 +157,10 @@ def target_spec(job: JobConfig, engine: str = "sglang", tokenizer=None) -> Targe
                       device=hw.device, dtype=hw.target_dtype, tp_size=hw.target_tp, gpu_id=hw.target_gpu,
                       max_total_tokens=kv_pool_tokens(hw, job.train.batch_size, job.data.max_length), mem_fraction_static=hw.mem_fraction_static,
                       attention_backend=hw.target_attention_backend, num_threads=hw.target_threads, trust_remote_code=job.target.trust_remote_code,
-                      nnodes=hw.target_nnodes, node_rank=hw.target_node_rank, dist_init_addr=hw.target_dist_init_addr)
+                      nnodes=hw.target_nnodes, node_rank=hw.target_node_rank, dist_init_addr=hw.target_dist_init_addr,
+                      dist_timeout=round(hw.target_dist_timeout_s if hw.target_dist_timeout_s is not None
+                                         else job.train.dist_timeout_s),
+                      load_threads=hw.target_load_threads)
     if job.data.regenerate:
         if tokenizer is None:
             from ..data.kimi_tiktoken import load_tokenizer

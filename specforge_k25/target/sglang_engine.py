@@ -22,6 +22,7 @@ SGLang internals touched (all in this file, covered by tests/target/test_target.
 """
 from __future__ import annotations
 
+import json
 import os
 from array import array
 
@@ -58,6 +59,42 @@ def cpu_bind_groups(num_ranks: int) -> str:
     return "|".join(groups)
 
 
+def engine_server_args(model_path: str, *, device: str, dtype: str, tp_size: int, attention_backend: str | None,
+                       mem_fraction_static: float, max_total_tokens: int, trust_remote_code: bool,
+                       layer_ids: list[int], nnodes: int, node_rank: int, dist_init_addr: str | None,
+                       dist_timeout: int | None, load_threads: int) -> dict:
+    """The `ServerArgs` fields of one TP rank's engine (plain values: tests check them without SGLang)."""
+    return dict(
+        model_path=model_path,
+        device=device,
+        dtype=dtype,
+        tp_size=tp_size,
+        attention_backend=attention_backend or ("torch_native" if device == "cpu" else None),
+        disable_cuda_graph=True,
+        mem_fraction_static=mem_fraction_static,
+        max_total_tokens=max_total_tokens,
+        disable_radix_cache=True,
+        disable_overlap_schedule=True,
+        log_level="warning",
+        trust_remote_code=trust_remote_code,
+        enable_return_aux_hidden_states=True,
+        speculative_algorithm="EAGLE3",
+        return_aux_hidden_state_layer_ids=layer_ids,
+        # TP > 1: every rank must meet at the same rendezvous. One node: the TCPStore the trainer
+        # process serves (env:// via the environment, stream/producer.py); several nodes:
+        # dist_init_addr (host:port). dist_timeout bounds the TP group's setup and its collectives,
+        # so a rank that never arrives or hangs fails the others instead of blocking them.
+        nnodes=nnodes,
+        node_rank=node_rank,
+        dist_init_addr=dist_init_addr,
+        dist_timeout=dist_timeout,
+        # SGLang's multithreaded safetensors loader reads `load_threads` shards at a time (Kimi-K2.5:
+        # 64 of ~9.3 GB; its own estimate of the host memory this takes: threads + 2 shards per rank).
+        # Named explicitly because SGLang turns it off when weight_loader_prefetch_checkpoints is set.
+        model_loader_extra_config=json.dumps({"enable_multithread_load": True, "num_threads": load_threads}),
+    )
+
+
 class SGLangTarget:
     """One TP rank of the frozen target. With tp_size > 1 every rank of the TP group builds one
     (each in its own process, `gpu_id` = its GPU; on CPU its index on the node) and they all run
@@ -83,6 +120,7 @@ class SGLangTarget:
         node_rank: int = 0,
         dist_init_addr: str | None = None,
         dist_timeout: int | None = None,
+        load_threads: int = 8,
     ):
         if device == "cpu":
             from . import sglang_cpu_compat
@@ -111,30 +149,11 @@ class SGLangTarget:
         if device == "cpu" and tp_size > 1 and not os.environ.get("SGLANG_CPU_OMP_THREADS_BIND"):
             os.environ["SGLANG_CPU_OMP_THREADS_BIND"] = cpu_bind_groups(tp_size // nnodes)
         self.layer_ids = sglang_layer_ids(capture_points, layer_id_rule(architecture))
-        server_args = ServerArgs(
-            model_path=model_path,
-            device=device,
-            dtype=dtype,
-            tp_size=tp_size,
-            attention_backend=attention_backend or ("torch_native" if device == "cpu" else None),
-            disable_cuda_graph=True,
-            mem_fraction_static=mem_fraction_static,
-            max_total_tokens=max_total_tokens,
-            disable_radix_cache=True,
-            disable_overlap_schedule=True,
-            log_level="warning",
-            trust_remote_code=trust_remote_code,
-            enable_return_aux_hidden_states=True,
-            speculative_algorithm="EAGLE3",
-            return_aux_hidden_state_layer_ids=self.layer_ids,
-            # TP > 1: every rank must meet at the same rendezvous. One node: the TCPStore the trainer
-            # process serves (env:// via the environment, stream/producer.py); several nodes:
-            # dist_init_addr (host:port).
-            nnodes=nnodes,
-            node_rank=node_rank,
-            dist_init_addr=dist_init_addr,
-            dist_timeout=dist_timeout,
-        )
+        server_args = ServerArgs(**engine_server_args(
+            model_path, device=device, dtype=dtype, tp_size=tp_size, attention_backend=attention_backend,
+            mem_fraction_static=mem_fraction_static, max_total_tokens=max_total_tokens,
+            trust_remote_code=trust_remote_code, layer_ids=self.layer_ids, nnodes=nnodes, node_rank=node_rank,
+            dist_init_addr=dist_init_addr, dist_timeout=dist_timeout, load_threads=load_threads))
         server_args.resolve_once()
         _set_envs_and_config(server_args)
         port_args = PortArgs.init_new(server_args)

@@ -288,3 +288,41 @@ def test_sglang_loads_int4_experts_as_the_dequantized_hf_reference(int4_path, in
         print(f"{name}: token cosine median {cos.median().item():.6f}, min {cos.min().item():.4f}, "
               f">= 0.999: {(cos >= 0.999).float().mean().item():.2f}")
         assert cos.median() >= 0.9995 and (cos >= 0.995).float().mean() >= 0.85, name
+
+
+def test_engine_gets_dist_timeout_and_the_multithreaded_loader(smollm2_path, monkeypatch):
+    """A run's config reaches SGLang's ServerArgs: dist_timeout (hw.target_dist_timeout_s, else
+    train.dist_timeout_s) and the multithreaded safetensors loader with hw.target_load_threads, through
+    target_spec -> build_target -> SGLangTarget -> engine_server_args (no engine started)."""
+    from specforge_k25.config import compose_job
+    from specforge_k25.setup.run import target_spec
+    from specforge_k25.target import sglang_cpu_compat, sglang_engine
+    from specforge_k25.target.factory import build_target
+
+    job = compose_job(["train.dist_timeout_s=77", "hw.target_load_threads=3"])
+    spec = target_spec(job)
+    assert (spec.dist_timeout, spec.load_threads) == (77, 3)
+    assert target_spec(compose_job(["hw.target_dist_timeout_s=5.4"])).dist_timeout == 5
+
+    seen = {}
+
+    class Recorder:
+        def __init__(self, *args, **kwargs):
+            seen.update(kwargs)
+
+    monkeypatch.setattr(sglang_engine, "SGLangTarget", Recorder)
+    build_target(spec)
+    assert (seen["dist_timeout"], seen["load_threads"]) == (77, 3)
+
+    kwargs = sglang_engine.engine_server_args(
+        spec.model_path, device="cpu", dtype="float32", tp_size=1, attention_backend=None, mem_fraction_static=0.05,
+        max_total_tokens=1024, trust_remote_code=False, layer_ids=[1, 2, 3], nnodes=1, node_rank=0,
+        dist_init_addr=None, dist_timeout=seen["dist_timeout"], load_threads=seen["load_threads"])
+    sglang_cpu_compat.apply()
+    from sglang.srt.configs.load_config import LoadConfig
+    from sglang.srt.server_args import ServerArgs
+
+    server_args = ServerArgs(**kwargs)
+    assert server_args.dist_timeout == 77
+    loader = LoadConfig(model_loader_extra_config=server_args.model_loader_extra_config).model_loader_extra_config
+    assert loader == {"enable_multithread_load": True, "num_threads": 3}
