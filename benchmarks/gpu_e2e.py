@@ -1,12 +1,16 @@
 """The production path on one GPU, end to end: SGLang target, CUDA slot ring, trainer, SGLang's EAGLE-3.
 
-On the device machine (one H200, no network; .whl/ carried, see scripts/gpu_wheels.sh), in the repo root:
+On the device machine (one H200, no network; .whl/ carried, see scripts/gpu_wheels.sh), in the repo root,
+in two halves that each fit one 10-minute command (the exact lines: docs/PERFORMANCE.md section 7):
 
-    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target .site .whl/*.whl && export PYTHONPATH=$PWD/.site:$PWD && python3 benchmarks/gpu_e2e.py --device cuda
+    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target .site .whl/*.whl && export PYTHONPATH=$PWD/.site:$PWD PYTHONUNBUFFERED=1 && python3 benchmarks/gpu_e2e.py --device cuda --checks abc
+    ... the same with --checks d
 
-Through the device tool only $OUT comes back: add `--out $OUT/gpu_e2e.json` (then copy it to
-docs/gpu_h200/); `--checks ac` / `--checks bd` split a run that would not fit in 10 minutes.
-CPU mode (tests/benchmarks/test_benchmarks.py runs it): python benchmarks/gpu_e2e.py --device cpu --small --out X.json
+Results go to $OUT/gpu_e2e_<checks>.json where the device tool sets OUT (nothing else comes back
+from the machine), else docs/gpu_h200/ (cuda) or benchmarks/results/gpu_e2e_cpu.json (cpu); --out
+overrides. A check that raises prints the last 25 lines of its traceback; every check prints its
+wall time. CPU mode (tests/benchmarks/test_benchmarks.py runs it):
+python benchmarks/gpu_e2e.py --device cpu --small --out X.json
 
 A SmolLM2-135M-shaped Llama with random weights is built in a temp folder (--small: 8 layers, hidden
 64), with a word-level tokenizer; the samples are random token ids. One line per check:
@@ -17,9 +21,13 @@ A SmolLM2-135M-shaped Llama with random weights is built in a temp folder (--sma
      the memory plan (CUDA only);
   c) slot checksums: 2 slots, many batches, a consumer that sleeps; the checksum of every trainer
      copy (DraftBatch after make_batch + final) equals the one the producer recorded for the slot;
-  d) SGLang's own EAGLE-3 decoding (chain 3/1/4) with the head trained in b), exported: speculative
-     output == greedy output, CUDA graphs off and on (on CPU: off only).
-Writes docs/gpu_h200/gpu_e2e.json on CUDA, benchmarks/results/gpu_e2e_cpu.json on CPU (or --out).
+  d) SGLang's own EAGLE-3 decoding (chain 3/1/4) with the head trained in b) (untrained when b does
+     not run in the same command), exported: speculative output == greedy output, CUDA graphs off
+     and on (on CPU: off only), each mode on its own so that one failing keeps the other's result.
+On CUDA, before any engine: TRITON_F32_DEFAULT=ieee (SGLang's triton attention calls tl.dot with no
+precision, which in fp32 means TF32: a's 1e-4 bound and d's spec == greedy would fail by arithmetic),
+and SGLang's JIT kernels are built once (KV store; EAGLE tree kernels when d runs), their log printed
+if a build fails.
 """
 from __future__ import annotations
 
@@ -67,15 +75,32 @@ SIZES = {"gpu": dict(samples=256, lengths=(256, 1024), batch=4, draft_vocab=3200
                        max_total_tokens=2048, new_tokens=16)}
 
 
+def default_out(args) -> Path:
+    """$OUT where the device tool sets it: only what is written there comes back from the machine."""
+    name = "gpu_e2e.json" if sorted(args.checks) == list("abcd") else f"gpu_e2e_{args.checks}.json"
+    if os.environ.get("OUT"):
+        return Path(os.environ["OUT"]) / name
+    return GPU_OUT.parent / name if args.device == "cuda" else RESULTS / "gpu_e2e_cpu.json"
+
+
+def prepare_cuda_env() -> None:
+    """Before any engine: every engine process inherits these, and triton reads the first when it compiles.
+    SGLang's triton attention calls tl.dot with no input precision, which in fp32 is TF32 on GPUs."""
+    os.environ["TRITON_F32_DEFAULT"] = "ieee"
+    os.environ["PYTHONUNBUFFERED"] = "1"  # the engines' output in order, also in a log cut short
+
+
 def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--device", choices=["cuda", "cpu"], default="cuda")
     p.add_argument("--small", action="store_true", help="a much smaller Llama and data (the CPU mode)")
-    p.add_argument("--checks", default="abcd", help="which checks to run, e.g. 'ac' (b trains the head d serves)")
+    p.add_argument("--checks", default="abcd", help="which checks to run: 'abc' and 'd' are the two halves of a "
+                                                    "device run (b trains the head d serves, if both run)")
     p.add_argument("--threads", type=int, default=1, help="CPU threads per process (cpu)")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--out", type=Path, default=None, help="JSON result (default: docs/gpu_h200/gpu_e2e.json on "
-                                                          "cuda, benchmarks/results/gpu_e2e_cpu.json on cpu)")
+    p.add_argument("--out", type=Path, default=None, help="JSON result (default: $OUT/gpu_e2e_<checks>.json where "
+                                                          "OUT is set, else docs/gpu_h200/ on cuda, "
+                                                          "benchmarks/results/gpu_e2e_cpu.json on cpu)")
     return p.parse_args(argv)
 
 
@@ -272,33 +297,42 @@ def check_slots(job, setup, device: torch.device, n_batches: int, sleep_s: float
 
 
 # ---------------------------------------------------------------------------- d) EAGLE-3 in SGLang
-def check_spec(args, setup, trainer, export_dir: Path, size: dict) -> list[dict]:
+def check_spec(args, setup, trainer, export_dir: Path, size: dict) -> tuple[list[dict], dict]:
+    """Rows per CUDA-graphs mode; a mode that raises is a row with its error (traceback in the dict)."""
     export_draft(trainer.draft, export_dir, setup.eagle_layer_ids, setup.info.bos_token_id, setup.info.eos_token_id,
                  capture_points=setup.capture_points)
     g = torch.Generator().manual_seed(args.seed + 1)
     prompts = [torch.randint(3, setup.info.vocab_size, (int(n),), generator=g).tolist() for n in (12, 20, 31, 24)]
     kw = dict(max_new_tokens=size["new_tokens"], device=args.device, dtype="float32", num_threads=args.threads,
-              max_total_tokens=4096, mem_fraction_static=0.05 if args.device == "cuda" else 0.15, timeout_s=600)
-    rows = []
+              max_total_tokens=4096, mem_fraction_static=0.05 if args.device == "cuda" else 0.15, timeout_s=300)
+    rows, errors = [], {}
     for graphs in ((False, True) if args.device == "cuda" else (False,)):
         kw["cuda_graph"] = graphs if args.device == "cuda" else None
-        greedy = generate(setup.model_path, prompts, **kw)
-        spec = generate(setup.model_path, prompts, draft_path=str(export_dir), chain=Chain(3, 1, 4), **kw)
+        t0 = time.perf_counter()
+        try:
+            greedy = generate(setup.model_path, prompts, **kw)
+            spec = generate(setup.model_path, prompts, draft_path=str(export_dir), chain=Chain(3, 1, 4), **kw)
+        except Exception as err:  # noqa: BLE001 - the other mode still runs
+            rows.append({"cuda_graph": graphs, "ok": False, "wall_s": time.perf_counter() - t0,
+                         "error": f"{type(err).__name__}: {(str(err).splitlines() or [''])[0][:300]}"})
+            errors[f"d graphs {'on' if graphs else 'off'}"] = traceback.format_exc()[-6000:]
+            continue
         same = [a == b for a, b in zip(greedy.outputs, spec.outputs)]
         steps = sum(spec.verify_steps or [])
         rows.append({"cuda_graph": graphs, "prompts": len(prompts), "identical": sum(same),
                      "completion_tokens": sum(spec.completion_tokens), "verify_steps": steps,
                      "accept_length": sum(spec.completion_tokens) / steps if steps else None,
                      "engine_start_s": [greedy.start_s, spec.start_s],
-                     "generate_s": [greedy.generate_s, spec.generate_s],
+                     "generate_s": [greedy.generate_s, spec.generate_s], "wall_s": time.perf_counter() - t0,
                      "ok": all(same) and sum(greedy.completion_tokens) > 0})
-    return rows
+    return rows, errors
 
 
 # ------------------------------------------------------------------------------------ the run
 class Run:
-    """Lines and JSON of one run. A check that raises is a FAIL line with its traceback in the JSON, and
-    the next check still runs; the JSON is rewritten after each check (a run cut short keeps its lines)."""
+    """Lines and JSON of one run. A check that raises is a FAIL line, with the last 25 lines of its
+    traceback printed (all of it in the JSON), and the next check still runs; every check prints its wall
+    time; the JSON is rewritten after each check (a run cut short keeps its lines)."""
 
     def __init__(self, args, out: Path):
         self.args, self.out, self.t0, self.lines = args, out, time.perf_counter(), []
@@ -309,6 +343,10 @@ class Run:
         self.lines.append(f"{status} {text}")
         print(f"{status} {text}", flush=True)
 
+    def error(self, name: str, trace: str) -> None:
+        self.result["errors"][name] = trace[-6000:]
+        print("\n".join(trace.rstrip().splitlines()[-25:]), flush=True)
+
     def check(self, name: str, fn) -> None:
         t0 = time.perf_counter()
         try:
@@ -316,13 +354,14 @@ class Run:
         except Exception as err:  # noqa: BLE001 - reported, and the other checks still run
             first_line = str(err).splitlines()[0][:300] if str(err) else ""
             self.emit("FAIL", f"{name} raised {type(err).__name__}: {first_line}")
-            self.result["errors"][name] = traceback.format_exc()[-6000:]
-        self.result.setdefault("check_wall_s", {})[name] = time.perf_counter() - t0
+            self.error(name, traceback.format_exc())
+        wall = self.result.setdefault("check_wall_s", {})[name] = time.perf_counter() - t0
+        print(f"TIME {name}: {wall:.0f} s (run so far {time.perf_counter() - self.t0:.0f} s)", flush=True)
         self.save()
 
     def save(self) -> None:
-        self.result.update(lines=self.lines, total_wall_s=time.perf_counter() - self.t0,
-                           machine=machine_info(PYTORCH_CUDA_ALLOC_CONF=os.environ.get("PYTORCH_CUDA_ALLOC_CONF")),
+        env = {k: os.environ.get(k) for k in ("PYTORCH_CUDA_ALLOC_CONF", "TRITON_F32_DEFAULT", "PYTHONUNBUFFERED")}
+        self.result.update(lines=self.lines, total_wall_s=time.perf_counter() - self.t0, machine=machine_info(**env),
                            ok=not any(ln.startswith("FAIL") for ln in self.lines))
         write_json(self.out, self.result)
 
@@ -331,9 +370,11 @@ def main(argv=None) -> dict:
     args = parse_args(argv)
     if args.device == "cuda" and not torch.cuda.is_available():
         raise SystemExit("--device cuda: no CUDA device visible")
+    if args.device == "cuda":
+        prepare_cuda_env()
     size, hf_batches = SIZES["small" if args.small else "gpu"], 2
     set_threads(args.threads)
-    run = Run(args, args.out or (GPU_OUT if args.device == "cuda" else RESULTS / "gpu_e2e_cpu.json"))
+    run = Run(args, args.out or default_out(args))
     res, device = run.result, torch.device("cuda:0" if args.device == "cuda" else "cpu")
     with tempfile.TemporaryDirectory(prefix="specforge-gpu-e2e-") as tmp:
         model_path = build_random_target(Path(tmp, "target"), args.small, args.seed)
@@ -344,9 +385,14 @@ def main(argv=None) -> dict:
         state = {"trainer": None}
         if args.device == "cuda":
             row = SMOLLM2["num_key_value_heads"] * SMOLLM2["head_dim"]
-            res["jit_store_cache"] = jit = jit_preflight([2 * row, 4 * row])  # bf16 and fp32 K/V rows
-            run.emit("INFO", f"SGLang JIT KV-store kernel: {'built' if jit['built'] else 'NOT built (torch fallback)'}"
-                             f" in {jit['seconds']} s")
+            res["jit"] = jit = jit_preflight([2 * row, 4 * row], tree="d" in args.checks)  # bf16, fp32 K/V rows
+            for name, built in jit.items():
+                run.emit("INFO" if built["built"] or name == "kv_store" else "FAIL",
+                         f"SGLang JIT {name} kernel: " + (f"built in {built['seconds']} s" if built["built"] else
+                                                          "NOT built" + (" (torch fallback)" if name == "kv_store"
+                                                                         else "; d) cannot run")))
+                if not built["built"]:
+                    print(built["log"], flush=True)
 
         def b():
             res["b_stream"], res["a_hidden_bf16"], state["trainer"] = check_stream(job, setup, device, hf_batches)
@@ -378,11 +424,17 @@ def main(argv=None) -> dict:
         def d():
             if state["trainer"] is None:  # b) did not run: an untrained head (d checks decoding, not AL)
                 state["trainer"] = build_trainer(make_job(args, model_path, size, "float32"), setup, 1, device)
-            res["d_spec"] = rows = check_spec(args, setup, state["trainer"], Path(tmp, "export"), size)
-            for r in rows:
-                run.emit(r["ok"], f"d) EAGLE-3 3/1/4 in SGLang, CUDA graphs {'on' if r['cuda_graph'] else 'off'}: "
-                                  f"speculative == greedy for {r['identical']}/{r['prompts']} prompts "
-                                  f"({r['completion_tokens']} tokens, accept length {r['accept_length'] or 0:.2f})")
+            res["d_spec"], errors = check_spec(args, setup, state["trainer"], Path(tmp, "export"), size)
+            for r in res["d_spec"]:
+                mode = f"d) EAGLE-3 3/1/4 in SGLang, CUDA graphs {'on' if r['cuda_graph'] else 'off'}"
+                if "error" in r:
+                    run.emit("FAIL", f"{mode} raised {r['error']} ({r['wall_s']:.0f} s)")
+                    continue
+                run.emit(r["ok"], f"{mode}: speculative == greedy for {r['identical']}/{r['prompts']} prompts "
+                                  f"({r['completion_tokens']} tokens, accept length {r['accept_length'] or 0:.2f}, "
+                                  f"{r['wall_s']:.0f} s)")
+            for name, trace in errors.items():
+                run.error(name, trace)
             if args.device != "cuda":
                 run.emit("SKIP", "d) CUDA graphs on: no CUDA on CPU")
 

@@ -288,8 +288,9 @@ def test_gpu_e2e_slot_check_catches_a_copy_tied_to_the_slot(tmp_path, one_torch_
 
 
 def test_gpu_e2e_reports_a_check_that_raises(tmp_path, monkeypatch, capsys, one_torch_thread):
-    """One lent GPU run must say as much as it can: a check that raises is a FAIL line (traceback in the
-    JSON) and the run goes on; the JSON is written."""
+    """One lent GPU run must say as much as it can: a check that raises is a FAIL line, the end of its
+    traceback is printed (all of it in the JSON) with the check's wall time, and the run goes on; the JSON
+    is written."""
     g = bench("gpu_e2e")
 
     def broken(*args, **kwargs):
@@ -300,6 +301,9 @@ def test_gpu_e2e_reports_a_check_that_raises(tmp_path, monkeypatch, capsys, one_
     result = g.main(["--device", "cpu", "--small", "--checks", "b", "--out", str(out)])
     assert result["lines"] == ["FAIL b raised RuntimeError: engine did not start"] and not result["ok"]
     assert "engine did not start" in json.loads(out.read_text())["errors"]["b"]
+    printed = capsys.readouterr().out  # what the device log shows: where it failed and how long it took
+    assert "Traceback (most recent call last)" in printed and 'raise RuntimeError("engine did not start")' in printed
+    assert "TIME b: " in printed and set(result["check_wall_s"]) == {"b"}
 
 
 _CUDA_IMPORTS = """

@@ -2,6 +2,7 @@
 functions there (tests/benchmarks/sglang_cuda_path.py), and the walker that finds them."""
 from __future__ import annotations
 
+import inspect
 import json
 import os
 import subprocess
@@ -130,3 +131,76 @@ def test_import_reach_reports_a_lazy_import_with_its_line_and_chain(tmp_path):
     assert lazy["where"] == "reachfix/top.py:10" and "reach_fixture_missing_a" in lazy["error"], lazy
     assert [c.split(" ")[0] for c in lazy["chain"]] == ["reachfix.top:Helper._select", "reachfix.top:Helper.__init__",
                                                         "reachfix.top:Top.__init__", "reachfix.top:entry"], lazy
+
+
+# ------------------------------------------------------------------ benchmarks/gpu_e2e.py on one lent run
+def _gpu_e2e():
+    benchmarks = str(ROOT / "benchmarks")
+    if benchmarks not in sys.path:
+        sys.path.insert(0, benchmarks)
+    import gpu_e2e
+
+    return gpu_e2e
+
+
+def test_gpu_e2e_writes_under_out_when_the_device_tool_sets_it(monkeypatch, tmp_path):
+    g = _gpu_e2e()
+    monkeypatch.setenv("OUT", str(tmp_path))
+    assert g.default_out(g.parse_args(["--checks", "abc"])) == tmp_path / "gpu_e2e_abc.json"
+    assert g.default_out(g.parse_args(["--checks", "d"])) == tmp_path / "gpu_e2e_d.json"
+    assert g.default_out(g.parse_args([])) == tmp_path / "gpu_e2e.json"
+    monkeypatch.delenv("OUT")
+    assert g.default_out(g.parse_args(["--checks", "d"])) == ROOT / "docs" / "gpu_h200" / "gpu_e2e_d.json"
+
+
+def test_gpu_e2e_cuda_env_makes_triton_fp32_exact(monkeypatch):
+    """TF32 in SGLang's fp32 triton attention would fail a)'s 1e-4 bound and d) by arithmetic."""
+    import triton
+
+    monkeypatch.delenv("TRITON_F32_DEFAULT", raising=False)
+    monkeypatch.delenv("PYTHONUNBUFFERED", raising=False)
+    _gpu_e2e().prepare_cuda_env()
+    assert triton.knobs.language.fp32_default == "ieee" and os.environ["PYTHONUNBUFFERED"] == "1"
+
+
+def test_gpu_e2e_one_graphs_mode_failing_keeps_the_other(monkeypatch, tmp_path):
+    """d) with CUDA graphs off and on: an engine that fails in one mode is that mode's FAIL row (with its
+    traceback), and the other mode's result stands."""
+    from types import SimpleNamespace
+
+    g = _gpu_e2e()
+    calls = []
+
+    def generate(model_path, prompts, *, cuda_graph, draft_path=None, **kw):
+        calls.append((cuda_graph, draft_path is not None))
+        if cuda_graph:
+            raise RuntimeError("SGLang engine (chain 3/1/4) failed (exit 1):\nweak_ref_tensor was called")
+        return SimpleNamespace(outputs=[[5, 6]] * len(prompts), completion_tokens=[2] * len(prompts),
+                               verify_steps=[1] * len(prompts) if draft_path else None, start_s=1.0, generate_s=0.1)
+
+    monkeypatch.setattr(g, "generate", generate)
+    monkeypatch.setattr(g, "export_draft", lambda *a, **k: None)
+    setup = SimpleNamespace(model_path=str(tmp_path), eagle_layer_ids=[], capture_points=[], info=SimpleNamespace(
+        bos_token_id=1, eos_token_id=2, vocab_size=100))
+    args = g.parse_args(["--device", "cuda"])
+    rows, errors = g.check_spec(args, setup, SimpleNamespace(draft=None), tmp_path, g.SIZES["small"])
+    assert [r["cuda_graph"] for r in rows] == [False, True] and rows[0]["ok"] and rows[0]["identical"] == 4, rows
+    assert not rows[1]["ok"] and rows[1]["error"].startswith("RuntimeError: SGLang engine"), rows[1]
+    assert list(errors) == ["d graphs on"] and "weak_ref_tensor was called" in errors["d graphs on"]
+    assert calls == [(False, False), (False, True), (True, False)]
+
+
+def test_gpu_e2e_preflight_builds_what_the_engines_compile_and_shows_a_failed_build():
+    """The EAGLE tree kernels SGLang compiles at run time on CUDA (no fallback) are what the preflight
+    builds; a build that fails comes back with its log."""
+    _gpu_e2e()
+    import _gpu_device
+    from sglang.kernels.ops.speculative import spec_tree, tree
+
+    assert callable(tree._jit_tree_module)
+    source = inspect.getsource(spec_tree)
+    assert "from sglang.kernels.ops.speculative.tree import" in source and "load_jit" in inspect.getsource(tree)
+    failed = _gpu_device._build("raise RuntimeError('ninja: build stopped: subcommand failed')\n", 120)
+    assert not failed["built"] and "ninja: build stopped" in failed["log"], failed
+    built = _gpu_device._build("pass\n", 120)
+    assert built["built"] and built["seconds"] is not None, built
