@@ -2,9 +2,10 @@
 # Download into .whl/ (git-ignored) the wheels that benchmarks/gpu_e2e.py needs on the bare H200
 # image: sglang 0.5.23 and the pure-Python packages it imports that the image lacks, pinned in
 # benchmarks/gpu_wheels.txt. cp312 manylinux wheels, no dependencies resolved (the list is
-# complete: tests/benchmarks/test_benchmarks.py imports SGLang's CUDA path with only the image's
-# packages and these). The device machine has no network: the run carries .whl and installs it
-# with `pip install --no-index --no-deps --target` (see `python benchmarks/gpu_e2e.py --help`).
+# complete: tests/benchmarks/test_gpu_path.py imports SGLang's CUDA path, and tries the imports
+# inside the functions its engines run, with only the image's packages and these). The device
+# machine has no network: the run carries .whl and installs it with `pip install --no-index
+# --no-deps --target` (the two commands: docs/PERFORMANCE.md section 7).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 LIST=benchmarks/gpu_wheels.txt
