@@ -2,7 +2,6 @@
 functions there (tests/benchmarks/sglang_cuda_path.py), and the walker that finds them."""
 from __future__ import annotations
 
-import inspect
 import json
 import os
 import subprocess
@@ -194,12 +193,14 @@ def test_gpu_e2e_preflight_builds_what_the_engines_compile_and_shows_a_failed_bu
     """The EAGLE tree kernels SGLang compiles at run time on CUDA (no fallback) are what the preflight
     builds; a build that fails comes back with its log."""
     _gpu_e2e()
-    import _gpu_device
-    from sglang.kernels.ops.speculative import spec_tree, tree
+    import importlib.util
 
-    assert callable(tree._jit_tree_module)
-    source = inspect.getsource(spec_tree)
-    assert "from sglang.kernels.ops.speculative.tree import" in source and "load_jit" in inspect.getsource(tree)
+    import _gpu_device
+
+    speculative = Path(importlib.util.find_spec("sglang").submodule_search_locations[0], "kernels/ops/speculative")
+    tree = (speculative / "tree.py").read_text()
+    assert "def _jit_tree_module(" in tree and "load_jit(" in tree and "def verify_tree_greedy(" in tree
+    assert "from sglang.kernels.ops.speculative.tree import" in (speculative / "spec_tree.py").read_text()
     failed = _gpu_device._build("raise RuntimeError('ninja: build stopped: subcommand failed')\n", 120)
     assert not failed["built"] and "ninja: build stopped" in failed["log"], failed
     built = _gpu_device._build("pass\n", 120)
