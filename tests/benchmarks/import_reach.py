@@ -11,7 +11,9 @@ guard this process can decide (platform probes named is_* / use_* and bool globa
 switches, server arguments named enable_* outside `enabled`, TYPE_CHECKING), imports under `except
 ImportError` (the package's own fallbacks), entries of a dict keyed by backend names other than the
 chosen backend, and what `skipped` names. A call of an sgl_kernel stand-in op (specforge_k25's
-sglang_cpu_compat, which raises when called) is reported too.
+sglang_cpu_compat, which raises when called) is reported too. `image_only` names packages the target
+machine has and this one lacks: during the tried imports they are modules of MagicMocks, so that an
+import goes on to what the target really lacks.
 tests/benchmarks/sglang_cuda_path.py applies it to SGLang's CUDA path.
 """
 from __future__ import annotations
