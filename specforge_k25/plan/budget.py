@@ -20,6 +20,7 @@ from typing import Optional
 
 from ..draft.model import DraftConfig
 from .facts import GiB, MiB, PlanError, TargetFacts, resolve_draft, target_facts_for, trainable_params, with_hw_overrides
+from .kernels import MARLIN, int4_moe_backend, kernel_notes, kernel_problems, marlin_scratch_bytes
 from .memory import Item, activation_note, gib, optimizer_items, trainer_items
 
 ROLE_TARGET = "target TP rank"
@@ -195,6 +196,7 @@ def plan_memory(job, facts: TargetFacts, *, max_length: int | None = None, batch
                                 f"(peak phase: {b.peak_phase() or '-'})")
     problems += length_problems(facts, L)
     notes.append(activation_note(cfg, B, L, tr.ttt_length, bf16, tr.activation_checkpointing))
+    notes += kernel_notes(hw, facts)
     if not coloc and (ranks > 1 or hw.target_replicas > 1):
         notes.append(f"data-parallel: launch with torchrun --nproc-per-node {hw.target_replicas} (one trainer rank "
                      f"per replica)")
@@ -254,7 +256,7 @@ STATIC_ITEMS = ("target weights (TP shard + replicated)", "KV cache pool", "SGLa
 
 def _target_items(hw, facts: TargetFacts, batch_tokens: int, kv_tokens: int, ctx: int) -> list[Item]:
     """One SGLang TP rank's items on its GPU."""
-    return [
+    items = [
         Item("CUDA context (SGLang TP rank)", ctx, owner="target"),
         Item("target weights (TP shard + replicated)", facts.weight_bytes_per_gpu(hw.target_tp), owner="target",
              note=f"({gib(facts.weight_bytes)} - {gib(facts.replicated_weight_bytes())}) / {hw.target_tp} + replicated"),
@@ -265,6 +267,12 @@ def _target_items(hw, facts: TargetFacts, batch_tokens: int, kv_tokens: int, ctx
              int(hw.target_runtime_gib * GiB) + batch_tokens * 4 * facts.hidden_size * 2, owner="target",
              note="estimate: hw.target_runtime_gib + captured states"),
     ]
+    if int4_moe_backend(hw, facts) == MARLIN:  # grows with the batch, unlike hw.target_runtime_gib
+        scratch = marlin_scratch_bytes(facts, batch_tokens, hw.target_tp)
+        items.append(Item("SGLang Marlin MoE scratch (INT4 experts)", scratch, owner="target",
+                          note=f"{batch_tokens} tokens x top-{facts.num_experts_per_tok} x (max(2N, H) + N) x 2 B, "
+                               f"N = expert width / TP (fused_marlin_moe; plan/kernels.py)"))
+    return items
 
 
 def _place_items(hw, ring: Item, groups, trainers, target: list[Item], t_items: list[Item], opt_dev,
@@ -391,6 +399,7 @@ def check_fits(job, target_facts: TargetFacts | None = None) -> MemoryPlan:
     """The plan of `job`, or PlanError (a ValueError) naming an override that fits."""
     facts = with_hw_overrides(job, target_facts or target_facts_for(job))
     plan = plan_memory(job, facts)
+    plan.problems += kernel_problems(job.hw, facts)  # not a size: no override search (plan_memory leaves them out)
     if plan.fits:
         return plan
     lines = ["the run does not fit:"] + [f"  - {p}" for p in plan.problems]

@@ -6,7 +6,9 @@ max_length; refusals name the switch that fits.
 Assumed numbers (each written out below): Kimi-K2.5 facts and the Kimi draft as in
 test_memory_plan.py (963,407,872 trainable parameters, V 163840, H 7168, Vd 32000; MLA KV 70,272 B
 per token; bf16 frozen embedding and lm_head); CUDA context 0.75 GiB per process per GPU; SGLang
-runtime 2 GiB + the captured states of its batch; 3 ring slots.
+runtime 2 GiB + the captured states of its batch; 3 ring slots; on the RTX PRO 6000 (sm120) the Marlin
+MoE scratch of Kimi's INT4 experts, batch x top-8 x (7168 + 2048 / TP) x 2 B (plan/kernels.py; the B300
+runs FlashInfer's MxInt4 MoE, not counted).
 """
 from __future__ import annotations
 
@@ -27,14 +29,14 @@ def _job(hw: str, *extra: str):
     return compose_job([f"+hw={hw}", *KIMI_DRAFT, *extra])
 
 
-def _resident_by_hand(tp: int, batch_tokens: int, rank_tokens: int) -> int:
+def _resident_by_hand(tp: int, batch_tokens: int, rank_tokens: int, marlin: bool) -> int:
     """One GPU of the co-located layout before any activation: the SGLang TP rank (context, weights,
     a KV pool of the whole target batch, multimodal reservation, runtime + the batch's captured
-    states), this rank's ring, and its trainer rank (context, fp32 weights / grads / m+v shards of
-    1/8, bf16 frozen embedding and lm_head, vocab maps)."""
+    states, `marlin`: the Marlin MoE caches of the batch), this rank's ring, and its trainer rank
+    (context, fp32 weights / grads / m+v shards of 1/8, bf16 frozen embedding and lm_head, vocab maps)."""
     shard = math.ceil(P / 8)
     target = (CTX + KIMI_K25.weight_bytes_per_gpu(tp) + batch_tokens * 70_272 + 100 * MiB + 2 * GiB
-              + batch_tokens * 4 * H * 2)
+              + batch_tokens * 4 * H * 2 + (batch_tokens * 8 * (H + 2048 // tp) * 2 if marlin else 0))
     ring = 3 * rank_tokens * 4 * H * 2
     trainer = CTX + (4 + 4 + 8) * shard + 2 * V * H + 2 * V * H + 8 * VD + V
     return target + ring + trainer
@@ -50,7 +52,8 @@ def test_rtx_colocated_gpu_hand_computed():
     assert not any("INBALANCE" in n for n in plan.notes)
     # the target batch holds one 2048-token sequence for each of the 8 trainer ranks
     assert gpu3.get("KV cache pool") == 16384 * 70_272
-    assert gpu3.resident() == _resident_by_hand(8, 16384, 2048)
+    assert gpu3.resident() == _resident_by_hand(8, 16384, 2048, marlin=True)
+    assert gpu3.get("SGLang Marlin MoE scratch (INT4 experts)") == 1_946_157_056  # 16384 x 8 x (7168 + 256) x 2
     assert gpu3.get("AdamW m, v fp32 (shard 1/8)") == 8 * math.ceil(P / 8)
     assert gpu3.get("AdamW m, v fp32") == 0 and gpu3.get("DP gradient buckets fp32 (DDP, assumed)") == 0
     # TTT phase: the dedicated trainer's (checked by hand in test_memory_plan.py) with FSDP2's
@@ -58,7 +61,7 @@ def test_rtx_colocated_gpu_hand_computed():
     dedicated = plan_memory(_job("rtxpro6000x8", "hw.trainer_layout=dedicated"), KIMI_K25).gpu(0)
     assert gpu3.phases()["TTT fwd+bwd"] == dedicated.phases()["TTT fwd+bwd"] - 2 * P + 2 * P + 4 * P
     assert gpu3.peak_phase() == "TTT fwd+bwd"
-    assert round(gpu3.total() / GiB, 2) == 92.09 and gpu3.headroom() > 0
+    assert round(gpu3.total() / GiB, 2) == 93.90 and gpu3.headroom() > 0
     assert plan.tokens_per_step == 2048 * 8
     assert any("hw.trainer_layout=colocated" in n and "1/8" in n for n in plan.notes)
     assert not any("pinned host memory" in n for n in plan.notes)  # train.optimizer_device=cpu does not apply
@@ -68,7 +71,7 @@ def test_b300_colocated_gpu_hand_computed():
     job = _job("b300x8", COLOC, "hw.max_total_tokens=32768")
     plan = check_fits(job, KIMI_K25)
     gpu5 = plan.gpu(5)
-    assert gpu5.resident() == _resident_by_hand(4, 4 * 8192, 8192)  # a TP4 replica: 4 sequences of 8192
+    assert gpu5.resident() == _resident_by_hand(4, 4 * 8192, 8192, marlin=False)  # a TP4 replica: 4 x 8192
     dedicated = plan_memory(_job("b300x8", "hw.trainer_layout=dedicated"), KIMI_K25).gpu(0)
     assert gpu5.phases()["TTT fwd+bwd"] == dedicated.phases()["TTT fwd+bwd"] + 4 * P
     assert round(gpu5.total() / GiB, 2) == 214.10
@@ -77,7 +80,7 @@ def test_b300_colocated_gpu_hand_computed():
 
 def test_what_fits_at_which_length():
     """Longest data.max_length (multiples of 256) each profile fits co-located; the KV pool follows."""
-    cases = [("rtxpro6000x8", True, 3072), ("rtxpro6000x8", False, 1280),
+    cases = [("rtxpro6000x8", True, 2304), ("rtxpro6000x8", False, 1024),
              ("b300x8", False, 14848), ("b300x8", True, 39168)]
     for hw, checkpoint, longest in cases:
         job = _job(hw, COLOC, f"train.activation_checkpointing={str(checkpoint).lower()}")
@@ -85,7 +88,7 @@ def test_what_fits_at_which_length():
         assert plan_memory(job, KIMI_K25, max_length=longest).capacity_ok
         assert not plan_memory(job, KIMI_K25, max_length=longest + 256).capacity_ok
     # dedicated, for comparison: the profiles' own settings
-    assert longest_fitting_length(_job("rtxpro6000x8", "hw.trainer_layout=dedicated"), KIMI_K25) == 3584
+    assert longest_fitting_length(_job("rtxpro6000x8", "hw.trainer_layout=dedicated"), KIMI_K25) == 3328
 
 
 def test_refusals_name_the_switch_that_fits():
@@ -99,10 +102,10 @@ def test_refusals_name_the_switch_that_fits():
                    KIMI_K25)
     assert "optimizer_device" not in str(err.value)
     # too long even with checkpointing: the longest length that fits (its KV pool counted: the pool is
-    # hw.max_total_tokens or the target batch, the larger; a 32768-token cap leaves 2816)
-    with pytest.raises(PlanError, match=r"lower data.max_length to 3072 \(data.max_length=3072\)"):
+    # hw.max_total_tokens or the target batch, the larger; a 32768-token cap leaves 2048)
+    with pytest.raises(PlanError, match=r"lower data.max_length to 2304 \(data.max_length=2304\)"):
         check_fits(_job("rtxpro6000x8", COLOC, "data.max_length=4096", "hw.max_total_tokens=16384"), KIMI_K25)
-    with pytest.raises(PlanError, match=r"lower data.max_length to 2816 \(data.max_length=2816\)"):
+    with pytest.raises(PlanError, match=r"lower data.max_length to 2048 \(data.max_length=2048\)"):
         check_fits(_job("rtxpro6000x8", COLOC, "data.max_length=4096", "hw.max_total_tokens=32768"), KIMI_K25)
     # a GPU too small for a TP rank and a trainer rank's resident state: the dedicated layout is named
     with pytest.raises(PlanError, match="hw.trainer_layout=dedicated"):

@@ -265,7 +265,8 @@ def test_b300_fits_and_names_the_switch_then_the_length_that_fits():
 def _resident_target_and_ring(job) -> int:
     ctx, H = int(0.75 * GiB), 7168
     weights = KIMI_K25.weight_bytes_per_gpu(8)
-    return (ctx + weights + 4096 * 70_272 + 100 * MiB + 2 * GiB + 2048 * 4 * H * 2  # SGLang rank 0
+    marlin = 2048 * 8 * (H + 2048 // 8) * 2  # sm120: the INT4 experts' Marlin MoE caches for 2048 tokens
+    return (ctx + weights + 4096 * 70_272 + 100 * MiB + 2 * GiB + 2048 * 4 * H * 2 + marlin  # SGLang rank 0
             + job.train.stream_slots * 2048 * 4 * H * 2)  # the ring
 
 
@@ -287,7 +288,7 @@ def test_rtx_fits_with_checkpointing_and_adamw_on_the_host():
     kept = (6 * H + 7 * 2 * H + 6 * 2 * 2 * 8 * 128) * N
     working = (2 * 56 * 128 * 15 + 8 * Vd + 3 * 2 * 18432) * N
     assert gpu0.phases()["TTT fwd+bwd"] == batch + 2 * P + kept + last_step * N + 2 * N * N * 7 + working
-    assert round(gpu0.total() / GiB, 2) == 92.31 and gpu0.total() < gpu0.capacity
+    assert round(gpu0.total() / GiB, 2) == 92.54 and gpu0.total() < gpu0.capacity
     assert any("pinned host memory" in n for n in plan.notes)
     # without the two switches it does not fit, and the refusal names them
     bare = ["train.activation_checkpointing=false", "train.optimizer_device=null"]
