@@ -108,6 +108,8 @@ class DraftConfigSpec:
     head_dim: Optional[int] = doc(None, "null = hidden / heads")
     rope_theta: float = doc(10000.0, "RoPE base of the draft (written to the export)")
     max_position_embeddings: Optional[int] = doc(None, "null = the target's")
+    fc_norm: bool = doc(False, "EAGLE-3.1: one RMSNorm per captured target state before fc (export: fc_norm, fc_norm.{0,1,2}.weight)")
+    norm_output: bool = doc(False, "EAGLE-3.1: each draft step hands the next its final-normed state instead of the pre-norm one (export: norm_output)")
 
 
 @dataclass

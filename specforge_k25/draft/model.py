@@ -1,7 +1,9 @@
 """EAGLE-3 draft head (serving name `LlamaForCausalLMEagle3`), plain PyTorch.
 
 One decoder layer whose attention input is cat(norm(token embedding), norm(hidden)) [2H];
-the hidden input is fc(aux) at TTT step 0 and the layer's own pre-norm output afterwards.
+the hidden input is fc(aux) at TTT step 0 and the layer's own output afterwards: pre-norm by
+default, post-norm with `norm_output` (EAGLE-3.1). `fc_norm` (EAGLE-3.1) puts one RMSNorm on each
+aux state before fc. Both are off by default, and then nothing of them exists in the module.
 Parameter names follow the serving checkpoint (docs/EAGLE3.md §1) so export is a rename-free copy.
 
 Shapes: B batch, T positions, H hidden, Ht target hidden, nh/nkv heads, hd head dim,
@@ -17,6 +19,9 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 
+NUM_AUX = 3  # captured target states fused by fc (docs/EAGLE3.md §4)
+
+
 @dataclass
 class DraftConfig:
     hidden_size: int  # H (must equal the target's hidden size: the embedding is the target's)
@@ -30,6 +35,8 @@ class DraftConfig:
     rms_norm_eps: float = 1e-6
     rope_theta: float = 10000.0
     max_position_embeddings: int = 4096
+    fc_norm: bool = False  # EAGLE-3.1: RMSNorm `fc_norm.{i}` [Ht] on each aux state before fc
+    norm_output: bool = False  # EAGLE-3.1: the next step reads norm(h), not the pre-norm h
 
 
 def at_least_fp32(dtype: torch.dtype) -> torch.dtype:
@@ -144,7 +151,9 @@ class Eagle3Draft(nn.Module):
         self.cfg = cfg
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
         self.embed_tokens.weight.requires_grad_(False)  # the target's embedding, frozen
-        self.fc = nn.Linear(3 * cfg.target_hidden_size, cfg.hidden_size, bias=False)
+        if cfg.fc_norm:  # registered only when on: the default draft keeps its parameter names and order
+            self.fc_norm = nn.ModuleList(RMSNorm(cfg.target_hidden_size, cfg.rms_norm_eps) for _ in range(NUM_AUX))
+        self.fc = nn.Linear(NUM_AUX * cfg.target_hidden_size, cfg.hidden_size, bias=False)
         self.midlayer = DecoderLayer(cfg)
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.lm_head = nn.Linear(cfg.hidden_size, cfg.draft_vocab_size, bias=False)
@@ -156,17 +165,25 @@ class Eagle3Draft(nn.Module):
         return [p for p in self.parameters() if p.requires_grad]
 
     def project(self, aux_hidden: torch.Tensor) -> torch.Tensor:
-        """aux [B, T, 3Ht] -> hidden [B, T, H] (TTT step 0 input)."""
+        """aux [B, T, 3Ht] -> hidden [B, T, H] (TTT step 0 input). With fc_norm, aux state i (the
+        i-th Ht-wide slice, capture-point order) goes through fc_norm[i] first."""
+        if self.cfg.fc_norm:
+            aux_hidden = torch.cat([norm(a) for norm, a in zip(self.fc_norm, aux_hidden.chunk(NUM_AUX, -1))], -1)
         return self.fc(aux_hidden)
 
     def step(self, input_ids, hidden, positions, past):
         """One TTT step k = len(past): input_ids [B, T], hidden [B, T, H], past [(K_j, V_j)] of steps < k
-        -> (pre-norm hidden [B, T, H], (K_k, V_k)). Pure: the caller keeps the list of steps."""
-        return self.midlayer(self.embed_tokens(input_ids).to(hidden.dtype), hidden, positions, past)
+        -> (the hidden the next step reads [B, T, H], (K_k, V_k)). Pure: the caller keeps the list of steps.
+
+        That hidden is what the servers hand their next draft step: the layer's pre-norm output h,
+        or norm(h) with norm_output. `logits` takes it as is."""
+        out, kv = self.midlayer(self.embed_tokens(input_ids).to(hidden.dtype), hidden, positions, past)
+        return (self.norm(out) if self.cfg.norm_output else out), kv
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """hidden [B, T, H] -> draft-vocab logits [B, T, Vd]."""
-        return self.lm_head(self.norm(hidden))
+        """`step`'s hidden [B, T, H] -> draft-vocab logits [B, T, Vd]: lm_head(norm(h)) in both modes,
+        the norm being already applied with norm_output (the servers norm once, not twice)."""
+        return self.lm_head(hidden if self.cfg.norm_output else self.norm(hidden))
 
 
 def draft_state(draft: Eagle3Draft) -> dict[str, torch.Tensor]:

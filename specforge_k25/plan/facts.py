@@ -203,6 +203,7 @@ def resolve_draft(spec, facts: TargetFacts) -> DraftConfig:
         vocab_size=facts.vocab_size, draft_vocab_size=spec.vocab_size, target_hidden_size=facts.hidden_size,
         rms_norm_eps=facts.rms_norm_eps, rope_theta=spec.rope_theta,
         max_position_embeddings=spec.max_position_embeddings or facts.max_position_embeddings,
+        fc_norm=spec.fc_norm, norm_output=spec.norm_output,
     )
 
 

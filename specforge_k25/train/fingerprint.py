@@ -35,8 +35,11 @@ RESHARDABLE = ("batch_size", "trainer_ranks", "trainer_layout")
 def fingerprint_defaults(fingerprint: dict) -> dict:
     """A saved fingerprint with the keys older checkpoints left out at the value they meant: the
     trainer ranks were recorded only when there were several (absent: one), the layout only when
-    co-located, regen_cut not at all (absent while regenerating: its default, keep)."""
+    co-located, regen_cut not at all (absent while regenerating: its default, keep), the draft's
+    fc_norm / norm_output not at all (off)."""
     fp = {"trainer_ranks": 1, "trainer_layout": "dedicated", **fingerprint}
+    if isinstance(fp.get("draft"), dict):  # the draft's EAGLE-3.1 options (draft/model.py), off when not recorded
+        fp["draft"] = {"fc_norm": False, "norm_output": False, **fp["draft"]}
     fp.setdefault("regen_cut", "keep" if fp.get("regeneration") else None)
     return fp
 

@@ -2,7 +2,8 @@
 
 The TTT reference (tests/fixtures/ttt_reference.py) is written directly from docs/EAGLE3.md §1 and
 §3 as slow, explicit per-sequence / per-step / per-position loops. It reuses the draft's parameter
-tensors (so autograd gives reference gradients) but none of the draft's forward code.
+tensors (so autograd gives reference gradients) but none of the draft's forward code. The loss
+tests run each EAGLE-3.1 variant of the draft (§1.5) too.
 """
 from __future__ import annotations
 
@@ -16,9 +17,28 @@ from specforge_k25.draft.model import Attention, DraftConfig
 from specforge_k25.draft.vocab import build_vocab_maps, count_tokens, draft_to_target, target_to_draft
 from ttt_reference import _tiny_setup, reference_ttt  # tests/fixtures: the float64 loop reference
 
-def test_ttt_loss_and_grads_match_float64_reference():
+# (fc_norm, norm_output): plain EAGLE-3 (the default), each EAGLE-3.1 option alone, both
+VARIANTS = {"eagle3": (False, False), "fc_norm": (True, False), "norm_output": (False, True), "eagle3.1": (True, True)}
+
+
+def _option_matters(draft, teacher, batch, K, option):
+    """The loss with `option` switched off on the same weights (fc_norm's norms then unused): the
+    data must make the option change the loss clearly, or the reference tests would prove nothing."""
+    import dataclasses
+
+    on = ttt_loss(draft, *batch, teacher, ttt_length=K).loss.detach()
+    saved, draft.cfg = draft.cfg, dataclasses.replace(draft.cfg, **{option: False})
+    try:
+        off = ttt_loss(draft, *batch, teacher, ttt_length=K).loss.detach()
+    finally:
+        draft.cfg = saved
+    return float((on - off).abs() / off.abs())
+
+
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_ttt_loss_and_grads_match_float64_reference(variant):
     K = 3
-    cfg, draft, d2t, input_ids, loss_mask, lengths, aux, final, lm_head_full = _tiny_setup()
+    cfg, draft, d2t, input_ids, loss_mask, lengths, aux, final, lm_head_full = _tiny_setup(0, *VARIANTS[variant])
     teacher = compute_teacher(final, lm_head_full, d2t, chunk=5)  # chunk < B*T on purpose
     res = ttt_loss(draft, aux, input_ids, loss_mask, lengths, teacher, ttt_length=K)
     res.loss.backward()
@@ -54,12 +74,17 @@ def test_ttt_loss_and_grads_match_float64_reference():
         scale = rg.abs().max().item()
         assert scale > 0, name
         torch.testing.assert_close(g, rg, rtol=0, atol=1e-5 * scale, msg=lambda m, n=name: f"{n}: {m}")
+    assert ("fc_norm.0.weight" in trainable) == cfg.fc_norm  # the norms exist (and train) only when on
+    for option in ("fc_norm", "norm_output"):
+        if getattr(cfg, option):
+            assert _option_matters(draft, teacher, (aux, input_ids, loss_mask, lengths), K, option) > 1e-2, option
 
 
-def test_ttt_loss_float64_precision():
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_ttt_loss_float64_precision(variant):
     """Same as the reference test but with a float64 teacher built by hand and 1e-10 tolerances."""
     K = 3
-    cfg, draft, d2t, input_ids, loss_mask, lengths, aux, final, lm_head_full = _tiny_setup()
+    cfg, draft, d2t, input_ids, loss_mask, lengths, aux, final, lm_head_full = _tiny_setup(0, *VARIANTS[variant])
     full = final @ lm_head_full.T
     used = torch.arange(cfg.draft_vocab_size) + d2t
     inv = torch.full((cfg.vocab_size,), -1, dtype=torch.int64)
@@ -299,3 +324,43 @@ def test_simulated_acceptance_length_hand_cases():
     assert simulated_acceptance_length([]) == pytest.approx(1.0)
     assert simulated_acceptance_length([1.0, 1.0, 1.0]) == pytest.approx(4.0)
     assert simulated_acceptance_length([1.0, 0.0, 1.0]) == pytest.approx(2.0)  # chain stops at the miss
+
+
+# ----------------------------------------------------------------------------------------------
+# EAGLE-3.1 options off: today's draft, today's checkpoints
+# ----------------------------------------------------------------------------------------------
+
+PLAIN_STATE = ["d2t", "t2d", "embed_tokens.weight", "fc.weight", "midlayer.input_layernorm.weight",
+               "midlayer.hidden_norm.weight", "midlayer.self_attn.q_proj.weight", "midlayer.self_attn.k_proj.weight",
+               "midlayer.self_attn.v_proj.weight", "midlayer.self_attn.o_proj.weight",
+               "midlayer.post_attention_layernorm.weight", "midlayer.mlp.gate_proj.weight",
+               "midlayer.mlp.up_proj.weight", "midlayer.mlp.down_proj.weight", "norm.weight", "lm_head.weight"]
+
+
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_state_names_and_order(variant):
+    """Off: exactly the names, in the order, checkpoints have always held (AdamW's state is indexed by
+    parameter order). fc_norm adds its three norms [Ht]; norm_output adds nothing."""
+    fc_norm, norm_output = VARIANTS[variant]
+    draft = _tiny_setup(0, fc_norm, norm_output)[1]
+    extra = ["fc_norm.0.weight", "fc_norm.1.weight", "fc_norm.2.weight"] if fc_norm else []
+    assert list(draft.state_dict()) == PLAIN_STATE[:3] + extra + PLAIN_STATE[3:]
+    assert all(draft.state_dict()[n].shape == (draft.cfg.target_hidden_size,) for n in extra)
+
+
+def test_checkpoints_from_before_the_options_still_resume():
+    """A checkpoint's fingerprint holds the draft config; one written before fc_norm / norm_output
+    existed (neither key) resumes a run with both off and is refused by a run with one on."""
+    import dataclasses
+    from pathlib import Path
+
+    from specforge_k25.train.fingerprint import check_fingerprint
+
+    cfg = _tiny_setup(0)[0]
+    now = {"draft": dataclasses.asdict(cfg), "batch_size": 1, "trainer_ranks": 1}
+    before = {**now, "draft": {k: v for k, v in now["draft"].items() if k not in ("fc_norm", "norm_output")}}
+    check_fingerprint(before, now, Path("ckpt"))
+    for option in ("fc_norm", "norm_output"):
+        other = {**now, "draft": {**now["draft"], option: True}}
+        with pytest.raises(ValueError, match=rf"draft: checkpoint .*'{option}': True"):
+            check_fingerprint(before, other, Path("ckpt"))
