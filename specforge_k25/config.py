@@ -131,7 +131,7 @@ class TrainConfig:
     stream_slots: int = doc(3, "shared-memory slots between target and trainer (backpressure bound)")
     stream_timeout_s: float = doc(600.0, "fail if the target produces no batch for this long (after the first)")
     engine_start_timeout_s: float = doc(3600.0, "fail if the engine's first batch takes longer (load + warm-up)")
-    dist_timeout_s: float = doc(1800.0, "data-parallel ranks: fail a collective that waits longer (a dead or hung rank); must exceed the spread of engine start times")
+    dist_timeout_s: float = doc(1800.0, "trainer ranks (and the target TP group unless hw.target_dist_timeout_s is set): fail a collective that waits longer (a dead or hung rank); must exceed the spread of engine start times")
     log_every: int = doc(10, "optimizer steps between metric logs")
     eval_every: Optional[int] = doc(None, "optimizer steps between held-out evaluations (null: start and end only)")
     checkpoint_every: Optional[int] = doc(None, "optimizer steps between checkpoints (null: end only)")
