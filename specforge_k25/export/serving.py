@@ -10,6 +10,11 @@ differently and read different keys (target/layers.py):
     nested key, which would be off by one for a Llama target), in its numbering = capture points.
 Without the vLLM keys vLLM silently uses its default layers, right only when the capture points
 happen to be its default [2, L//2, L-3].
+
+The EAGLE-3.1 options (docs/EAGLE3.md §1.5) are written only when on, as top-level booleans both
+servers read (SGLang 0.5.23 `llama_eagle3.py`, vLLM >= 0.22 `llama_eagle3.py`): `fc_norm` with
+the tensors `fc_norm.{0,1,2}.weight`, and `norm_output`. With both off the folder is what it was
+before they existed, byte for byte.
 """
 from __future__ import annotations
 
@@ -21,9 +26,13 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file, save_file
 
-from ..draft.model import DraftConfig, Eagle3Draft, draft_state
+from ..draft.model import NUM_AUX, DraftConfig, Eagle3Draft, draft_state
 from ..paths import write_atomic, write_text_atomic
 from ..target.layers import vllm_layer_ids
+
+# EAGLE-3.1 config keys, top level, read as booleans by SGLang and vLLM (absent = off). SGLang
+# also takes `use_aux_norm` for fc_norm; vLLM does not, so an export never relies on it.
+EAGLE31_OPTIONS = ("fc_norm", "norm_output")
 
 
 def served_eos(eos_token_id, end_of_turn_id: int | None = None):
@@ -70,6 +79,9 @@ def serving_config(cfg: DraftConfig, eagle_layer_ids: list[int], bos_token_id, e
     }
     if cfg.hidden_size != cfg.target_hidden_size:
         config["target_hidden_size"] = cfg.target_hidden_size
+    for option in EAGLE31_OPTIONS:  # absent when off: a plain EAGLE-3 export stays as it was
+        if getattr(cfg, option):
+            config[option] = True
     return config
 
 
@@ -118,7 +130,17 @@ def _config_to_draft(config: dict) -> DraftConfig:
         target_hidden_size=config.get("target_hidden_size", config["hidden_size"]),
         rms_norm_eps=config["rms_norm_eps"], rope_theta=config["rope_theta"],
         max_position_embeddings=config["max_position_embeddings"],
+        **{option: config.get(option) is True for option in EAGLE31_OPTIONS},
     )
+
+
+def _eagle31_problems(config: dict) -> list[str]:
+    """Option keys the two servers would read differently."""
+    problems = [f"config.{o}={config[o]!r}: must be true or false (the servers test its truth)"
+                for o in EAGLE31_OPTIONS if o in config and not isinstance(config[o], bool)]
+    if config.get("use_aux_norm") and config.get("fc_norm") is not True:
+        problems.append("config.use_aux_norm without config.fc_norm: SGLang applies fc_norm, vLLM does not")
+    return problems
 
 
 def validate_export(export_dir: str | Path) -> None:
@@ -134,6 +156,7 @@ def validate_export(export_dir: str | Path) -> None:
     if not (isinstance(ids, list) and len(ids) == 3 and all(type(i) is int for i in ids)):
         problems.append(f"eagle_config.eagle_aux_hidden_state_layer_ids={ids!r}: need 3 ints")
     problems += _vllm_id_problems(config, ids)
+    problems += _eagle31_problems(config)
     cfg = _config_to_draft(config)
     H, Ht, nh, nkv, hd, I = (cfg.hidden_size, cfg.target_hidden_size, cfg.num_attention_heads,
                               cfg.num_key_value_heads, cfg.head_dim, cfg.intermediate_size)
@@ -145,6 +168,8 @@ def validate_export(export_dir: str | Path) -> None:
         "midlayer.mlp.up_proj.weight": (I, H), "midlayer.mlp.down_proj.weight": (H, I), "norm.weight": (H,),
         "lm_head.weight": (cfg.draft_vocab_size, H), "d2t": (cfg.draft_vocab_size,), "t2d": (cfg.vocab_size,),
     }
+    if cfg.fc_norm:
+        expected |= {f"fc_norm.{i}.weight": (Ht,) for i in range(NUM_AUX)}
     tensors = load_file(d / "model.safetensors")
     for name, shape in expected.items():
         if name not in tensors:
@@ -152,7 +177,9 @@ def validate_export(export_dir: str | Path) -> None:
         elif tuple(tensors[name].shape) != shape:
             problems.append(f"{name} has shape {tuple(tensors[name].shape)}, expected {shape}")
     for name in sorted(set(tensors) - set(expected)):
-        problems.append(f"unexpected tensor {name} (the embedding must not be exported)")
+        why = ("config.fc_norm is off: the servers would not apply it" if name.startswith("fc_norm.")
+               else "the embedding must not be exported")
+        problems.append(f"unexpected tensor {name} ({why})")
     if tensors.get("d2t") is not None and tensors["d2t"].dtype != torch.int64:
         problems.append(f"d2t has dtype {tensors['d2t'].dtype}, expected int64")
     if tensors.get("t2d") is not None and tensors["t2d"].dtype != torch.bool:

@@ -48,15 +48,17 @@ def serving_shapes(ht: int) -> dict[str, tuple[int, ...]]:
 
 
 def make_draft(seed: int = 0, target_hidden_size: int = H, rope_theta: float = 10000.0,
-               rms_norm_eps: float = 1e-6, max_pos: int = 4096) -> Eagle3Draft:
+               rms_norm_eps: float = 1e-6, max_pos: int = 4096, fc_norm: bool = False,
+               norm_output: bool = False) -> Eagle3Draft:
     torch.manual_seed(seed)
     cfg = DraftConfig(hidden_size=H, intermediate_size=I, num_attention_heads=NH, num_key_value_heads=NKV,
                       head_dim=HD, vocab_size=V, draft_vocab_size=VD, target_hidden_size=target_hidden_size,
-                      rms_norm_eps=rms_norm_eps, rope_theta=rope_theta, max_position_embeddings=max_pos)
+                      rms_norm_eps=rms_norm_eps, rope_theta=rope_theta, max_position_embeddings=max_pos,
+                      fc_norm=fc_norm, norm_output=norm_output)
     draft = Eagle3Draft(cfg)
     with torch.no_grad():
         for name, p in draft.named_parameters():
-            if name.endswith("norm.weight") or "layernorm" in name:
+            if name.endswith("norm.weight") or "layernorm" in name or name.startswith("fc_norm."):
                 p.copy_(1.0 + 0.3 * torch.randn_like(p))  # norms away from ones, so a mix-up shows
             else:
                 p.copy_(torch.randn_like(p) * 0.2)
@@ -157,9 +159,15 @@ def _ttt_logits(draft: Eagle3Draft, aux, ids_per_step, K: int) -> list[torch.Ten
     return out
 
 
+# (fc_norm, norm_output): plain EAGLE-3 (the default), each EAGLE-3.1 option alone, both (docs/EAGLE3.md §1.5)
+VARIANTS = {"eagle3": (False, False), "fc_norm": (True, False), "norm_output": (False, True), "eagle3.1": (True, True)}
+
+
+@pytest.mark.parametrize("variant", VARIANTS)
 @pytest.mark.parametrize("ht", [H, 40], ids=["H_eq_Ht", "H_ne_Ht"])
-def test_round_trip_gives_identical_logits(tmp_path, ht):
-    draft = make_draft(seed=4, target_hidden_size=ht, rope_theta=20000.0)
+def test_round_trip_gives_identical_logits(tmp_path, ht, variant):
+    draft = make_draft(seed=4, target_hidden_size=ht, rope_theta=20000.0, **dict(zip(("fc_norm", "norm_output"),
+                                                                                   VARIANTS[variant])))
     out = export_draft(draft, tmp_path / "export", LAYER_IDS, BOS, EOS, capture_points=POINTS)
     embed = draft.embed_tokens.weight.detach().clone()  # what the server injects: the target's embedding
     loaded = load_exported_draft(out, embed)
@@ -449,3 +457,4 @@ def test_both_servers_ids_select_the_tensors_training_used(tmp_path, family, poi
     trained_on = [out.hidden_states[p] for p in points]
     for a, b, c in zip(by_sglang, by_vllm, trained_on):
         assert torch.equal(a, c) and torch.equal(b, c)
+
