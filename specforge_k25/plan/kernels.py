@@ -12,12 +12,10 @@ and `sgl_kernel.scalar_type` from the prebuilt sglang-kernel wheel.
 """
 from __future__ import annotations
 
-import importlib.util
 import os
-import shutil
-from dataclasses import dataclass
-from typing import Callable, Optional
+from typing import Optional
 
+from ..target.node_probe import NodeProbe
 from .facts import TargetFacts
 
 MARLIN = "marlin"
@@ -40,17 +38,6 @@ def marlin_scratch_bytes(facts: TargetFacts, tokens: int, tp: int, elem: int = 2
     H = hidden size). Kimi-K2.5 at TP8: 16,384 x 8 x (7168 + 256) x 2 B = 1.95 GB."""
     n = -(-facts.moe_intermediate_size // tp)
     return tokens * facts.num_experts_per_tok * (max(2 * n, facts.hidden_size) + n) * elem
-
-
-@dataclass
-class NodeProbe:
-    """What the node has installed, as SGLang and FlashInfer look for it (replaceable in tests)."""
-
-    cuda_available: Callable[[], bool] = lambda: _cuda_available()
-    nvcc: Callable[[], Optional[str]] = lambda: _nvcc()
-    has_module: Callable[[str], bool] = lambda name: _has_module(name)
-    sgl_kernel_names: Callable[[], Optional[set]] = lambda: _sgl_kernel_names()
-    cubin_status: Callable[[], str] = lambda: _cubin_status()
 
 
 def kernel_notes(hw, facts: TargetFacts) -> list[str]:
@@ -105,56 +92,3 @@ def kernel_problems(hw, facts: TargetFacts, probe: NodeProbe | None = None) -> l
             problems.append(f"flashinfer kernel binaries: {status}, and FLASHINFER_NO_DOWNLOAD is set: "
                             f"pip install flashinfer-cubin==<flashinfer's version>")
     return problems
-
-
-def _cuda_available() -> bool:
-    try:
-        import torch
-
-        return torch.cuda.is_available()
-    except Exception:
-        return False
-
-
-def _has_module(name: str) -> bool:
-    return importlib.util.find_spec(name) is not None
-
-
-def _nvcc() -> Optional[str]:
-    """nvcc as SGLang's JIT finds it (kernels/jit/utils/arch.py): CUDA_HOME / CUDA_PATH, else the one
-    on PATH, else /usr/local/cuda."""
-    home = os.environ.get("CUDA_HOME") or os.environ.get("CUDA_PATH")
-    if home:
-        path = os.path.join(home, "bin", "nvcc")
-        return path if os.access(path, os.X_OK) else None
-    found = shutil.which("nvcc")
-    if found:
-        return found
-    return "/usr/local/cuda/bin/nvcc" if os.access("/usr/local/cuda/bin/nvcc", os.X_OK) else None
-
-
-def _sgl_kernel_names() -> Optional[set]:
-    """Names the installed sgl_kernel offers (None: not installed). Our GPU stand-in for a bare image
-    (target/sglang_cpu_compat.py) is not on the path here, so this sees the real wheel only."""
-    if importlib.util.find_spec("sgl_kernel") is None:
-        return None
-    import sgl_kernel
-
-    names = set(dir(sgl_kernel))
-    if importlib.util.find_spec("sgl_kernel.scalar_type") is not None:
-        names.add("scalar_type")
-    return names
-
-
-def _cubin_status() -> str:
-    if os.environ.get("FLASHINFER_CUBIN_DIR"):
-        return "installed"
-    if importlib.util.find_spec("flashinfer_cubin") is None:
-        return "flashinfer-cubin not installed"
-    try:
-        from importlib.metadata import version
-
-        ours, theirs = version("flashinfer-cubin"), version("flashinfer-python")
-    except Exception:
-        return "installed"
-    return "installed" if ours == theirs else f"flashinfer-cubin {ours} does not match flashinfer {theirs}"

@@ -15,7 +15,7 @@ import torch
 
 from specforge_k25.config import compose_job
 from specforge_k25.plan import KIMI_K25, PlanError, check_fits, plan_memory
-from specforge_k25.plan import kernels
+from specforge_k25.target import node_probe
 from specforge_k25.plan.kernels import (MARLIN, TRTLLM, NodeProbe, int4_moe_backend, kernel_problems,
                                         marlin_scratch_bytes)
 
@@ -123,11 +123,11 @@ def test_run_on_a_node_without_nvcc_is_refused(monkeypatch):
     """check_fits (what `train` runs before any process starts) refuses the RTX profile on a CUDA
     node without nvcc, and names it; the same plan on a machine without CUDA fits."""
     assert check_fits(_job("rtxpro6000x8"), KIMI_K25).fits
-    monkeypatch.setattr(kernels, "_cuda_available", lambda: True)
-    monkeypatch.setattr(kernels, "_nvcc", lambda: None)
-    monkeypatch.setattr(kernels, "_sgl_kernel_names", lambda: {"moe_sum_reduce", "scalar_type"})
+    monkeypatch.setattr(node_probe, "_cuda_available", lambda: True)
+    monkeypatch.setattr(node_probe, "_nvcc", lambda: None)
+    monkeypatch.setattr(node_probe, "_sgl_kernel_names", lambda: {"moe_sum_reduce", "scalar_type"})
     with pytest.raises(PlanError, match="no nvcc on this node"):
         check_fits(_job("rtxpro6000x8"), KIMI_K25)
-    monkeypatch.setattr(kernels, "_has_module", lambda name: True)
-    monkeypatch.setattr(kernels, "_cubin_status", lambda: "installed")
+    monkeypatch.setattr(node_probe, "_has_module", lambda name: True)
+    monkeypatch.setattr(node_probe, "_cubin_status", lambda: "installed")
     check_fits(_job("b300x8"), KIMI_K25)  # FlashInfer's prebuilt kernels: no nvcc needed
