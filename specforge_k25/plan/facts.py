@@ -211,7 +211,9 @@ def draft_param_counts(cfg: DraftConfig) -> dict[str, int]:
     """Parameters per module of `Eagle3Draft` (draft/model.py); `embed_tokens` is frozen."""
     H, Ht, I = cfg.hidden_size, cfg.target_hidden_size, cfg.intermediate_size
     q_out, kv_out = cfg.num_attention_heads * cfg.head_dim, cfg.num_key_value_heads * cfg.head_dim
+    fc_norm = {"fc_norm (3 RMSNorm)": 3 * Ht} if cfg.fc_norm else {}  # EAGLE-3.1 option, off by default
     return {
+        **fc_norm,
         "fc": 3 * Ht * H,
         "q_proj": 2 * H * q_out,
         "k_proj": 2 * H * kv_out,

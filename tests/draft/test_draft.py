@@ -346,6 +346,9 @@ def test_state_names_and_order(variant):
     extra = ["fc_norm.0.weight", "fc_norm.1.weight", "fc_norm.2.weight"] if fc_norm else []
     assert list(draft.state_dict()) == PLAIN_STATE[:3] + extra + PLAIN_STATE[3:]
     assert all(draft.state_dict()[n].shape == (draft.cfg.target_hidden_size,) for n in extra)
+    from specforge_k25.plan import trainable_params  # the memory plan counts the same parameters
+
+    assert sum(p.numel() for p in draft.trainable_parameters()) == trainable_params(draft.cfg)
 
 
 def test_checkpoints_from_before_the_options_still_resume():
