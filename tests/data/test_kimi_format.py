@@ -630,7 +630,7 @@ MOONSHOT_TS = [
 
 @pytest.mark.parametrize("case", range(len(MOONSHOT_TS)))
 def test_tool_declaration_is_moonshots_typescript(case):
-    from specforge_k25.data.kimi_format import kimi_tool_declaration
+    from specforge_k25.data.kimi_tools import kimi_tool_declaration
 
     tools, want = MOONSHOT_TS[case]
     assert kimi_tool_declaration(tools) == want
@@ -641,7 +641,7 @@ def test_tool_declaration_rules_read_from_moonshots_encoder():
     out from its code: keys deep-sorted first (so $defs come out in name order), a field's comment
     lines (description, sorted constraints, default), required fields first, additionalProperties,
     an array item's comment lines, a self-referring schema (`#`)."""
-    from specforge_k25.data.kimi_format import kimi_tool_declaration
+    from specforge_k25.data.kimi_tools import kimi_tool_declaration
 
     params = {
         "type": "object", "additionalProperties": False, "required": ["b", "a"],
@@ -682,7 +682,7 @@ def test_tool_declaration_rules_read_from_moonshots_encoder():
 def test_tools_moonshots_encoder_rejects_are_refused(tok, tools):
     """Where Kimi's tokenizer catches an encoder error and falls back to a JSON declaration,
     the row is refused (counted) rather than rendered."""
-    from specforge_k25.data.kimi_format import kimi_tool_declaration
+    from specforge_k25.data.kimi_tools import kimi_tool_declaration
 
     with pytest.raises(Exception):
         kimi_tool_declaration(tools)
@@ -729,7 +729,7 @@ def template_ids(tok, template, messages, mode, add_generation_prompt, tools=Non
     """The template's text for `messages`, encoded as SGLang encodes it (special tokens parsed)."""
     from transformers.utils.chat_template_utils import render_jinja_template
 
-    from specforge_k25.data.kimi_format import kimi_tool_declaration
+    from specforge_k25.data.kimi_tools import kimi_tool_declaration
 
     kw = {"thinking": False} if mode == "instant" else {}
     if tools:  # Kimi's tokenizer passes `tools_ts_str` (its TypeScript text); checked above
@@ -884,7 +884,7 @@ def test_tool_call_ids_and_arguments_as_served(tok, template, E):
 
 
 def test_normalize_row_carries_tools_for_the_kimi_renderer(tok, E):
-    from specforge_k25.data.kimi_format import kimi_tool_declaration
+    from specforge_k25.data.kimi_tools import kimi_tool_declaration
 
     tool = _weather_tool()
     base = {"messages": [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Yo"}]}
