@@ -72,7 +72,9 @@ def copy_head(smollm2_path, tmp_path_factory) -> Path:
 @pytest.mark.engine
 def test_sglang_draft_reproduces_our_draft(smollm2_path, tmp_path):
     """SGLang's LlamaForCausalLMEagle3, loaded from our export, computes what our draft class
-    computes on the same inputs (its first forward: the draft extend over the prompt)."""
+    computes on the same inputs (its first forward: the draft extend over the prompt), and hands its
+    first draft decode step the state our `step` hands on (the contract docs/EAGLE3.md §1.5 builds
+    on: SGLang's model returns that state, its worker stores it for the next step)."""
     torch.manual_seed(0)
     cfg = DraftConfig(hidden_size=576, intermediate_size=256, num_attention_heads=9, num_key_value_heads=3,
                       head_dim=64, vocab_size=49152, draft_vocab_size=512, target_hidden_size=576,
@@ -104,12 +106,16 @@ def test_sglang_draft_reproduces_our_draft(smollm2_path, tmp_path):
     with torch.no_grad():
         n = len(first["input_ids"])
         hidden = ours.project(first["hidden_in"][None].float())
-        normed = ours.norm(ours.step(first["input_ids"][None], hidden, first["positions"][None], [])[0])[0]
+        handed_on = ours.step(first["input_ids"][None], hidden, first["positions"][None], [])[0]
+        normed = ours.norm(handed_on)[0]
         logits = ours.lm_head(normed)
     sglang_logits = first["normed"] @ first["lm_head"].T
     assert first["normed"].shape == (n, 576)
     assert (normed - first["normed"]).abs().max() < 1e-4
     assert (logits - sglang_logits).abs().max() < 1e-4 * max(1.0, logits.abs().max().item())
+    second = torch.load(calls[1])
+    assert "DECODE" in second["mode"] and len(second["hidden_in"]) == 1, second["mode"]
+    assert (second["hidden_in"][0] - handed_on[0, -1]).abs().max() < 1e-4 * handed_on.abs().max()
     if first["hot_token_id"] is not None:  # the draft-to-target vocab map SGLang uses
         assert torch.equal(first["hot_token_id"].long().cpu(), draft_to_target(ours.d2t))
 
