@@ -13,8 +13,8 @@ happen to be its default [2, L//2, L-3].
 
 The EAGLE-3.1 options (docs/EAGLE3.md §1.5) are written only when on, as top-level booleans both
 servers read (SGLang 0.5.23 `llama_eagle3.py`, vLLM >= 0.22 `llama_eagle3.py`): `fc_norm` with
-the tensors `fc_norm.{0,1,2}.weight`, and `norm_output`. With both off the folder is what it was
-before they existed, byte for byte.
+the tensors `fc_norm.{0,1,2}.weight`, and `norm_output`. With both off neither key nor tensor is
+written: a plain EAGLE-3 folder.
 """
 from __future__ import annotations
 
