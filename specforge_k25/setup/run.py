@@ -12,7 +12,7 @@ import torch
 from ..config import JobConfig
 from ..data.dataset import TokenizedData, build_dataset
 from ..data.regenerate import regeneration_prompt
-from ..draft.model import DraftConfig, Eagle3Draft
+from ..draft.model import NUM_AUX, DraftConfig, Eagle3Draft
 from ..draft.vocab import build_vocab_maps, count_tokens
 from ..plan import check_fits, facts_from_folder, resolve_draft
 from ..plan.budget import kv_pool_tokens
@@ -55,7 +55,7 @@ def prepare(job: JobConfig) -> RunSetup:
 
         config = AutoConfig.from_pretrained(model_path, trust_remote_code=job.target.trust_remote_code)
         check_deepseek_config(getattr(config, "text_config", None) or config)
-    points = resolve_capture_points(job.target.aux_layers, info.num_layers)
+    points = capture_points(job, info)
     eagle_ids = sglang_layer_ids(points, layer_id_rule(info.architecture))
     if job.draft.vocab_size > info.vocab_size:
         raise ValueError(f"draft.vocab_size={job.draft.vocab_size} exceeds the target vocab {info.vocab_size}")
@@ -75,6 +75,18 @@ def prepare(job: JobConfig) -> RunSetup:
                          f"tokenizer and target weights in {model_path} do not match")
     return RunSetup(model_path, info, points, eagle_ids, tokenizer, data, resolve_draft(job.draft, facts),
                     regeneration(job, tokenizer), end_of_turn_id)
+
+
+def capture_points(job: JobConfig, info: TargetInfo) -> list[int]:
+    """The run's capture points (target.aux_layers checked against the target), refused unless the
+    draft takes one aux state per point: K = len(points) sizes the engine's capture, the ring's slots
+    and the trainer's batches, and the EAGLE-3 draft's fc is fixed at NUM_AUX states."""
+    points = resolve_capture_points(job.target.aux_layers, info.num_layers)
+    if len(points) != NUM_AUX:
+        raise ValueError(f"target.aux_layers={points} asks for {len(points)} aux states, but the EAGLE-3 draft "
+                         f"(draft/model.py Eagle3Draft, fc over {NUM_AUX} x Ht) takes exactly {NUM_AUX}: "
+                         f"give {NUM_AUX} capture points or null for the default")
+    return points
 
 
 def _end_of_turn_id(tokenizer, token: str | None) -> int:
@@ -153,7 +165,7 @@ def target_spec(job: JobConfig, engine: str = "sglang", tokenizer=None) -> Targe
     model_path = resolve_target_path(job.target)
     info = read_target_info(model_path)
     spec = TargetSpec(engine=engine, model_path=model_path, architecture=info.architecture,
-                      capture_points=resolve_capture_points(job.target.aux_layers, info.num_layers),
+                      capture_points=capture_points(job, info),
                       device=hw.device, dtype=hw.target_dtype, tp_size=hw.target_tp, gpu_id=hw.target_gpu,
                       max_total_tokens=kv_pool_tokens(hw, job.train.batch_size, job.data.max_length), mem_fraction_static=hw.mem_fraction_static,
                       attention_backend=hw.target_attention_backend, num_threads=hw.target_threads, trust_remote_code=job.target.trust_remote_code,

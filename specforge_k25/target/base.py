@@ -11,7 +11,7 @@ import torch
 class TargetOutput:
     """Hidden states of a batch of sequences, packed along tokens (no padding).
 
-    aux_hidden:   [sum(lengths), 3*Ht]  residual stream at the three capture points, concatenated
+    aux_hidden:   [sum(lengths), K*Ht]  residual stream at the K capture points, concatenated in order
     final_hidden: [sum(lengths), Ht]    after the final norm (the input of lm_head)
     """
 

@@ -34,6 +34,11 @@ class TargetSpec:
     load_threads: int = 8  # shards SGLang's multithreaded loader reads at a time
     regeneration: Regeneration | None = None  # data.regenerate: answer each prompt, then prefill prompt + answer
 
+    @property
+    def num_aux(self) -> int:
+        """K: the aux states each batch carries, one per capture point (the ring's aux is K*Ht wide)."""
+        return len(self.capture_points)
+
     def local_tp_ranks(self) -> list[int]:
         """The TP ranks this node runs."""
         per_node = self.tp_size // self.nnodes

@@ -2,8 +2,9 @@
 
 Our one convention: a **capture point** p is an index into HF transformers'
 `output_hidden_states` tuple, i.e. the residual stream entering decoder layer p
-(= leaving layer p-1; 0 is the embedding output). Three points, strictly increasing, each in
-[1, num_layers-1].
+(= leaving layer p-1; 0 is the embedding output). K >= 1 points, strictly increasing, each in
+[1, num_layers-1]; their number K is the number of aux states every batch carries (K*Ht wide).
+Whether the draft takes K states is the draft's business, checked in setup/run.py.
 
 SGLang 0.5.23 takes EAGLE-3 "layer ids" whose meaning depends on the model class
 (`set_eagle3_layers_to_capture`): Llama captures the input of layer id+1; DeepseekV2/V3 (hence
@@ -48,9 +49,9 @@ def default_capture_points(num_layers: int) -> list[int]:
 
 def validate_capture_points(points: list[int], num_layers: int) -> list[int]:
     points = [int(p) for p in points]
-    if len(points) != 3:
-        raise ValueError(f"target.aux_layers needs exactly 3 capture points, got {points}")
-    if len(set(points)) != 3 or points != sorted(points):
+    if not points:
+        raise ValueError("target.aux_layers needs at least one capture point")
+    if len(set(points)) != len(points) or points != sorted(points):
         raise ValueError(f"target.aux_layers={points}: must be strictly increasing and distinct")
     if points[0] < 1 or points[-1] > num_layers - 1:
         raise ValueError(

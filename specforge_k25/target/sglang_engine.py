@@ -95,6 +95,20 @@ def engine_server_args(model_path: str, *, device: str, dtype: str, tp_size: int
     )
 
 
+def packed_aux(aux_hidden, final_hidden: torch.Tensor, num_aux: int) -> torch.Tensor:
+    """What SGLang's capture hook saw -> aux [N, K*Ht]. Llama models hand a list of K [N, Ht],
+    DeepSeek ones (Kimi-K2.5) one packed [N, K*Ht]; both in increasing layer order, which is the
+    capture points' order. A count other than the `num_aux` points asked for is refused: the ring's
+    slots and the draft are sized for that K."""
+    if isinstance(aux_hidden, (list, tuple)):
+        aux_hidden = torch.cat(list(aux_hidden), -1)
+    ht = final_hidden.shape[-1]
+    if aux_hidden.shape[-1] != num_aux * ht:
+        raise RuntimeError(f"SGLang captured {aux_hidden.shape[-1] / ht:g} aux hidden states of width {ht}, "
+                           f"the capture points ask for {num_aux}")
+    return aux_hidden
+
+
 class SGLangTarget:
     """One TP rank of the frozen target. With tp_size > 1 every rank of the TP group builds one
     (each in its own process, `gpu_id` = its GPU; on CPU its index on the node) and they all run
@@ -148,6 +162,7 @@ class SGLangTarget:
             os.environ["SGLANG_ENABLE_TP_MEMORY_INBALANCE_CHECK"] = "0"
         if device == "cpu" and tp_size > 1 and not os.environ.get("SGLANG_CPU_OMP_THREADS_BIND"):
             os.environ["SGLANG_CPU_OMP_THREADS_BIND"] = cpu_bind_groups(tp_size // nnodes)
+        self.num_aux = len(capture_points)
         self.layer_ids = sglang_layer_ids(capture_points, layer_id_rule(architecture))
         server_args = ServerArgs(**engine_server_args(
             model_path, device=device, dtype=dtype, tp_size=tp_size, attention_backend=attention_backend,
@@ -218,10 +233,7 @@ class SGLangTarget:
         if not isinstance(self._captured, tuple) or len(self._captured) != 2:
             raise RuntimeError("SGLang did not return aux hidden states (capture hook saw no (final, aux) pair)")
         final_hidden, aux_hidden = self._captured
-        if isinstance(aux_hidden, (list, tuple)):  # Llama: list of [N, Ht]; DeepSeek: packed [N, 3Ht]
-            aux_hidden = torch.cat(list(aux_hidden), -1)
-        if aux_hidden.shape[-1] != 3 * final_hidden.shape[-1]:
-            raise RuntimeError(f"captured {aux_hidden.shape[-1] // final_hidden.shape[-1]} of 3 aux hidden states")
+        aux_hidden = packed_aux(aux_hidden, final_hidden, self.num_aux)
         return TargetOutput(aux_hidden, final_hidden, [len(s) for s in sequences])
 
     @torch.no_grad()

@@ -17,26 +17,40 @@ from specforge_k25.target.layers import (
     sglang_layer_ids,
     validate_capture_points,
 )
+from specforge_k25.target.sglang_engine import packed_aux
+
+
+# K aux states, one per capture point. SmolLM2 (Llama rule: SGLang hands a list of K tensors)
+# captures K=5 points that include its default [2, 15, 27], so the default run's states are among
+# those checked; the tiny DeepSeek (one packed [N, K*Ht]) captures K=2. Its default three are
+# checked against HF by test_target_tp.py, the tiny Kimi's by test_kimi_target.py.
+CAPTURES = {"smollm2": [2, 8, 15, 22, 27], "tiny_deepseek": [3, 6]}
 
 
 @pytest.mark.engine
 @pytest.mark.parametrize("target", ["smollm2", "tiny_deepseek"])
 def test_sglang_hidden_states_equal_hf(target, request, sglang_capture):
-    """Aux (3 capture points) and final post-norm states from SGLang == HF output_hidden_states, fp32."""
+    """Aux (K capture points) and final post-norm states from SGLang == HF output_hidden_states, fp32."""
     path = request.getfixturevalue(f"{target}_path")
     info = read_target_info(path)
-    points = default_capture_points(info.num_layers)
+    points = CAPTURES[target]
+    K, H = len(points), info.hidden_size
     g = torch.Generator().manual_seed(0)
     seqs = [torch.randint(3, info.vocab_size, (n,), generator=g) for n in (23, 7, 41)]
+    assert len(points) != 3
+    if target == "smollm2":
+        assert set(default_capture_points(info.num_layers)) <= set(points)
     got = sglang_capture(path, points, seqs)
-    ref = HFTarget(path, points).forward(seqs)
+    hf = HFTarget(path, points)
+    ref = hf.forward(seqs)
     ref_aux = torch.split(ref.aux_hidden, ref.lengths)
     ref_final = torch.split(ref.final_hidden, ref.lengths)
     aux = torch.cat([a for _, a, _ in got])
     final = torch.cat([f for _, _, f in got])
     assert [n for lengths, _, _ in got for n in lengths] == [23, 7, 41]
-    assert aux.shape == (71, 3 * info.hidden_size) and final.shape == (71, info.hidden_size)
+    assert aux.shape == (71, K * H) and final.shape == (71, H)
     ref_aux, ref_final = torch.cat(ref_aux), torch.cat(ref_final)
+    assert ref_aux.shape == aux.shape
     # The spec is max |diff| <= 1e-4 in fp32. SmolLM2's residual stream has outlier channels of
     # magnitude ~2.6e4, where one fp32 ulp is ~2e-3, so the bound is applied relative to the
     # magnitude beyond 1: |diff| <= 1e-4 * max(1, |ref|). Elsewhere this is the plain 1e-4 bound.
@@ -44,13 +58,13 @@ def test_sglang_hidden_states_equal_hf(target, request, sglang_capture):
         bound = 1e-4 * r.abs().clamp(min=1.0)
         worst = ((a - r).abs() / bound).max().item()
         assert worst <= 1.0, f"{target} {name}: max |diff|/bound = {worst:.3g} (max |diff| {(a - r).abs().max():.3g})"
-    # and the captured layers are exactly the configured ones: a neighbouring layer does not match
+    # and each captured block is exactly its configured layer's: the next layer's input does not match
     with torch.no_grad():
-        hs = HFTarget(path, points).model.model(seqs[0][None], output_hidden_states=True).hidden_states
-    H = info.hidden_size
-    first = aux[:23, :H]
-    assert torch.allclose(first, hs[points[0]][0], atol=1e-3, rtol=1e-4)
-    assert not torch.allclose(first, hs[points[0] + 1][0], atol=1e-3, rtol=1e-4)
+        hs = hf.model.model(seqs[0][None], output_hidden_states=True).hidden_states
+    for k, p in enumerate(points):
+        block = aux[:23, k * H:(k + 1) * H]
+        assert torch.allclose(block, hs[p][0], atol=1e-3, rtol=1e-4), f"{target}: block {k} is not point {p}"
+        assert not torch.allclose(block, hs[p + 1][0], atol=1e-3, rtol=1e-4), f"{target}: block {k} is point {p + 1}"
 
 
 def _sglang_captured_layers(model_cls_name: str, ids: list[int], num_layers: int) -> list[int]:
@@ -93,9 +107,55 @@ def test_layer_id_rule_mirror_agrees_with_sglang():
     assert _sglang_captured_layers("deepseek", [1, 29, 57], 61) == [2, 30, 58]
 
 
+@pytest.mark.parametrize("points", [[2, 40], [2, 9, 30, 44, 58], [5]])
+def test_any_number_of_capture_points_is_what_sglang_captures(points):
+    """set_eagle3_layers_to_capture takes a list of any length on both model families: the ids for
+    K != 3 points make SGLang's own method capture exactly those K points."""
+    for architecture, name in (("LlamaForCausalLM", "llama"), ("KimiK25ForConditionalGeneration", "deepseek")):
+        ids = sglang_layer_ids(points, layer_id_rule(architecture))
+        assert _sglang_captured_layers(name, ids, 61) == points
+        assert capture_points_of_sglang_ids(ids, layer_id_rule(architecture)) == points
+
+
+def test_engine_output_is_checked_against_the_capture_count():
+    """What SGLang's hook hands over -> aux [N, K*Ht] in capture-point order; another count than the
+    K points asked for is named, not passed on."""
+    ht, n = 4, 3
+    final = torch.zeros(n, ht)
+    states = [torch.full((n, ht), float(k)) for k in range(5)]
+    assert torch.equal(packed_aux(list(states), final, 5), torch.cat(states, -1))  # Llama: a list of K
+    packed = torch.cat(states[:2], -1)
+    assert packed_aux(packed, final, 2) is packed  # DeepSeek: packed already
+    with pytest.raises(RuntimeError, match="captured 2 aux hidden states of width 4, the capture points ask for 3"):
+        packed_aux(states[:2], final, 3)
+    with pytest.raises(RuntimeError, match="captured 5 aux hidden states .* ask for 3"):
+        packed_aux(torch.cat(states, -1), final, 3)
+
+
+def test_setup_refuses_a_capture_count_the_draft_cannot_take(smollm2_path):
+    """target.aux_layers of K != 3 points is refused when the run is set up (prepare and the target
+    spec of every node), naming the draft and both counts; the default and any 3 points pass."""
+    from specforge_k25.config import compose_job
+    from specforge_k25.setup.run import capture_points, target_spec
+
+    info = read_target_info(smollm2_path)
+    assert capture_points(compose_job([]), info) == [2, 15, 27]
+    assert capture_points(compose_job(["target.aux_layers=[3,9,20]"]), info) == [3, 9, 20]
+    for layers, k in (("[2,15]", 2), ("[2,8,15,22,27]", 5)):
+        job = compose_job([f"target.aux_layers={layers}"])
+        for check in (lambda: capture_points(job, info), lambda: target_spec(job)):
+            with pytest.raises(ValueError, match=rf"asks for {k} aux states, but the EAGLE-3 draft "
+                                                 rf"\(draft/model.py Eagle3Draft.*takes exactly 3"):
+                check()
+    assert target_spec(compose_job([])).num_aux == 3
+
+
 def test_capture_point_validation():
     assert validate_capture_points([2, 30, 58], 61) == [2, 30, 58]
-    for bad in ([2, 2, 5], [5, 3, 7], [0, 3, 5], [2, 3, 61], [2, 3]):
+    # any number K >= 1 of points: K is the number of aux states the stream carries
+    assert validate_capture_points([2, 3], 61) == [2, 3]
+    assert validate_capture_points([1, 2, 30, 40, 60], 61) == [1, 2, 30, 40, 60]
+    for bad in ([2, 2, 5], [5, 3, 7], [0, 3, 5], [2, 3, 61], [], [4, 4], [9, 3]):
         with pytest.raises(ValueError):
             validate_capture_points(bad, 61)
     with pytest.raises(ValueError, match="layer 1"):
