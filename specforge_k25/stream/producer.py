@@ -138,7 +138,7 @@ class TargetStream:
     """Trainer-side handle: starts the target process and yields its batches in order.
 
     with TargetStream(spec, sequences, batches, ...) as stream:
-        for msg, aux, final in stream:   # aux [N, 3Ht], final [N, Ht] views into shared memory
+        for msg, aux, final in stream:   # aux [N, K*Ht] (K = spec.num_aux), final [N, Ht] views into shared memory
             ...use them...
             stream.release(msg)          # hand the slot back (do this as early as possible)
     """
@@ -166,7 +166,7 @@ class TargetStream:
         max_tokens = max((sum(room[i] for i in b) for b in carried), default=1)
         self.prompt_lengths = lengths.tolist()
         self.ctx = torch.multiprocessing.get_context("spawn")
-        self.ring = SlotRing(self.ctx, slots, max_tokens, hidden_size, dtype, device)
+        self.ring = SlotRing(self.ctx, slots, max_tokens, hidden_size, dtype, device, num_aux=spec.num_aux)
         self.process = None  # TP rank 0: the one that fills the ring
         self.tp_processes: dict[int, object] = {}  # every TP rank started on this node, rank 0 included
         self.wait_s = 0.0  # trainer time spent waiting for the target

@@ -1,10 +1,10 @@
 """A bounded ring of preallocated shared tensors between one producer and one consumer.
 
-Each slot holds one target batch: aux [max_tokens, 3Ht] and final [max_tokens, Ht]. The producer
-takes a free slot (blocking when all are in use: that is the backpressure), writes, and
-announces it on `ready`; the consumer reads and hands the slot back on `free`. Only slot
-numbers and small metadata cross the queues; the tensors themselves are created once and
-shared when the producer process starts: POSIX shared memory (tmpfs, never a disk) on CPU,
+Each slot holds one target batch: aux [max_tokens, K*Ht] (K aux states, one per capture point) and
+final [max_tokens, Ht]. The producer takes a free slot (blocking when all are in use: that is the
+backpressure), writes, and announces it on `ready`; the consumer reads and hands the slot back on
+`free`. Only slot numbers and small metadata cross the queues; the tensors themselves are created
+once and shared when the producer process starts: POSIX shared memory (tmpfs, never a disk) on CPU,
 CUDA IPC handles when `device` is a GPU (torch.multiprocessing does both).
 """
 from __future__ import annotations
@@ -41,15 +41,18 @@ class ProducerFailed:
 
 
 class SlotRing:
-    def __init__(self, ctx, num_slots: int, max_tokens: int, hidden_size: int, dtype: torch.dtype, device: str = "cpu"):
-        self.aux = [torch.empty(max_tokens, 3 * hidden_size, dtype=dtype, device=device) for _ in range(num_slots)]
+    def __init__(self, ctx, num_slots: int, max_tokens: int, hidden_size: int, dtype: torch.dtype, device: str = "cpu",
+                 *, num_aux: int):
+        """num_aux: K, the aux states per token (TargetSpec.num_aux): no default, so that a ring is never
+        sized for another K than its target captures."""
+        self.aux = [torch.empty(max_tokens, num_aux * hidden_size, dtype=dtype, device=device) for _ in range(num_slots)]
         self.final = [torch.empty(max_tokens, hidden_size, dtype=dtype, device=device) for _ in range(num_slots)]
         # token ids of each slot's sequences: the trainer's only source for answers the target generated
         self.ids = [torch.empty(max_tokens, dtype=torch.int64).share_memory_() for _ in range(num_slots)]
         if device == "cpu":
             for t in self.aux + self.final:
                 t.share_memory_()
-        self.max_tokens = max_tokens
+        self.max_tokens, self.num_aux, self.hidden_size = max_tokens, num_aux, hidden_size
         self.free = ctx.Queue()
         self.ready = ctx.Queue(maxsize=num_slots + 1)
         for slot in range(num_slots):
@@ -67,6 +70,10 @@ class SlotRing:
         n = aux.shape[0]
         if n > self.max_tokens:
             raise ValueError(f"batch of {n} tokens exceeds stream slot size {self.max_tokens}")
+        if aux.shape[-1] != self.num_aux * self.hidden_size or final.shape[-1] != self.hidden_size:
+            # before taking a slot: copy_ would fail while holding it, naming no K (or broadcast a width-1 source)
+            raise ValueError(f"aux [{n}, {aux.shape[-1]}] / final [{n}, {final.shape[-1]}] for a ring of "
+                             f"{self.num_aux} aux states x {self.hidden_size}")
         slot = self.free.get()  # blocks while the trainer holds every slot
         self.aux[slot][:n].copy_(aux)
         self.final[slot][:n].copy_(final)
@@ -111,7 +118,7 @@ class SlotRing:
 
 
 def slot_checksum(aux: torch.Tensor, final: torch.Tensor) -> float:
-    """float64 sum of a batch's aux [N, 3Ht] and final [N, Ht] states: the producer records it for
+    """float64 sum of a batch's aux [N, K*Ht] and final [N, Ht] states: the producer records it for
     the slot it filled; a consumer that recomputes it on its own copy proves the copy saw the batch
     the producer wrote, not a later one (the stream stress tests and the GPU check do)."""
     return float(aux.sum(dtype=torch.float64) + final.sum(dtype=torch.float64))

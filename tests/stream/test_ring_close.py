@@ -17,7 +17,7 @@ SCRIPT = textwrap.dedent("""
     import json, os, torch
     from specforge_k25.stream.ring import SlotRing
 
-    ring = SlotRing(torch.multiprocessing.get_context("spawn"), 2, 8, 4, torch.float32)
+    ring = SlotRing(torch.multiprocessing.get_context("spawn"), 2, 8, 4, torch.float32, num_aux=3)
     ring.put(0, torch.ones(3, 12), torch.ones(3, 4), [3])  # both queues' feeder threads start
     msg = ring.get(timeout=10)
     assert ring.view(msg)[0].sum().item() == 36

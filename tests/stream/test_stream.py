@@ -87,6 +87,49 @@ def test_slow_consumer_copies_what_the_producer_wrote_checksum_every_slot(tiny_d
     assert checked == 16
 
 
+def test_five_aux_states_cross_the_ring_intact(tiny_deepseek_path):
+    """K=5 capture points: the spec's K sizes the ring's slots [max_tokens, 5Ht]; every batch arrives
+    whole (the consumer's copy has the producer's checksum) and equal to HF's five states in order."""
+    from specforge_k25.stream.ring import slot_checksum
+
+    points = [1, 2, 4, 5, 7]
+    spec, info = _spec(tiny_deepseek_path)
+    spec.capture_points = points
+    assert spec.num_aux == 5
+    seqs = _seqs(5, info.vocab_size, seed=4)
+    plan = [[0, 1], [2], [3, 4]]
+    ref = HFTarget(tiny_deepseek_path, points)
+    H = info.hidden_size
+    items = []
+    with TargetStream(spec, seqs, plan, hidden_size=H, slots=2, timeout_s=120) as stream:
+        assert all(t.shape[1] == 5 * H for t in stream.ring.aux)
+        for msg, aux, final in stream:
+            items.append(msg.item)
+            copy = (aux.clone(), final.clone())
+            stream.release(msg)
+            assert slot_checksum(*copy) == msg.checksum, f"batch {msg.item}: the copy is not what was produced"
+            expect = ref.forward([seqs[i] for i in plan[msg.item]])
+            assert copy[0].shape == (sum(msg.lengths), 5 * H)
+            torch.testing.assert_close(copy[0], expect.aux_hidden, rtol=1e-5, atol=1e-5)
+            torch.testing.assert_close(copy[1], expect.final_hidden, rtol=1e-5, atol=1e-5)
+    assert items == [0, 1, 2]
+
+
+def test_ring_refuses_states_of_another_count_before_taking_a_slot():
+    from specforge_k25.stream.ring import SlotRing
+
+    ring = SlotRing(torch.multiprocessing.get_context("spawn"), 1, 8, 4, torch.float32, num_aux=5)
+    try:
+        assert ring.aux[0].shape == (8, 20)
+        with pytest.raises(ValueError, match=r"aux \[3, 12\] / final \[3, 4\] for a ring of 5 aux states x 4"):
+            ring.put(0, torch.ones(3, 12), torch.ones(3, 4), [3])
+        ring.put(0, torch.ones(3, 20), torch.ones(3, 4), [3])  # the one slot is still free
+        msg = ring.get(timeout=10)
+        assert msg.checksum == 72.0 and ring.view(msg)[0].shape == (3, 20)
+    finally:
+        ring.close()
+
+
 def test_group_signals_leave_the_target_serving(tiny_deepseek_path):
     """SIGTERM and SIGINT reach a rank's whole process group (torchrun, Slurm, Ctrl-C); the target
     ignores them, also while it starts up, and serves every batch until the trainer stops it."""
