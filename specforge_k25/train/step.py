@@ -17,7 +17,7 @@ class DraftBatch:
     input_ids: torch.Tensor  # [B, T] int64, right-padded
     loss_mask: torch.Tensor  # [B, T] bool
     lengths: torch.Tensor  # [B]
-    aux_hidden: torch.Tensor  # [B, T, 3Ht] fp32
+    aux_hidden: torch.Tensor  # [B, T, K*Ht] fp32, K aux states as the stream carries them
     teacher: Teacher
 
     @property
@@ -62,6 +62,9 @@ class DraftTrainer:
         """samples: the `Sample`s of the batch, in stream order; the packed tensors may be views
         into shared memory: everything kept is copied, so the slot can be released afterwards."""
         dev = self.device
+        if aux_packed.shape[-1] != self.draft.fc.in_features:
+            raise ValueError(f"the stream's aux states are {aux_packed.shape[-1]} wide, the draft's fc takes "
+                             f"{self.draft.fc.in_features} (target.aux_layers and the draft disagree on K)")
         pad = torch.nn.utils.rnn.pad_sequence
         input_ids = pad([s.input_ids for s in samples], batch_first=True, padding_value=0).to(dev)
         loss_mask = pad([s.loss_mask for s in samples], batch_first=True, padding_value=False).to(dev)
@@ -77,8 +80,9 @@ class DraftTrainer:
         """One position, no loss position: a sharded rank's stand-in for a batch it has no share of."""
         dev, ht = self.device, self.draft.cfg.target_hidden_size
         final = torch.zeros(1, 1, ht, device=dev)
+        aux = torch.zeros(1, 1, self.draft.fc.in_features, device=dev)  # K*Ht, what the stream brings
         return DraftBatch(torch.zeros(1, 1, dtype=torch.int64, device=dev), torch.zeros(1, 1, dtype=torch.bool, device=dev),
-                          torch.ones(1, dtype=torch.int64, device=dev), torch.zeros(1, 1, 3 * ht, device=dev),
+                          torch.ones(1, dtype=torch.int64, device=dev), aux,
                           compute_teacher(final, self.lm_head, self.draft.d2t, self.teacher_chunk))
 
     def _loss(self, batch: DraftBatch, normalizer: torch.Tensor | None = None) -> TTTResult:
