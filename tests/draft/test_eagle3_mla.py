@@ -16,7 +16,8 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from mla_ttt_reference import YARN, reference_steps, reference_ttt_loss, rope_frequencies, tiny_mla_config, tiny_mla_setup
+from mla_ttt_reference import (YARN, reference_steps, reference_ttt_loss, rope_frequencies, tiny_mla_config,
+                               tiny_mla_setup)
 from specforge_k25.draft.eagle3_mla.export import (LAYER_PREFIX, expected_shapes, export_mla_draft, load_mla_export,
                                                    validate_export)
 from specforge_k25.draft.eagle3_mla.model import (Eagle3MLADraft, MLADraftConfig, apply_rope_interleaved,
@@ -44,7 +45,7 @@ def unroll(draft, aux, step_ids, K):
 def case():
     """4 aux states (fc takes any count), YaRN factor 8 over 16 positions: the rope ramp and the
     softmax mscale both matter at these positions. Reference outputs kept with their graph."""
-    cfg, draft, d2t, input_ids, loss_mask, lengths, aux, final, lm_head_full = tiny_mla_setup(0, num_aux_hidden_states=4)
+    cfg, draft, _, input_ids, _, _, aux, _, _ = tiny_mla_setup(0, num_aux_hidden_states=4)
     step_ids = [torch.randint(0, cfg.vocab_size, input_ids.shape) for _ in range(K)]
     ref_h, ref_l = reference_steps(draft, aux, step_ids, K)
     return draft, aux, step_ids, ref_h, ref_l
@@ -121,7 +122,8 @@ def test_yarn_frequencies_scale_and_interleaved_layout():
     assert kept.any() and divided.any() and not (kept | divided).all()  # the ramp has all three parts
     assert softmax_scale(cfg) == pytest.approx((1 + 0.1 * math.log(8.0)) ** 2 / math.sqrt(6 + 16), rel=1e-15)
     plain = tiny_mla_config(rope_scaling={})  # factor 1: plain RoPE, plain 1/sqrt(d) scale
-    torch.testing.assert_close(rope_inv_freq(plain), plain.rope_theta ** (-torch.arange(0, 4, 2, dtype=torch.float64) / 4))
+    plain_freqs = plain.rope_theta ** (-torch.arange(0, 4, 2, dtype=torch.float64) / 4)
+    torch.testing.assert_close(rope_inv_freq(plain), plain_freqs)
     assert softmax_scale(plain) == 1 / math.sqrt(6 + 4)
     # pair (0, 1) rotates together (DeepSeek / GPT-J layout), not (0, d/2) as rotate-half would
     cos, sin = rope_cos_sin(torch.tensor([[3]]), plain, torch.float64)
@@ -134,6 +136,8 @@ def test_yarn_frequencies_scale_and_interleaved_layout():
     (dict(qk_rope_head_dim=5), "even"),
     (dict(rope_scaling={"type": "linear", "factor": 2.0}), "YaRN"),
     (dict(rope_scaling={"factor": 2.0, "low_freq_factor": 1.0}), "low_freq_factor"),
+    (dict(rope_scaling={"factor": 2.0, "apply_yarn_scaling": False}), "apply_yarn_scaling"),
+    (dict(rope_scaling={"factor": 2.0, "rope_theta": 10000.0}), "differs"),
     (dict(draft_vocab_size=51), "exceeds"),
 ])
 def test_config_is_checked(bad, match):
@@ -302,7 +306,7 @@ def test_sglang_draft_model_equals_ours(sglang_runs, behind, path):
     ours, seqs, aux, sg = sglang_runs[behind]  # the draft as trained, not reloaded: the export is under test too
     assert sg["class"] == "Eagle3DeepseekV2ForCausalLM" and sg["embed_is_target"]
     # CPU blocker: SGLang's set_embed calls torch.cuda.synchronize (kimi_k25_eagle3.py:415)
-    assert sg["set_embed_error"] is not None and "kimi_k25_eagle3.py:415" in sg["set_embed_error"], sg["set_embed_error"]
+    assert "kimi_k25_eagle3.py:415" in (sg["set_embed_error"] or ""), sg["set_embed_error"]
     run = sg[path]
     starts = [0, LENGTHS[0]]
     with torch.no_grad():

@@ -52,7 +52,8 @@ def serving_config(cfg: MLADraftConfig, eagle_layer_ids: list[int], vllm_layer_i
     `vllm_layer_ids`: vLLM's (vllm_layer_ids(capture points)). One id per aux state."""
     for ids, who in ((eagle_layer_ids, "SGLang"), (vllm_layer_ids, "vLLM")):
         if len(ids) != cfg.num_aux_hidden_states:
-            raise ValueError(f"{len(ids)} {who} layer ids for a draft that reads {cfg.num_aux_hidden_states} aux states")
+            raise ValueError(f"{len(ids)} {who} layer ids for a draft that reads "
+                             f"{cfg.num_aux_hidden_states} aux states")
     y, given = _yarn(cfg), cfg.rope_scaling or {}
     rope_scaling = {"type": "yarn", **{k: y[k] for k in YARN_KEYS if k in given or k in YARN_WRITTEN}}
     config = {
@@ -99,7 +100,8 @@ def expected_shapes(cfg: MLADraftConfig) -> dict[str, tuple]:
     return {
         "fc.weight": (H, cfg.num_aux_hidden_states * cfg.target_hidden_size),
         LAYER_PREFIX + "input_layernorm.weight": (H,), LAYER_PREFIX + "hidden_norm.weight": (H,),
-        a + "q_a_proj.weight": (rq, 2 * H), a + "q_a_layernorm.weight": (rq,), a + "q_b_proj.weight": (nh * (dn + dr), rq),
+        a + "q_a_proj.weight": (rq, 2 * H), a + "q_a_layernorm.weight": (rq,),
+        a + "q_b_proj.weight": (nh * (dn + dr), rq),
         a + "kv_a_proj_with_mqa.weight": (r + dr, 2 * H), a + "kv_a_layernorm.weight": (r,),
         a + "kv_b_proj.weight": (nh * (dn + dv), r), a + "o_proj.weight": (H, nh * dv),
         LAYER_PREFIX + "post_attention_layernorm.weight": (H,), LAYER_PREFIX + "mlp.gate_proj.weight": (I, H),
@@ -145,7 +147,8 @@ def validate_export(export_dir: str | Path) -> None:
             problems.append(f"missing tensor {name}")
         elif tuple(tensors[name].shape) != shape:
             problems.append(f"{name} has shape {tuple(tensors[name].shape)}, expected {shape}")
-    problems += [f"unexpected tensor {n} (vLLM skips unknown names silently)" for n in sorted(set(tensors) - set(expected))]
+    problems += [f"unexpected tensor {n} (vLLM skips unknown names silently)"
+                 for n in sorted(set(tensors) - set(expected))]
     for name, dtype in (("d2t", torch.int64), ("t2d", torch.bool)):
         if name in tensors and tensors[name].dtype != dtype:
             problems.append(f"{name} has dtype {tensors[name].dtype}, expected {dtype}")

@@ -35,7 +35,7 @@ import torch.nn.functional as F
 from ..model import MLP, RMSNorm, ttt_attention_mask
 
 YARN_KEYS = ("factor", "original_max_position_embeddings", "beta_fast", "beta_slow", "mscale", "mscale_all_dim",
-             "extrapolation_factor", "attn_factor", "apply_yarn_scaling", "apply_scale")
+             "extrapolation_factor", "attn_factor")
 
 
 @dataclass
@@ -72,11 +72,13 @@ def _yarn(cfg: MLADraftConfig) -> dict:
     if kind not in ("yarn", "deepseek_yarn"):
         raise ValueError(f"draft rope_scaling type {kind!r}: the MLA draft takes DeepSeek YaRN only")
     unknown = set(y) - set(YARN_KEYS) - {"type", "rope_type", "rope_theta"}
-    if unknown:
-        raise ValueError(f"draft rope_scaling has fields the servers' DeepSeek YaRN ignores: {sorted(unknown)}")
+    if unknown:  # e.g. apply_yarn_scaling: vLLM then switches to another rope type
+        raise ValueError(f"draft rope_scaling fields {sorted(unknown)} are not supported")
+    if y.get("rope_theta", cfg.rope_theta) != cfg.rope_theta:
+        raise ValueError(f"draft rope_scaling.rope_theta={y['rope_theta']} differs from rope_theta={cfg.rope_theta}")
     return {"factor": 1.0, "original_max_position_embeddings": cfg.max_position_embeddings, "beta_fast": 32.0,
             "beta_slow": 1.0, "mscale": 1.0, "mscale_all_dim": 0.0, "extrapolation_factor": 1.0,
-            "attn_factor": 1.0, "apply_yarn_scaling": True, "apply_scale": True, **y}
+            "attn_factor": 1.0, **y}
 
 
 def rope_inv_freq(cfg: MLADraftConfig) -> torch.Tensor:
@@ -101,16 +103,15 @@ def rope_inv_freq(cfg: MLADraftConfig) -> torch.Tensor:
 def rope_mscale(cfg: MLADraftConfig) -> float:
     """What cos and sin are multiplied by (1 for DeepSeek-V3/Kimi: mscale == mscale_all_dim)."""
     y = _yarn(cfg)
-    return yarn_get_mscale(y["factor"], y["mscale"]) / yarn_get_mscale(y["factor"], y["mscale_all_dim"]) * y["attn_factor"]
+    f = y["factor"]
+    return yarn_get_mscale(f, y["mscale"]) / yarn_get_mscale(f, y["mscale_all_dim"]) * y["attn_factor"]
 
 
 def softmax_scale(cfg: MLADraftConfig) -> float:
     """(dn + dr)^-1/2, times mscale(factor, mscale_all_dim)^2 under YaRN."""
     y = _yarn(cfg)
-    scale = (cfg.qk_nope_head_dim + cfg.qk_rope_head_dim) ** -0.5
-    if y["apply_yarn_scaling"] and y["apply_scale"]:
-        scale *= yarn_get_mscale(y["factor"], float(y["mscale_all_dim"])) ** 2
-    return scale
+    m = yarn_get_mscale(y["factor"], y["mscale_all_dim"])
+    return (cfg.qk_nope_head_dim + cfg.qk_rope_head_dim) ** -0.5 * m * m
 
 
 def rope_cos_sin(positions: torch.Tensor, cfg: MLADraftConfig, dtype: torch.dtype):
@@ -159,7 +160,8 @@ class MLAAttention(nn.Module):
         B, T, _ = x.shape
         nh, dn, dr, dv, r = (cfg.num_attention_heads, cfg.qk_nope_head_dim, cfg.qk_rope_head_dim,
                              cfg.v_head_dim, cfg.kv_lora_rank)
-        q = self.q_b_proj(self.q_a_layernorm(self.q_a_proj(x))).view(B, T, nh, dn + dr).transpose(1, 2)  # [B, nh, T, dn+dr]
+        q = self.q_b_proj(self.q_a_layernorm(self.q_a_proj(x)))
+        q = q.view(B, T, nh, dn + dr).transpose(1, 2)  # [B, nh, T, dn+dr]
         kv_a = self.kv_a_proj_with_mqa(x)  # [B, T, r+dr]
         latent = self.kv_a_layernorm(kv_a[..., :r])  # [B, T, r]
         cos, sin = rope_cos_sin(positions, cfg, q.dtype)  # [B, 1, T, dr]
