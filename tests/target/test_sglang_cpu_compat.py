@@ -6,6 +6,7 @@ workaround and its tests. If a version bump breaks one, the "works" test fails.
 """
 from __future__ import annotations
 
+import importlib.machinery
 import importlib.util
 import json
 import os
@@ -227,7 +228,10 @@ def test_gpu_stand_in_needed():
     assert '"sglang-kernel",' in engine and "SGLANG_SKIP_SGL_KERNEL_VERSION_CHECK" in engine
     assert 'return "fa3"' in _sglang_source("srt/arg_groups/model_override_base.py")
     assert "from sgl_kernel" in _sglang_source("srt/layers/attention/flashattention_backend.py")
-    assert importlib.util.find_spec("sgl_kernel") is None, "a real sgl_kernel is installed here: the test means nothing"
+    # PathFinder sees installed packages only: an earlier test in this process may have put our stand-in
+    # finder on sys.meta_path, which is not an installed sgl_kernel
+    real = importlib.machinery.PathFinder.find_spec("sgl_kernel")
+    assert real is None, "a real sgl_kernel is installed here: the test means nothing"
     without = _run_cuda("import sglang.srt.model_executor.model_runner")
     assert without.returncode != 0 and "No module named 'sgl_kernel'" in without.stderr, without.stderr[-2000:]
 
