@@ -19,7 +19,7 @@ ALLOWED = {
     "data": {"paths"},
     "target": {"data", "paths"},
     "stream": {"target"},
-    "draft": set(),  # torch only: nothing of ours but itself
+    "draft": {"paths"},  # torch only, and the atomic file writes of its exports
     "export": {"draft", "target", "paths"},  # target: the layer-id rules of the servers (target/layers.py)
     "plan": {"config", "target", "draft"},  # reads facts; builds nothing
     "setup": {"config", "data", "target", "stream", "draft", "plan"},

@@ -26,6 +26,7 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file, save_file
 
+from ...paths import write_atomic, write_text_atomic
 from ..model import draft_state
 from .model import YARN_KEYS, Eagle3MLADraft, MLADraftConfig, _yarn
 
@@ -171,13 +172,12 @@ def export_mla_draft(draft: Eagle3MLADraft, out_dir: str | Path, eagle_layer_ids
     tmp = out.with_name(out.name + ".tmp")
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)
-    save_file(serving_tensors(draft, dtype), tmp / "model.safetensors", metadata={"format": "pt"})
-    umask = os.umask(0)
-    os.umask(umask)
-    os.chmod(tmp / "model.safetensors", 0o666 & ~umask)  # the umask's mode, as other files (save_file makes 0600)
+    tensors = serving_tensors(draft, dtype)
+    # the umask's mode: a server running as another user reads the folder (save_file alone makes 0600)
+    write_atomic(tmp / "model.safetensors", lambda f: save_file(tensors, f, metadata={"format": "pt"}))
     config = serving_config(draft.cfg, eagle_layer_ids, vllm_layer_ids, bos_token_id, eos_token_id,
                             str(dtype).replace("torch.", ""))
-    (tmp / "config.json").write_text(json.dumps(config, indent=2))
+    write_text_atomic(tmp / "config.json", json.dumps(config, indent=2))
     try:
         validate_export(tmp)
     except ValueError:
