@@ -125,11 +125,13 @@ class MLP(nn.Module):
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, cfg: DraftConfig):
+    """The EAGLE-3 draft layer; `self_attn` defaults to GQA attention (the MLA head passes its own)."""
+
+    def __init__(self, cfg: DraftConfig, self_attn: nn.Module | None = None):
         super().__init__()
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.hidden_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.self_attn = Attention(cfg)
+        self.self_attn = self_attn if self_attn is not None else Attention(cfg)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.mlp = MLP(cfg)
 

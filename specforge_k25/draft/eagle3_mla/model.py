@@ -32,7 +32,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from ..model import MLP, RMSNorm, ttt_attention_mask
+from ..model import DecoderLayer, RMSNorm, ttt_attention_mask
 
 YARN_KEYS = ("factor", "original_max_position_embeddings", "beta_fast", "beta_slow", "mscale", "mscale_all_dim",
              "extrapolation_factor", "attn_factor")
@@ -179,23 +179,6 @@ class MLAAttention(nn.Module):
         return self.o_proj(out.transpose(1, 2).reshape(B, T, nh * dv)), (latent, k_pe)
 
 
-class MLADecoderLayer(nn.Module):
-    def __init__(self, cfg: MLADraftConfig):
-        super().__init__()
-        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.hidden_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.self_attn = MLAAttention(cfg)
-        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.mlp = MLP(cfg)
-
-    def forward(self, embeds, hidden, positions, past):
-        """embeds, hidden [B, T, H] -> (pre-norm output [B, T, H], this step's (c, kpe))."""
-        x = torch.cat([self.input_layernorm(embeds), self.hidden_norm(hidden)], -1)  # [B, T, 2H]
-        attn, cache = self.self_attn(x, positions, past)
-        hidden = hidden + attn  # the residual stream starts from the incoming hidden
-        return hidden + self.mlp(self.post_attention_layernorm(hidden)), cache
-
-
 class Eagle3MLADraft(nn.Module):
     """Same surface as draft/model.py::Eagle3Draft (project / step / logits, frozen embed_tokens,
     d2t / t2d), so draft/loss.py::ttt_loss and draft_state take it as they take that one."""
@@ -215,7 +198,7 @@ class Eagle3MLADraft(nn.Module):
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
         self.embed_tokens.weight.requires_grad_(False)  # the target's embedding, frozen
         self.fc = nn.Linear(cfg.num_aux_hidden_states * cfg.target_hidden_size, cfg.hidden_size, bias=False)
-        self.midlayer = MLADecoderLayer(cfg)
+        self.midlayer = DecoderLayer(cfg, MLAAttention(cfg))  # step returns (c, k_pe) as its cache
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.lm_head = nn.Linear(cfg.hidden_size, cfg.draft_vocab_size, bias=False)
         # target_id = draft_id + d2t[draft_id]; t2d[v] = v is a draft token (draft/vocab.py)
