@@ -57,15 +57,14 @@ def overrides(args, run_dir: Path) -> list[str]:
             "train.progress=false", "train.logger=none", f"train.out_dir={run_dir}", f"hydra.run.dir={run_dir}/hydra"]
 
 
-def role(proc: psutil.Process, launcher: int, parent_role: str | None) -> str:
+def role(cmd: str, is_launcher: bool, parent_role: str | None) -> str:
     """What a process of a run is: the launcher, a trainer rank, a target process (a TP rank the
     trainer spawned), or other. A target is recognised by its parent, not its command line alone:
     whatever the target itself spawns (a compile worker on a cold cache, which also runs
     `spawn_main`) is other, not one more TP rank."""
-    cmd = " ".join(proc.cmdline())
     if "spawn_main" in cmd:
         return "target" if parent_role == "trainer" else "other"
-    if proc.pid == launcher and "torch.distributed.run" in cmd:
+    if is_launcher and "torch.distributed.run" in cmd:
         return "launcher"
     if parent_role in (None, "launcher") and "specforge_k25.train" in cmd:
         return "trainer"
@@ -83,12 +82,11 @@ def run(name: str, cmd: list[str], run_dir: Path, poll_s: float = 0.5) -> dict:
         for p in [root, *root.children(recursive=True)]:
             try:
                 with p.oneshot():
-                    cpu = p.cpu_times()
-                    if p.pid not in seen:
-                        parent = seen.get(p.ppid()) if p.pid != proc.pid else None
-                        seen[p.pid] = {"role": role(p, proc.pid, parent and parent["role"]),
-                                       "started": p.create_time()}
-                    entry = seen[p.pid]
+                    cpu, cmd = p.cpu_times(), " ".join(p.cmdline())
+                    # The command line is re-read every poll: a child caught between fork and exec
+                    # still shows its parent's, so a role fixed at first sight can be wrong.
+                    entry = seen.setdefault(p.pid, {"pid": p.pid, "started": p.create_time(), "ppid": p.ppid()})
+                    entry["cmd"] = cmd or entry.get("cmd", "")
                     entry["cpu_s"] = cpu.user + cpu.system
             except psutil.Error:
                 continue
@@ -99,6 +97,10 @@ def run(name: str, cmd: list[str], run_dir: Path, poll_s: float = 0.5) -> dict:
         raise RuntimeError(f"{name} failed ({proc.returncode}):\n{log[-4000:]}")
     summary = json.loads((run_dir / "summary.json").read_text())
     procs = sorted(seen.values(), key=lambda e: e["started"])
+    for e in procs:  # parents start before their children, so a parent's role is known first
+        is_root = e["pid"] == proc.pid
+        parent = None if is_root else seen.get(e["ppid"])
+        e["role"] = role(e["cmd"], is_root, parent and parent["role"])
     counters: dict[str, int] = {}
     shares = {}
     for e in procs:
