@@ -79,7 +79,7 @@ assert module.build_tree_kernel_efficient is not None and module.verify_tree_gre
 
 
 def _build(code: str, timeout_s: int) -> dict:
-    script = ("import time\nfrom specforge_k25.target import sglang_cpu_compat\nsglang_cpu_compat.apply_gpu()\n"
+    script = ("import time\nfrom specforge_k25.target_engine import sglang_cpu_compat\nsglang_cpu_compat.apply_gpu()\n"
               "t = time.perf_counter()\n" + code + "print('BUILT', round(time.perf_counter() - t, 1))\n")
     try:
         out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=timeout_s,

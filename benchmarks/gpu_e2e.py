@@ -52,16 +52,16 @@ from specforge_k25.export.serving import export_draft
 from specforge_k25.plan import facts_from_folder, plan_memory, resolve_draft
 from specforge_k25.setup.run import RunSetup, make_target_stream
 from specforge_k25.stream.ring import slot_checksum
-from specforge_k25.target.hf_config import read_target_info
-from specforge_k25.target.hf_reference import HFTarget
-from specforge_k25.target.layers import layer_id_rule, resolve_capture_points, sglang_layer_ids
-from specforge_k25.target.sglang_spec import Chain, generate
+from specforge_k25.target_engine.hf_config import read_target_info
+from specforge_k25.target_engine.hf_reference import HFTarget
+from specforge_k25.target_engine.layers import layer_id_rule, resolve_capture_points, sglang_layer_ids
+from specforge_k25.target_engine.sglang_spec import Chain, generate
 from specforge_k25.train.schedule import build_schedule
 from specforge_k25.train.trainer import build_trainer
 
 ROOT = Path(__file__).resolve().parents[1]
 GPU_OUT = ROOT / "docs" / "gpu_h200" / "gpu_e2e.json"
-# SmolLM2-135M's config.json (the packaged model, converted by specforge_k25/target/models.py)
+# SmolLM2-135M's config.json (the packaged model, converted by specforge_k25/target_engine/models.py)
 SMOLLM2 = dict(hidden_size=576, intermediate_size=1536, num_hidden_layers=30, num_attention_heads=9,
                num_key_value_heads=3, head_dim=64, vocab_size=49152, max_position_embeddings=8192,
                rms_norm_eps=1e-5, rope_parameters={"rope_type": "default", "rope_theta": 100000.0},
@@ -180,7 +180,7 @@ def sync(t: torch.Tensor) -> None:
 def compare_with_hf(model_path: str, points: list[int], captured: list, samples: list, plan: list, dtype: str,
                     device: str) -> dict:
     """captured: [(lengths, aux, final)] of the first batches of `plan`. fp32: the 1e-4 bound of
-    tests/target/test_target.py. bf16: relative Frobenius error vs HF fp32, against HF bf16's own."""
+    tests/target_engine/test_target.py. bf16: relative Frobenius error vs HF fp32, against HF bf16's own."""
     seqs = [samples[i].input_ids.to(device) for ids in plan[:len(captured)] for i in ids]
     got_aux = torch.cat([a.float() for _, a, _ in captured]).to(device)
     got_final = torch.cat([f.float() for _, _, f in captured]).to(device)

@@ -17,7 +17,7 @@ questions, rendered with the chat template), up to M new tokens each, greedy, in
 Throughput: prefill time / generation time is the cost of prefilling afterwards (the prefill design
 runs regeneration at generate / (generate + prefill) of the capture design's speed); tokens/s of
 both. Exactness, per element max |diff| / (1e-4 * max(1, |prefill|)) (<= 1: fp32 agreement, the
-bound of tests/target/test_target.py), for aux and final, against the packed prefill:
+bound of tests/target_engine/test_target.py), for aux and final, against the packed prefill:
 
   prefill again          the same batch once more (the prefill design: exact by construction)
   prefill alone          each conversation prefilled on its own (batch composition alone)
@@ -191,11 +191,11 @@ def build(args):
 
     from specforge_k25.data.tokenize import template_prompt_ids
     from specforge_k25.eval.prompts import load_prompt_set
-    from specforge_k25.target.factory import TargetSpec, build_target
-    from specforge_k25.target.hf_config import read_target_info
-    from specforge_k25.target.layers import default_capture_points
-    from specforge_k25.target.models import smollm2_path
-    from specforge_k25.target.sampling import Regeneration
+    from specforge_k25.target_engine.factory import TargetSpec, build_target
+    from specforge_k25.target_engine.hf_config import read_target_info
+    from specforge_k25.target_engine.layers import default_capture_points
+    from specforge_k25.target_engine.models import smollm2_path
+    from specforge_k25.target_engine.sampling import Regeneration
 
     path = str(smollm2_path())
     info = read_target_info(path)
@@ -215,7 +215,7 @@ def build(args):
 
 
 def measure(args) -> dict:
-    from specforge_k25.target.sglang_engine import _text_model
+    from specforge_k25.target_engine.sglang_engine import _text_model
 
     target, info, prompts, regen, start_s = build(args)
     budgets = [regen.budget(len(p)) for p in prompts]

@@ -8,7 +8,7 @@
 # CPU route ("light" install from ../shared notes, ~2.6 GB): torch 2.13.0 CPU wheel,
 # sglang 0.5.23 WITHOUT its CUDA dependency pins, plus what an engine really imports.
 # The sgl_kernel stand-in and the DeepSeek MLA fix are applied at run time by
-# specforge_k25/target/sglang_cpu_compat.py in the process that builds the target.
+# specforge_k25/target_engine/sglang_cpu_compat.py in the process that builds the target.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 VENV=${VENV:-.venv}

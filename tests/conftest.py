@@ -34,14 +34,14 @@ def one_torch_thread():
 
 @pytest.fixture(scope="session")
 def smollm2_path():
-    from specforge_k25.target.models import smollm2_path
+    from specforge_k25.target_engine.models import smollm2_path
 
     return str(smollm2_path())
 
 
 @pytest.fixture(scope="session")
 def tiny_deepseek_path(smollm2_path):
-    from specforge_k25.target.models import tiny_deepseek_path
+    from specforge_k25.target_engine.models import tiny_deepseek_path
 
     return str(tiny_deepseek_path(smollm2_path))
 
@@ -51,8 +51,8 @@ def _sglang_capture(model_path: str, points: list[int], seqs, **spec_fields):
     batches (several packed sequences, then one). Returns [(lengths, aux, final)] per batch.
     `spec_fields` go to TargetSpec (e.g. tp_size=2)."""
     from specforge_k25.stream.producer import TargetStream
-    from specforge_k25.target.factory import TargetSpec
-    from specforge_k25.target.hf_config import read_target_info
+    from specforge_k25.target_engine.factory import TargetSpec
+    from specforge_k25.target_engine.hf_config import read_target_info
 
     info = read_target_info(model_path)
     spec = TargetSpec(engine="sglang", model_path=model_path, architecture=info.architecture, capture_points=points,

@@ -10,23 +10,23 @@ import pytest
 PACKAGE = Path(__file__).resolve().parents[1] / "specforge_k25"
 
 # What each part of the package may import of ours, along the data path
-# data -> target -> stream -> draft -> export -> plan -> setup -> train / eval.
+# data -> target_engine -> stream -> draft -> export -> plan -> setup -> train / eval.
 # The top-level modules `config` (the typed config) and `paths` (the cache folder, atomic file
 # writes) are leaves.
 ALLOWED = {
     "config": set(),
     "paths": set(),
     "data": {"paths"},
-    "target": {"data", "paths"},
-    "stream": {"target"},
+    "target_engine": {"data", "paths"},
+    "stream": {"target_engine"},
     "draft": {"paths"},  # torch only, and the atomic file writes of its exports
-    "export": {"draft", "target", "paths"},  # target: the layer-id rules of the servers (target/layers.py)
-    "plan": {"config", "target", "draft"},  # reads facts; builds nothing
-    "setup": {"config", "data", "target", "stream", "draft", "plan"},
-    "train": {"config", "setup", "data", "target", "stream", "draft", "export", "plan", "paths"},
-    "eval": {"config", "setup", "data", "target", "stream", "draft", "export"},
+    "export": {"draft", "target_engine", "paths"},  # the layer-id rules of the servers (target_engine/layers.py)
+    "plan": {"config", "target_engine", "draft"},  # reads facts; builds nothing
+    "setup": {"config", "data", "target_engine", "stream", "draft", "plan"},
+    "train": {"config", "setup", "data", "target_engine", "stream", "draft", "export", "plan", "paths"},
+    "eval": {"config", "setup", "data", "target_engine", "stream", "draft", "export"},
 }
-ONLY_UNDER = {"sglang": "target", "sgl_kernel": "target"}  # third-party packages one part alone may import
+ONLY_UNDER = {"sglang": "target_engine", "sgl_kernel": "target_engine"}  # third-party packages one part alone may import
 NEVER_IN = {"data": ["torch.distributed"], "draft": ["torch.distributed"]}
 
 
@@ -129,7 +129,7 @@ def test_allowed_map_itself_has_no_cycle():
 @pytest.mark.parametrize("source,expect", [
     ("data/x.py", "from ..train.trainer import Trainer\n"),  # backwards
     ("draft/x.py", "def f():\n    from ..config import JobConfig\n"),  # inside a function
-    ("eval/x.py", "import sglang\n"),  # sglang outside target/
+    ("eval/x.py", "import sglang\n"),  # sglang outside target_engine/
     ("data/x.py", "import torch.distributed as dist\n"),
 ])
 def test_a_planted_violation_is_named_with_its_line(tmp_path, source, expect):

@@ -20,11 +20,11 @@ from tqdm import tqdm
 
 from ..config import EvalJobConfig
 from ..export.serving import export_draft, load_exported_draft
-from ..target.hf_config import load_embedding_and_head
+from ..target_engine.hf_config import load_embedding_and_head
 from ..setup.run import RunSetup, fresh_draft, make_target_stream, prepare, prompt_renderer
 from .acceptance import draft_predictions, draft_proposer, prompt_lookup_proposer, replay, step_counts, tau_sim
 from .prompts import load_prompt_set
-from ..target.sglang_spec import Chain, generate
+from ..target_engine.sglang_spec import Chain, generate
 
 
 @dataclass

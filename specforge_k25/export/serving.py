@@ -2,7 +2,7 @@
 (docs/EAGLE3.md §5), check such a folder, and load it back into our draft class.
 
 The three captured layers are written twice, once per server, because the two number them
-differently and read different keys (target/layers.py):
+differently and read different keys (target_engine/layers.py):
   * SGLang 0.5.23 reads `eagle_config.eagle_aux_hidden_state_layer_ids` (its per-model rule;
     the top-level key only counts how many there are);
   * vLLM reads the top-level `eagle_aux_hidden_state_layer_ids` first (0.16-0.18: only there;
@@ -28,7 +28,7 @@ from safetensors.torch import load_file, save_file
 
 from ..draft.model import NUM_AUX, DraftConfig, Eagle3Draft, draft_state
 from ..paths import write_atomic, write_text_atomic
-from ..target.layers import vllm_layer_ids
+from ..target_engine.layers import vllm_layer_ids
 
 # EAGLE-3.1 config keys, top level, read as booleans by SGLang and vLLM (absent = off). SGLang
 # also takes `use_aux_norm` for fc_norm; vLLM does not, so an export never relies on it.

@@ -338,7 +338,7 @@ def _static_fraction(hw, groups, preloaded: dict[int, int], static_bytes: int, m
             notes.append(
                 f"GPU {worst} has {gib(capacity - ctx - pre)} taken by the trainer/ring before the engine loads, "
                 f"more than SGLang's 10% TP memory-balance check allows; the target runs with "
-                f"SGLANG_ENABLE_TP_MEMORY_INBALANCE_CHECK=0 (set by target/sglang_engine.py for every CUDA TP>1 "
+                f"SGLANG_ENABLE_TP_MEMORY_INBALANCE_CHECK=0 (set by target_engine/sglang_engine.py for every CUDA TP>1 "
                 f"target) and this plan sizes the KV pool from the fullest rank")
     return frac_min, with_margin, fullest, notes
 

@@ -122,7 +122,7 @@ def weight_bytes_of_folder(path: Path) -> int:
 def expert_quantization(config: dict) -> dict:
     """TargetFacts' quant fields from a `quantization_config` (None: unquantized). compressed-tensors:
     the weights of its first config group (Kimi-K2.5 has one, `group_0`, targeting the experts)."""
-    from ..target.hf_config import quantization_config
+    from ..target_engine.hf_config import quantization_config
 
     quant = quantization_config(config)
     if not quant:
@@ -139,7 +139,7 @@ def facts_from_folder(path: str | Path, name: str | None = None) -> TargetFacts:
     """Facts from an HF folder: config.json (text_config for multimodal models, its
     quantization_config) and the weights' size (`weight_bytes_of_folder`; 0 when unknown:
     `check_fits` then asks for hw.target_weight_gb)."""
-    from ..target.hf_config import read_target_info
+    from ..target_engine.hf_config import read_target_info
 
     path = Path(path)
     info = read_target_info(path)
@@ -176,7 +176,7 @@ def target_facts_for(job) -> TargetFacts:
         if t.name not in KNOWN_TARGETS:
             raise PlanError(f"target {t.name!r} has no builtin and no target.path: set target.path=/path/to/model")
         return KNOWN_TARGETS[t.name]
-    from ..target.models import resolve_target_path  # builds the embedded target once (cached)
+    from ..target_engine.models import resolve_target_path  # builds the embedded target once (cached)
 
     return facts_from_folder(resolve_target_path(t), t.name)
 

@@ -15,7 +15,7 @@ from __future__ import annotations
 import os
 from typing import Optional
 
-from ..target.node_probe import NodeProbe
+from ..target_engine.node_probe import NodeProbe
 from .facts import TargetFacts
 
 MARLIN = "marlin"

@@ -100,7 +100,7 @@ def target_flops_per_token(facts: TargetFacts, seq_len: int) -> dict[str, float]
     """Prefill FLOPs per token of samples of `seq_len` tokens: 2 x the activated parameters; the
     causal attention (a token at position t meets t keys: QK^T over the q/k head width, PV over the
     value width; mean (seq_len + 1) / 2 keys); the lm_head for the last position of each sample
-    only (the engine asks for no prompt logprobs: target/sglang_engine.py logprob_start_len=-1)."""
+    only (the engine asks for no prompt logprobs: target_engine/sglang_engine.py logprob_start_len=-1)."""
     params = sum(target_params_per_token(facts).values())
     nh = facts.num_attention_heads
     if facts.is_mla:  # SGLang's MLA prefill runs as MHA on the decompressed K/V

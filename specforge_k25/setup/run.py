@@ -17,12 +17,12 @@ from ..draft.vocab import build_vocab_maps, count_tokens
 from ..plan import check_fits, facts_from_folder, resolve_draft
 from ..plan.budget import kv_pool_tokens
 from ..stream.producer import TargetStream
-from ..target.base import TargetInfo
-from ..target.factory import TargetSpec, check_tp_layout
-from ..target.hf_config import load_embedding_and_head, read_target_info
-from ..target.layers import DEEPSEEK_RULE, layer_id_rule, resolve_capture_points, sglang_layer_ids
-from ..target.models import resolve_target_path
-from ..target.sampling import Regeneration
+from ..target_engine.base import TargetInfo
+from ..target_engine.factory import TargetSpec, check_tp_layout
+from ..target_engine.hf_config import load_embedding_and_head, read_target_info
+from ..target_engine.layers import DEEPSEEK_RULE, layer_id_rule, resolve_capture_points, sglang_layer_ids
+from ..target_engine.models import resolve_target_path
+from ..target_engine.sampling import Regeneration
 from .layout import World, check_layout
 
 
@@ -51,7 +51,7 @@ def prepare(job: JobConfig) -> RunSetup:
     if layer_id_rule(info.architecture) == DEEPSEEK_RULE and job.hw.device == "cpu":  # DeepSeek-V2/V3, Kimi-K2.5
         from transformers import AutoConfig
 
-        from ..target.sglang_cpu_compat import check_deepseek_config
+        from ..target_engine.sglang_cpu_compat import check_deepseek_config
 
         config = AutoConfig.from_pretrained(model_path, trust_remote_code=job.target.trust_remote_code)
         check_deepseek_config(getattr(config, "text_config", None) or config)

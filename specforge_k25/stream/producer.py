@@ -24,7 +24,7 @@ import time
 import psutil
 import torch
 
-from ..target.factory import TargetSpec, check_tp_layout
+from ..target_engine.factory import TargetSpec, check_tp_layout
 from .ring import EndOfStream, ProducerFailed, SlotMessage, SlotRing
 from .target_process import GROUP_SIGNALS, run_producer, run_tp_rank, sequence_room
 

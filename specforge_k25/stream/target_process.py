@@ -17,8 +17,8 @@ from collections import deque
 import psutil
 import torch
 
-from ..target.factory import TargetSpec, build_target
-from ..target.sampling import generation_slots, kv_slots
+from ..target_engine.factory import TargetSpec, build_target
+from ..target_engine.sampling import generation_slots, kv_slots
 from .ring import EndOfStream, ProducerFailed, SlotRing
 
 

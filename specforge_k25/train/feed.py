@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 
 from ..data.regenerate import regenerated_sample
-from ..target.sampling import Regeneration
+from ..target_engine.sampling import Regeneration
 
 
 def take_batches(stream, shares: list[list[int]], samples, make_batch, rebuild=None):

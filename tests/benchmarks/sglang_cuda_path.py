@@ -2,7 +2,7 @@
 
 Run as `python tests/benchmarks/sglang_cuda_path.py [switch=0 ...]` in a process that sees only the H200
 image's packages and the carried wheels (tests/fixtures/gpu_image_site, SPECFORGE_GPU_IMAGE_ONLY=1):
-torch reports CUDA as present (an H200), specforge_k25.target.sglang_cpu_compat.apply_gpu() is in
+torch reports CUDA as present (an H200), specforge_k25.target_engine.sglang_cpu_compat.apply_gpu() is in
 place (switches turn parts of it off: `dual_gemm=0`), and the functions that the check's engines run
 (ROOTS) are walked for imports the image lacks. Importing SGLang's modules runs their module-level
 imports for real; the walk adds the imports inside functions, which only run on the GPU. Code the
@@ -25,7 +25,7 @@ IMPORTS = ("sglang.srt.entrypoints.engine", "sglang.benchmark.one_batch", "sglan
            "sglang.srt.function_call.function_call_parser", "sglang.kernels.ops.kvcache.kvcache")
 
 ROOTS = (  # "module:Class" is made (its __init__, forward, ...), "module:function" or "module:Class.method" runs
-    # d) sglang.Engine, through specforge_k25.target.sglang_spec: its scheduler process and the batches it runs
+    # d) sglang.Engine, through specforge_k25.target_engine.sglang_spec: its scheduler process and the batches it runs
     "sglang.srt.entrypoints.engine:Engine",
     "sglang.srt.entrypoints.engine:Engine.generate",
     "sglang.srt.managers.scheduler:run_scheduler_process",
@@ -49,7 +49,7 @@ ROOTS = (  # "module:Class" is made (its __init__, forward, ...), "module:functi
     "sglang.srt.model_executor.runner.decode_cuda_graph_runner:DecodeCudaGraphRunner.can_run_graph",
     "sglang.srt.speculative.eagle_draft_cuda_graph_runner:EAGLEDraftCudaGraphRunner",
     "sglang.srt.speculative.eagle_draft_extend_cuda_graph_runner:EAGLEDraftExtendCudaGraphRunner",
-    # a), b), c): the stream's target, specforge_k25.target.sglang_engine
+    # a), b), c): the stream's target, specforge_k25.target_engine.sglang_engine
     "sglang.benchmark.one_batch:load_model",
     "sglang.benchmark.one_batch:extend",
 )
@@ -89,7 +89,7 @@ SKIPPED = {
     "sglang.kernels.jit.utils.arch:_init_jit_cuda_arch_once -> flashinfer.compilation_context":
         "compute capability 10.7 only; the H200 is 9.0",
 }
-# server arguments named enable_* that the check's engines turn on (specforge_k25.target.sglang_spec and
+# server arguments named enable_* that the check's engines turn on (specforge_k25.target_engine.sglang_spec and
 # sglang_engine); the walk takes every other enable_* as off
 ENABLED = {"enable_return_aux_hidden_states"}
 PREFILL_GRAPH = "sglang.srt.model_executor.model_runner_components.cuda_graph_setup:capture_prefill_graph"
@@ -107,7 +107,7 @@ def fake_cuda() -> None:
 
 
 def scan(switches: dict) -> dict:
-    from specforge_k25.target import sglang_cpu_compat
+    from specforge_k25.target_engine import sglang_cpu_compat
 
     fake_cuda()
     assert sglang_cpu_compat.apply_gpu(**switches) and sglang_cpu_compat.GPU_ATTENTION_BACKEND == BACKEND

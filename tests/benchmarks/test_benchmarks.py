@@ -313,7 +313,7 @@ _CUDA_IMPORTS = """
     torch.cuda.get_device_capability = lambda *a, **k: (9, 0)
     torch.cuda.get_device_name = lambda *a, **k: "NVIDIA H200"
     torch.cuda.device_count = lambda: 1
-    from specforge_k25.target import sglang_cpu_compat
+    from specforge_k25.target_engine import sglang_cpu_compat
     assert sglang_cpu_compat.apply_gpu()
     for name in ("sglang.srt.entrypoints.engine", "sglang.benchmark.one_batch", "sglang.srt.managers.scheduler",
                  "sglang.srt.managers.tokenizer_manager", "sglang.srt.managers.detokenizer_manager",

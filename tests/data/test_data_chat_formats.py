@@ -48,7 +48,7 @@ IM_END_KIMI, IM_ASSISTANT, IM_MIDDLE, THINK, THINK_END = 163586, 163588, 163601,
 def _smol():
     from transformers import AutoTokenizer
 
-    from specforge_k25.target.models import smollm2_path
+    from specforge_k25.target_engine.models import smollm2_path
 
     return AutoTokenizer.from_pretrained(smollm2_path())
 

@@ -39,7 +39,7 @@ from specforge_k25.data.tokenize import Sample, tokenize_conversation
 def _tok():
     from transformers import AutoTokenizer
 
-    from specforge_k25.target.models import smollm2_path
+    from specforge_k25.target_engine.models import smollm2_path
 
     return AutoTokenizer.from_pretrained(smollm2_path())
 

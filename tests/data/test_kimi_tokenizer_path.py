@@ -341,7 +341,7 @@ def test_property_same_ids_and_mask_as_local_tokenizer(tok, local, mode):
 def kimi_target_dir(tmp_path_factory, smollm2_path, local):
     """tiktoken.model + tokenization_kimi.py + tokenizer_config.json + config.json +
     model.safetensors (the tiny Kimi-K2.5 with Kimi's 163840 vocab)."""
-    from specforge_k25.target.models import tiny_kimi_k25_path
+    from specforge_k25.target_engine.models import tiny_kimi_k25_path
 
     folder = tmp_path_factory.mktemp("Kimi-K2.5-tiny")
     write_remote_tokenizer(folder, local)

@@ -23,7 +23,7 @@ from specforge_k25.draft.eagle3_mla.export import (LAYER_PREFIX, expected_shapes
 from specforge_k25.draft.eagle3_mla.model import (Eagle3MLADraft, MLADraftConfig, apply_rope_interleaved,
                                                   rope_cos_sin, rope_inv_freq, softmax_scale)
 from specforge_k25.draft.loss import Teacher, ttt_loss
-from specforge_k25.target.layers import DEEPSEEK_RULE, sglang_layer_ids, vllm_layer_ids
+from specforge_k25.target_engine.layers import DEEPSEEK_RULE, sglang_layer_ids, vllm_layer_ids
 
 K = 3  # TTT steps
 ROOT = Path(__file__).resolve().parents[2]
@@ -266,8 +266,8 @@ def _random_draft(sizes: dict, vocab_size: int, seed: int):
 @pytest.fixture(scope="module")
 def sglang_runs(smollm2_path, tiny_deepseek_path, tmp_path_factory):
     """Our export of a random draft behind each target, run by SGLang's class (the probe)."""
-    from specforge_k25.target.hf_config import load_embedding_and_head
-    from specforge_k25.target.models import tiny_kimi_k25_path
+    from specforge_k25.target_engine.hf_config import load_embedding_and_head
+    from specforge_k25.target_engine.models import tiny_kimi_k25_path
 
     targets = {"smollm2": smollm2_path, "tiny_deepseek": tiny_deepseek_path,
                "tiny_kimi": str(tiny_kimi_k25_path(Path(smollm2_path)))}

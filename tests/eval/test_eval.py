@@ -22,11 +22,11 @@ from safetensors.torch import load_file
 from specforge_k25.draft.model import DraftConfig, Eagle3Draft
 from specforge_k25.draft.vocab import draft_to_target
 from specforge_k25.export.serving import export_draft, load_exported_draft
-from specforge_k25.target.hf_config import load_embedding_and_head
+from specforge_k25.target_engine.hf_config import load_embedding_and_head
 
 PY = sys.executable
 ROOT = Path(__file__).resolve().parents[2]
-SMOLLM2_EAGLE_IDS = [1, 14, 26]  # capture points [2, 15, 27] (tests/target/test_target.py checks the rule)
+SMOLLM2_EAGLE_IDS = [1, 14, 26]  # capture points [2, 15, 27] (tests/target_engine/test_target.py checks the rule)
 SMOLLM2_POINTS = [2, 15, 27]
 
 

@@ -26,7 +26,7 @@ def test_kimi_eval_prompts_follow_the_kimi_renderer_and_chat_mode():
 def test_template_eval_prompts_are_the_chat_templates_generation_prompt():
     from transformers import AutoTokenizer
 
-    from specforge_k25.target.models import smollm2_path
+    from specforge_k25.target_engine.models import smollm2_path
 
     tok = AutoTokenizer.from_pretrained(smollm2_path())
     job = compose_job([])

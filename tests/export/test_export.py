@@ -370,7 +370,7 @@ def test_export_files_get_the_umask_mode(tmp_path, umask, mask, mode):
 
 # ------------------------------------------------------------------------------ 5. SGLang's and vLLM's ids
 # What each server captures for an id, written out by hand from its source, independently of
-# target/layers.py. "input of layer k" = the residual stream entering decoder layer k.
+# target_engine/layers.py. "input of layer k" = the residual stream entering decoder layer k.
 def sglang_captures(family: str, ids: list[int]) -> list[int]:
     """SGLang 0.5.23 `set_eagle3_layers_to_capture`: Llama takes the input of layer id+1;
     DeepseekV2/V3 (Kimi-K2.5 delegates to it) the input of layer id, all shifted by one when ids[0] == 1."""
@@ -399,8 +399,8 @@ SERVER_CASES = {
 
 @pytest.mark.parametrize("case", sorted(SERVER_CASES))
 def test_export_tells_sglang_and_vllm_the_same_layers(tmp_path, case):
-    from specforge_k25.target.hf_config import read_target_info
-    from specforge_k25.target.layers import layer_id_rule, sglang_layer_ids, validate_capture_points
+    from specforge_k25.target_engine.hf_config import read_target_info
+    from specforge_k25.target_engine.layers import layer_id_rule, sglang_layer_ids, validate_capture_points
 
     target_config, family, aux_layers, sglang_by_hand, vllm_by_hand = SERVER_CASES[case]
     (tmp_path / "target").mkdir()
@@ -447,7 +447,7 @@ def test_both_servers_ids_select_the_tensors_training_used(tmp_path, family, poi
     for h in hooks:
         h.remove()
     rule = {"llama": "llama", "deepseek": "deepseek"}[family]
-    from specforge_k25.target.layers import sglang_layer_ids
+    from specforge_k25.target_engine.layers import sglang_layer_ids
 
     export = export_draft(make_draft(), tmp_path / "export", sglang_layer_ids(points, rule), BOS, EOS,
                           capture_points=points)

@@ -15,7 +15,7 @@ import torch
 
 from specforge_k25.config import compose_job
 from specforge_k25.plan import KIMI_K25, PlanError, check_fits, plan_memory
-from specforge_k25.target import node_probe
+from specforge_k25.target_engine import node_probe
 from specforge_k25.plan.kernels import (MARLIN, TRTLLM, NodeProbe, int4_moe_backend, kernel_problems,
                                         marlin_scratch_bytes)
 
@@ -30,7 +30,7 @@ def _job(hw: str, *extra: str):
 def test_marlin_scratch_is_what_sglangs_fused_marlin_moe_allocates(monkeypatch):
     """SGLang's fused_marlin_moe (the Python body of its custom op) run on CPU up to its first GEMM:
     the bf16 buffers it allocates are marlin_scratch_bytes of the batch (tiny shapes)."""
-    from specforge_k25.target import sglang_cpu_compat
+    from specforge_k25.target_engine import sglang_cpu_compat
 
     sglang_cpu_compat.apply()
     import sglang.srt.layers.moe.fused_moe_triton as moe_pkg

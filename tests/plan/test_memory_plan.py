@@ -312,7 +312,7 @@ def test_balance_check_is_turned_off_by_the_engine_not_refused():
     plan = plan_memory(_compose(["+hw=rtxpro6000x8", *KIMI_DRAFT, *many_slots]), KIMI_K25)
     assert not any("SGLANG_ENABLE_TP_MEMORY_INBALANCE_CHECK" in p for p in plan.problems)
     assert any("SGLANG_ENABLE_TP_MEMORY_INBALANCE_CHECK=0" in n for n in plan.notes)
-    # the knob target/sglang_engine.py sets is the one SGLang 0.5.23 reads at start-up, at call time
+    # the knob target_engine/sglang_engine.py sets is the one SGLang 0.5.23 reads at start-up, at call time
     from sglang.srt.environ import envs
 
     assert envs.SGLANG_ENABLE_TP_MEMORY_INBALANCE_CHECK.get() is True  # on by default

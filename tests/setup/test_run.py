@@ -5,7 +5,7 @@ import pytest
 
 from specforge_k25.config import compose_job
 from specforge_k25.setup.run import target_spec
-from specforge_k25.target import factory
+from specforge_k25.target_engine import factory
 
 
 class _Recorder:
@@ -21,7 +21,7 @@ class _Recorder:
 def test_attention_backend_reaches_the_engine(backend, monkeypatch, smollm2_path):
     """hw.target_attention_backend goes from the config through TargetSpec to SGLang's ServerArgs
     argument (null: SGLang's choice per GPU; the CPU engine itself falls back to torch_native)."""
-    import specforge_k25.target.sglang_engine as engine
+    import specforge_k25.target_engine.sglang_engine as engine
 
     monkeypatch.setattr(engine, "SGLangTarget", _Recorder)
     overrides = [] if backend is None else [f"hw.target_attention_backend={backend}"]

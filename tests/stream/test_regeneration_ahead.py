@@ -10,8 +10,8 @@ import pytest
 import torch
 
 from specforge_k25.stream.target_process import Regenerated as _Regenerated
-from specforge_k25.target.factory import TargetSpec
-from specforge_k25.target.sampling import Regeneration
+from specforge_k25.target_engine.factory import TargetSpec
+from specforge_k25.target_engine.sampling import Regeneration
 
 
 class CountingTarget:
@@ -109,7 +109,7 @@ def test_the_target_process_resumes_in_the_uninterrupted_runs_groups(monkeypatch
     and their conversations are the uninterrupted run's."""
     from specforge_k25.stream import target_process
     from specforge_k25.stream.ring import EndOfStream
-    from specforge_k25.target.base import TargetOutput
+    from specforge_k25.target_engine.base import TargetOutput
 
     class Engine(MakeupTarget):
         def warmup(self):

@@ -1,7 +1,7 @@
 """The two-process stream: order, content, backpressure, and failure detection.
 
 Uses the HF reference engine in the target process (fast to start); the SGLang engine goes
-through the same `TargetStream` in tests/target/test_target.py and tests/train/test_train_e2e.py.
+through the same `TargetStream` in tests/target_engine/test_target.py and tests/train/test_train_e2e.py.
 """
 from __future__ import annotations
 
@@ -13,9 +13,9 @@ import pytest
 import torch
 
 from specforge_k25.stream.producer import StreamError, TargetStream
-from specforge_k25.target.factory import TargetSpec
-from specforge_k25.target.hf_config import read_target_info
-from specforge_k25.target.hf_reference import HFTarget
+from specforge_k25.target_engine.factory import TargetSpec
+from specforge_k25.target_engine.hf_config import read_target_info
+from specforge_k25.target_engine.hf_reference import HFTarget
 
 
 def _spec(path, **kw):

@@ -312,7 +312,7 @@ def _fingerprint(ranks: int = 1, batch_size: int = 4, layout: str = "dedicated",
     from specforge_k25.config import JobConfig
     from specforge_k25.data.dataset import TokenizedData
     from specforge_k25.data.tokenize import Sample
-    from specforge_k25.target.sampling import Regeneration
+    from specforge_k25.target_engine.sampling import Regeneration
     from specforge_k25.train.fingerprint import run_fingerprint
 
     job = JobConfig()

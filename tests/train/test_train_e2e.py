@@ -67,7 +67,7 @@ def test_cli_trains_through_sglang_and_exports(tmp_path):
     names = sorted(p.name for p in (run_dir / "checkpoints").iterdir())
     assert names == ["step_00000004", "step_00000006"]
     from specforge_k25.export.serving import load_exported_draft
-    from specforge_k25.target.hf_config import load_embedding_and_head
+    from specforge_k25.target_engine.hf_config import load_embedding_and_head
 
     config = json.loads((run_dir / "export" / "config.json").read_text())
     assert config["eagle_config"]["eagle_aux_hidden_state_layer_ids"] == [2, 4, 5]

@@ -19,7 +19,7 @@ from specforge_k25.plan import facts_from_folder, resolve_draft
 from specforge_k25.setup.run import RunSetup
 from specforge_k25.stream.producer import StreamError
 from specforge_k25.stream.ring import EndOfStream, SlotMessage
-from specforge_k25.target.hf_config import read_target_info
+from specforge_k25.target_engine.hf_config import read_target_info
 from specforge_k25.train.distributed import Ranks
 from specforge_k25.train.step import DraftTrainer
 from specforge_k25.train.feed import take_batches
@@ -273,7 +273,7 @@ def test_regenerated_answers_are_what_the_loop_trains_on_and_a_resume_redoes_the
     import json
 
     from specforge_k25.data.regenerate import regeneration_prompt
-    from specforge_k25.target.sampling import Regeneration
+    from specforge_k25.target_engine.sampling import Regeneration
 
     setup = dataclasses.replace(tiny_setup, regeneration=Regeneration(max_new_tokens=5, max_length=40, stop_ids=(0,)))
     served = []

@@ -10,7 +10,7 @@ What each server reads (docs/EAGLE3.md §6):
   * layer ids: SGLang reads `eagle_config.eagle_aux_hidden_state_layer_ids` (its per-model rule;
     its fc width is K·Ht with K the length of that list), vLLM the top-level
     `eagle_aux_hidden_state_layer_ids` (capture points; newer releases also `eagle_config.layer_ids`).
-    The ids come from target/layers.py (`sglang_layer_ids`, `vllm_layer_ids`): the caller passes
+    The ids come from target_engine/layers.py (`sglang_layer_ids`, `vllm_layer_ids`): the caller passes
     them, draft/ imports nothing of ours outside itself.
   * rope: `rope_theta` and `rope_scaling` (DeepSeek YaRN; always written, factor 1 = plain RoPE:
     SGLang's CPU rope takes YaRN only, and vLLM 0.18 gives a draft without `rope_scaling` base
@@ -49,7 +49,7 @@ def serving_tensors(draft: Eagle3MLADraft, dtype: torch.dtype = torch.float32) -
 
 def serving_config(cfg: MLADraftConfig, eagle_layer_ids: list[int], vllm_layer_ids: list[int], bos_token_id,
                    eos_token_id, dtype: str = "float32") -> dict:
-    """config.json. `eagle_layer_ids`: SGLang's ids for the target (target/layers.py::sglang_layer_ids);
+    """config.json. `eagle_layer_ids`: SGLang's ids for the target (target_engine/layers.py::sglang_layer_ids);
     `vllm_layer_ids`: vLLM's (vllm_layer_ids(capture points)). One id per aux state."""
     for ids, who in ((eagle_layer_ids, "SGLang"), (vllm_layer_ids, "vLLM")):
         if len(ids) != cfg.num_aux_hidden_states:

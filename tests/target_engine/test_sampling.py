@@ -1,10 +1,10 @@
-"""The sampling rule and decode loop every engine shares (target/sampling.py), and the HF
+"""The sampling rule and decode loop every engine shares (target_engine/sampling.py), and the HF
 reference's generation against transformers' own greedy `generate`."""
 from __future__ import annotations
 
 import torch
 
-from specforge_k25.target.sampling import (Regeneration, generate_with, generation_slots, kv_slots,
+from specforge_k25.target_engine.sampling import (Regeneration, generate_with, generation_slots, kv_slots,
                                           request_generator, sample_next)
 
 
@@ -89,7 +89,7 @@ def test_hf_reference_generates_what_transformers_generates(smollm2_path):
     """Greedy answers of our decode loop on HF's model == transformers' own greedy generate."""
     from transformers import AutoTokenizer
 
-    from specforge_k25.target.hf_reference import HFTarget
+    from specforge_k25.target_engine.hf_reference import HFTarget
 
     tok = AutoTokenizer.from_pretrained(smollm2_path)
     target = HFTarget(smollm2_path, [2, 15, 27])

@@ -1,6 +1,6 @@
 """Greedy generation in a real SGLang engine, with or without EAGLE-3 chain speculation.
 
-Each engine runs in its own worker process, `python -m specforge_k25.target.sglang_spec`, for
+Each engine runs in its own worker process, `python -m specforge_k25.target_engine.sglang_spec`, for
 three reasons: its memory is returned when it ends, a hung engine (SGLang can hang when its
 scheduler crashes) is killed by a timeout, and on CPU the workarounds reach SGLang's
 scheduler: SGLang starts it by `spawn`, which re-imports the worker's main module (this one)
@@ -19,11 +19,11 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 if os.environ.get("SPECFORGE_SGLANG_CPU") == "1":
-    from specforge_k25.target import sglang_cpu_compat
+    from specforge_k25.target_engine import sglang_cpu_compat
 
     sglang_cpu_compat.apply()
 elif os.environ.get("SPECFORGE_SGLANG_GPU") == "1":  # CUDA: the sgl_kernel stand-in if its wheel is absent
-    from specforge_k25.target import sglang_cpu_compat
+    from specforge_k25.target_engine import sglang_cpu_compat
 
     sglang_cpu_compat.apply_gpu()
 
@@ -100,7 +100,7 @@ def generate(model_path: str, prompts: list[list[int]], *, max_new_tokens: int, 
         request.write_text(json.dumps({"engine": engine_args, "prompts": prompts, "max_new_tokens": max_new_tokens,
                                        "speculative": chain is not None}))
         try:
-            proc = subprocess.run([sys.executable, "-m", "specforge_k25.target.sglang_spec", str(request), str(result)],
+            proc = subprocess.run([sys.executable, "-m", "specforge_k25.target_engine.sglang_spec", str(request), str(result)],
                                   env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                                   timeout=timeout_s)
         except subprocess.TimeoutExpired:

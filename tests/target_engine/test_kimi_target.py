@@ -18,16 +18,16 @@ import pytest
 import torch
 from safetensors import safe_open
 
-from specforge_k25.target.hf_config import load_embedding_and_head, read_target_info
-from specforge_k25.target.hf_reference import HFTarget
-from specforge_k25.target.layers import default_capture_points, layer_id_rule
+from specforge_k25.target_engine.hf_config import load_embedding_and_head, read_target_info
+from specforge_k25.target_engine.hf_reference import HFTarget
+from specforge_k25.target_engine.layers import default_capture_points, layer_id_rule
 
 KIMI = "KimiK25ForConditionalGeneration"
 
 
 @pytest.fixture(scope="session")
 def tiny_kimi_path(smollm2_path):
-    from specforge_k25.target.models import tiny_kimi_k25_path
+    from specforge_k25.target_engine.models import tiny_kimi_k25_path
 
     return str(tiny_kimi_k25_path(smollm2_path))
 
@@ -82,7 +82,7 @@ def test_target_tiny_kimi_config_resolves_to_the_tiny_kimi(tiny_kimi_path):
     from omegaconf import OmegaConf
 
     import specforge_k25.train.__main__  # noqa: F401  (registers the schema)
-    from specforge_k25.target.models import resolve_target_path
+    from specforge_k25.target_engine.models import resolve_target_path
 
     conf = str(Path(__file__).resolve().parents[2] / "conf")
     with initialize_config_dir(config_dir=conf, version_base="1.3"):
@@ -125,9 +125,9 @@ _LAYER_IDS_PROBE = """
     import json, sys, torch
     from specforge_k25.export.serving import serving_config
     from specforge_k25.draft.model import DraftConfig
-    from specforge_k25.target.hf_config import load_embedding_and_head, read_target_info
-    from specforge_k25.target.layers import default_capture_points, layer_id_rule, sglang_layer_ids
-    from specforge_k25.target.sglang_engine import SGLangTarget
+    from specforge_k25.target_engine.hf_config import load_embedding_and_head, read_target_info
+    from specforge_k25.target_engine.layers import default_capture_points, layer_id_rule, sglang_layer_ids
+    from specforge_k25.target_engine.sglang_engine import SGLangTarget
 
     if __name__ == "__main__":
         path, out = sys.argv[1], sys.argv[2]

@@ -16,7 +16,7 @@ import time
 from pathlib import Path
 
 from specforge_k25 import paths
-from specforge_k25.target import models
+from specforge_k25.target_engine import models
 
 PROCESSES = 4
 PARTS = 5

@@ -9,11 +9,11 @@ import pytest
 import torch
 
 from specforge_k25.stream.producer import TargetStream
-from specforge_k25.target.factory import TargetSpec
-from specforge_k25.target.hf_config import read_target_info
-from specforge_k25.target.hf_reference import HFTarget
-from specforge_k25.target.layers import default_capture_points
-from specforge_k25.target.sampling import Regeneration
+from specforge_k25.target_engine.factory import TargetSpec
+from specforge_k25.target_engine.hf_config import read_target_info
+from specforge_k25.target_engine.hf_reference import HFTarget
+from specforge_k25.target_engine.layers import default_capture_points
+from specforge_k25.target_engine.sampling import Regeneration
 
 
 def _rel(a, b) -> float:

@@ -1,5 +1,5 @@
 """Which engine a target process builds: `TargetSpec` (picklable, no weights) -> a `TargetEngine`
-(target/base.py), the SGLang engine or the HF reference."""
+(target_engine/base.py), the SGLang engine or the HF reference."""
 from __future__ import annotations
 
 from dataclasses import dataclass

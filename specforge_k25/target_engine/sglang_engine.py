@@ -4,7 +4,7 @@ We drive SGLang's `ModelRunner` in-process, the way SGLang's own `sglang.benchma
 does (`load_model` + `extend`), instead of going through `Engine.generate`, whose hidden
 states come back as nested Python lists (~21.5k floats per token for Kimi: far too slow).
 
-SGLang internals touched (all in this file, covered by tests/target/test_target.py):
+SGLang internals touched (all in this file, covered by tests/target_engine/test_target.py):
 - `sglang.benchmark.one_batch.{load_model, extend, publish, SpawnRanks, spawn_world_rank,
   _init_process_global_configs}` and `entrypoints.engine._set_envs_and_config`;
 - `ServerArgs(enable_return_aux_hidden_states, speculative_algorithm="EAGLE3",
@@ -239,7 +239,7 @@ class SGLangTarget:
     @torch.no_grad()
     def generate(self, prompts: list[torch.Tensor], budgets: list[int], regen: Regeneration) -> list[list[int]]:
         """Answers to `prompts` (at most budgets[i] new tokens each), decoded by SGLang's own extend
-        and decode steps with the shared sampling rule (target/sampling.py). Every TP rank calls it
+        and decode steps with the shared sampling rule (target_engine/sampling.py). Every TP rank calls it
         with the same prompts and draws the same tokens (the logits are gathered on every rank), so
         every rank drops the same finished requests from its batch."""
         need = generation_slots([len(p) for p in prompts], budgets, self.kv_page_size)

@@ -1,4 +1,4 @@
-"""Each workaround in specforge_k25/target/sglang_cpu_compat.py (CPU, and the GPU stand-in for
+"""Each workaround in specforge_k25/target_engine/sglang_cpu_compat.py (CPU, and the GPU stand-in for
 sgl_kernel) is still needed AND still works.
 
 If SGLang (pinned 0.5.23) fixes one of these upstream, the "needed" test fails: delete the
@@ -30,7 +30,7 @@ def test_sgl_kernel_stand_in_needed_and_working():
     assert without.returncode != 0 and "sgl_kernel" in without.stderr, without.stderr[-2000:]
     # works: with the stand-in the same import succeeds, and calling an op names it
     with_ = _run("""
-        from specforge_k25.target import sglang_cpu_compat
+        from specforge_k25.target_engine import sglang_cpu_compat
         sglang_cpu_compat.apply()
         import sglang.srt.model_executor.model_runner
         import sgl_kernel
@@ -46,7 +46,7 @@ def test_sgl_kernel_stand_in_needed_and_working():
 def test_sglang_still_lacks_torch_native_mla_handler():
     """Needed: SGLang registers no DeepSeek attention handler for torch_native (falls back to triton's)."""
     out = _run("""
-        from specforge_k25.target import sglang_cpu_compat
+        from specforge_k25.target_engine import sglang_cpu_compat
         sglang_cpu_compat.apply(mla_fix=False)
         from sglang.srt.models.deepseek_common import attention_backend_handler as h
         print("HAS_TORCH_NATIVE", "torch_native" in h.AttentionBackendRegistry._handlers)
@@ -57,10 +57,10 @@ def test_sglang_still_lacks_torch_native_mla_handler():
 
 _CAPTURE_DIFF = """
     import sys, torch
-    from specforge_k25.target import sglang_cpu_compat
+    from specforge_k25.target_engine import sglang_cpu_compat
     sglang_cpu_compat.apply(mla_fix={fix})
-    from specforge_k25.target.sglang_engine import SGLangTarget
-    from specforge_k25.target.hf_reference import HFTarget
+    from specforge_k25.target_engine.sglang_engine import SGLangTarget
+    from specforge_k25.target_engine.hf_reference import HFTarget
     path = sys.argv[1]
     seq = [torch.randint(3, 40000, (19,), generator=torch.Generator().manual_seed(0))]
     got = SGLangTarget(path, "DeepseekV3ForCausalLM", [2, 4, 5], num_threads=2).forward(seq)
@@ -84,8 +84,8 @@ def test_mla_fix_needed_and_working(tiny_deepseek_path):
 
 
 def test_deepseek_config_check():
-    from specforge_k25.target.models import tiny_deepseek_config
-    from specforge_k25.target.sglang_cpu_compat import check_deepseek_config
+    from specforge_k25.target_engine.models import tiny_deepseek_config
+    from specforge_k25.target_engine.sglang_cpu_compat import check_deepseek_config
 
     check_deepseek_config(tiny_deepseek_config(100))
     with pytest.raises(ValueError, match="YaRN"):
@@ -110,7 +110,7 @@ def test_spec_ops_equal_sglang_triton_kernels():
 
 _SPEC_PATCHES = """
     import types, torch
-    from specforge_k25.target import sglang_cpu_compat
+    from specforge_k25.target_engine import sglang_cpu_compat
     sglang_cpu_compat.apply(spec_patches={patched})
     from sglang.srt.layers.attention.torch_native_backend import TorchNativeAttnBackend
     from sglang.srt.layers.radix_attention import AttentionType
@@ -238,7 +238,7 @@ def test_gpu_stand_in_needed():
 
 _GPU_WORKS = """
     import os, torch
-    from specforge_k25.target import sglang_cpu_compat
+    from specforge_k25.target_engine import sglang_cpu_compat
     print("APPLIED", sglang_cpu_compat.apply_gpu(), sglang_cpu_compat.apply_gpu())
     print("ENV", os.environ["SGLANG_FORCE_FUSED_OP_BACKEND"], os.environ["SGLANG_SKIP_SGL_KERNEL_VERSION_CHECK"])
     for name in {imports}:
@@ -311,7 +311,7 @@ def test_gpu_stand_in_only_without_the_real_package(tmp_path):
     out = _run_cuda(f"""
         import os, sys
         sys.path.insert(0, {str(tmp_path)!r})
-        from specforge_k25.target import sglang_cpu_compat
+        from specforge_k25.target_engine import sglang_cpu_compat
         print("APPLIED", sglang_cpu_compat.apply_gpu(), os.environ.get("SGLANG_FORCE_FUSED_OP_BACKEND"))
         sys.path.pop(0)
         sglang_cpu_compat.apply()
@@ -334,7 +334,7 @@ _CUDA_BUILD = """
     torch.cuda.get_device_properties = lambda *a, **k: types.SimpleNamespace(
         total_memory=141 << 30, multi_processor_count=132, name="NVIDIA H200", major=9, minor=0)
     torch.cuda.current_device = lambda: 0
-    from specforge_k25.target import sglang_cpu_compat
+    from specforge_k25.target_engine import sglang_cpu_compat
     print("APPLIED", sglang_cpu_compat.apply_gpu({switches}))
     from transformers import LlamaConfig
     from sglang.srt.arg_groups.model_override_base import resolved_view

@@ -14,11 +14,11 @@ import pytest
 import torch
 
 from specforge_k25.stream.producer import StreamError, TargetStream
-from specforge_k25.target.factory import TargetSpec, check_tp_layout
-from specforge_k25.target.hf_config import read_target_info
-from specforge_k25.target.hf_reference import HFTarget
-from specforge_k25.target.layers import default_capture_points
-from specforge_k25.target.sglang_engine import cpu_bind_groups
+from specforge_k25.target_engine.factory import TargetSpec, check_tp_layout
+from specforge_k25.target_engine.hf_config import read_target_info
+from specforge_k25.target_engine.hf_reference import HFTarget
+from specforge_k25.target_engine.layers import default_capture_points
+from specforge_k25.target_engine.sglang_engine import cpu_bind_groups
 
 LENGTHS = (23, 7, 41)
 
@@ -108,7 +108,7 @@ def test_tp_group_over_two_nodes_equals_tp1(tiny_deepseek_path, tp1_and_hf):
     node1 = subprocess.Popen([sys.executable, "-c", textwrap.dedent(f"""
         import dataclasses
         from specforge_k25.stream.producer import run_tp_node
-        from specforge_k25.target.factory import TargetSpec
+        from specforge_k25.target_engine.factory import TargetSpec
         spec = TargetSpec(**{dataclasses.asdict(spec)!r})
         spec.node_rank = 1
         run_tp_node(spec)

@@ -6,9 +6,9 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from specforge_k25.target.hf_config import load_embedding_and_head, read_target_info
-from specforge_k25.target.hf_reference import HFTarget
-from specforge_k25.target.layers import (
+from specforge_k25.target_engine.hf_config import load_embedding_and_head, read_target_info
+from specforge_k25.target_engine.hf_reference import HFTarget
+from specforge_k25.target_engine.layers import (
     DEEPSEEK_RULE,
     LLAMA_RULE,
     capture_points_of_sglang_ids,
@@ -17,7 +17,7 @@ from specforge_k25.target.layers import (
     sglang_layer_ids,
     validate_capture_points,
 )
-from specforge_k25.target.sglang_engine import packed_aux
+from specforge_k25.target_engine.sglang_engine import packed_aux
 
 
 # K aux states, one per capture point. SmolLM2 (Llama rule: SGLang hands a list of K tensors)
@@ -69,7 +69,7 @@ def test_sglang_hidden_states_equal_hf(target, request, sglang_capture):
 
 def _sglang_captured_layers(model_cls_name: str, ids: list[int], num_layers: int) -> list[int]:
     """Ask SGLang's own `set_eagle3_layers_to_capture` which layers it captures for `ids`."""
-    from specforge_k25.target import sglang_cpu_compat
+    from specforge_k25.target_engine import sglang_cpu_compat
 
     sglang_cpu_compat.apply()
     if model_cls_name == "llama":

@@ -47,7 +47,7 @@ class TargetEngine(Protocol):
         ...
 
     def generate(self, prompts: list[torch.Tensor], budgets: list[int], regen) -> list[list[int]]:
-        """Answers (new token ids) to `prompts`, at most budgets[i] each (target/sampling.py rules)."""
+        """Answers (new token ids) to `prompts`, at most budgets[i] each (target_engine/sampling.py rules)."""
         ...
 
     def warmup(self) -> None:

@@ -23,8 +23,8 @@ import pytest
 import torch
 from safetensors import safe_open
 
-from specforge_k25.target import hf_config
-from specforge_k25.target.hf_config import load_embedding_and_head, read_target_info
+from specforge_k25.target_engine import hf_config
+from specforge_k25.target_engine.hf_config import load_embedding_and_head, read_target_info
 
 EXPERT = re.compile(r"^language_model\.model\.layers\.(\d+)\.mlp\.experts\.(\d+)\.(gate|up|down)_proj\.")
 
@@ -36,7 +36,7 @@ def unpack_int4(packed: torch.Tensor, shape) -> torch.Tensor:
 
 @pytest.fixture(scope="session")
 def int4_path(smollm2_path):
-    from specforge_k25.target.models import tiny_kimi_k25_int4_path
+    from specforge_k25.target_engine.models import tiny_kimi_k25_int4_path
 
     return str(tiny_kimi_k25_int4_path(smollm2_path))
 
@@ -52,7 +52,7 @@ def int4_tensors(int4_path):
 
 @pytest.fixture(scope="session")
 def reference_weights(smollm2_path):
-    from specforge_k25.target.models import tiny_kimi_int4_reference
+    from specforge_k25.target_engine.models import tiny_kimi_int4_reference
 
     return tiny_kimi_int4_reference(smollm2_path)
 
@@ -177,8 +177,8 @@ def test_int4_target_facts_and_weight_bytes(int4_path, int4_tensors, tmp_path):
 
 _INT4_PROBE = """
     import sys, torch
-    from specforge_k25.target import sglang_cpu_compat
-    from specforge_k25.target.hf_config import read_target_info
+    from specforge_k25.target_engine import sglang_cpu_compat
+    from specforge_k25.target_engine.hf_config import read_target_info
 
 
     def dequantize(packed, scale, group):
@@ -220,7 +220,7 @@ _INT4_PROBE = """
         path, out = sys.argv[1], sys.argv[2]
         sglang_cpu_compat.apply()
         torch_int4_moe()
-        from specforge_k25.target.sglang_engine import SGLangTarget
+        from specforge_k25.target_engine.sglang_engine import SGLangTarget
 
         info = read_target_info(path)
         target = SGLangTarget(path, info.architecture, [2, 4, 5], dtype="bfloat16", num_threads=2)
@@ -267,7 +267,7 @@ def test_sglang_loads_int4_experts_as_the_dequantized_hf_reference(int4_path, in
     gives medians 0.85-0.993 and no token >= 0.999). On CPU SGLang picks the Marlin WNA16 scheme (the
     GPU path of every arch but sm100/sm103), whose repack and GEMMs are replaced by torch (module
     docstring)."""
-    from specforge_k25.target.hf_reference import HFTarget
+    from specforge_k25.target_engine.hf_reference import HFTarget
 
     script = tmp_path / "probe.py"  # a file, not -c: SGLang may spawn helpers that re-import __main__
     script.write_text(textwrap.dedent(_INT4_PROBE))
@@ -296,8 +296,8 @@ def test_engine_gets_dist_timeout_and_the_multithreaded_loader(smollm2_path, mon
     target_spec -> build_target -> SGLangTarget -> engine_server_args (no engine started)."""
     from specforge_k25.config import compose_job
     from specforge_k25.setup.run import target_spec
-    from specforge_k25.target import sglang_cpu_compat, sglang_engine
-    from specforge_k25.target.factory import build_target
+    from specforge_k25.target_engine import sglang_cpu_compat, sglang_engine
+    from specforge_k25.target_engine.factory import build_target
 
     job = compose_job(["train.dist_timeout_s=77", "hw.target_load_threads=3"])
     spec = target_spec(job)
