@@ -101,6 +101,7 @@ class DataConfig:
 
 @dataclass
 class DraftConfigSpec:
+    method: str = doc("eagle3", "draft method (specforge_k25/draft/registry.py): eagle3 (Llama attention, LlamaForCausalLMEagle3) | eagle3_mla (DeepSeek MLA attention, Eagle3DeepseekV2ForCausalLM)")
     vocab_size: int = doc(32000, "draft vocabulary size Vd (most frequent supervised target tokens)")
     intermediate_size: Optional[int] = doc(None, "MLP width; null = the target's")
     num_attention_heads: Optional[int] = doc(None, "null = the target's (text) attention heads")
@@ -110,6 +111,11 @@ class DraftConfigSpec:
     max_position_embeddings: Optional[int] = doc(None, "null = the target's")
     fc_norm: bool = doc(False, "EAGLE-3.1: one RMSNorm per captured target state before fc (export: fc_norm, fc_norm.{0,1,2}.weight)")
     norm_output: bool = doc(False, "EAGLE-3.1: each draft step hands the next its final-normed state instead of the pre-norm one (export: norm_output)")
+    q_lora_rank: Optional[int] = doc(None, "eagle3_mla: query latent width; null = an MLA target's (Kimi-K2.5 1536), else 12 x head dim")
+    kv_lora_rank: Optional[int] = doc(None, "eagle3_mla: KV latent width (what a server caches per token); null = an MLA target's (Kimi-K2.5 512), else 4 x head dim")
+    qk_nope_head_dim: Optional[int] = doc(None, "eagle3_mla: per-head query/key width without RoPE; null = an MLA target's (128), else head dim")
+    qk_rope_head_dim: Optional[int] = doc(None, "eagle3_mla: per-head RoPE width (one shared key part); null = an MLA target's (64), else head dim / 2")
+    v_head_dim: Optional[int] = doc(None, "eagle3_mla: per-head value width; null = an MLA target's (128), else head dim")
 
 
 @dataclass

@@ -12,6 +12,8 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Optional
 
+from ..draft.eagle3.plan import draft_param_counts
+from ..draft.registry import get_method
 from ..draft.model import DraftConfig
 
 GiB = 1 << 30
@@ -189,41 +191,10 @@ def with_hw_overrides(job, facts: TargetFacts) -> TargetFacts:
 
 
 # ----------------------------------------------------------------------------------- draft
-def resolve_draft(spec, facts: TargetFacts) -> DraftConfig:
-    """The draft the trainer builds from `draft.*` (DraftConfigSpec); unset sizes follow the target.
-
-    H = Ht (the draft embeds tokens with the target's frozen embedding)."""
-    heads = spec.num_attention_heads or facts.num_attention_heads
-    kv_heads = spec.num_key_value_heads or facts.num_key_value_heads or heads
-    if heads % kv_heads:  # e.g. MLA targets report as many KV heads as heads: fall back to MHA
-        kv_heads = heads
-    return DraftConfig(
-        hidden_size=facts.hidden_size, intermediate_size=spec.intermediate_size or facts.intermediate_size,
-        num_attention_heads=heads, num_key_value_heads=kv_heads, head_dim=spec.head_dim or facts.hidden_size // heads,
-        vocab_size=facts.vocab_size, draft_vocab_size=spec.vocab_size, target_hidden_size=facts.hidden_size,
-        rms_norm_eps=facts.rms_norm_eps, rope_theta=spec.rope_theta,
-        max_position_embeddings=spec.max_position_embeddings or facts.max_position_embeddings,
-        fc_norm=spec.fc_norm, norm_output=spec.norm_output,
-    )
-
-
-def draft_param_counts(cfg: DraftConfig) -> dict[str, int]:
-    """Parameters per module of `Eagle3Draft` (draft/model.py); `embed_tokens` is frozen."""
-    H, Ht, I = cfg.hidden_size, cfg.target_hidden_size, cfg.intermediate_size
-    q_out, kv_out = cfg.num_attention_heads * cfg.head_dim, cfg.num_key_value_heads * cfg.head_dim
-    fc_norm = {"fc_norm (3 RMSNorm)": 3 * Ht} if cfg.fc_norm else {}  # EAGLE-3.1 option, off by default
-    return {
-        **fc_norm,
-        "fc": 3 * Ht * H,
-        "q_proj": 2 * H * q_out,
-        "k_proj": 2 * H * kv_out,
-        "v_proj": 2 * H * kv_out,
-        "o_proj": q_out * H,
-        "mlp (gate, up, down)": 3 * H * I,
-        "norms (4 RMSNorm)": 4 * H,
-        "lm_head": cfg.draft_vocab_size * H,
-        "embed_tokens (frozen)": cfg.vocab_size * H,
-    }
+def resolve_draft(spec, facts: TargetFacts, num_aux: int = 3):
+    """The draft config the trainer builds from `draft.*` (DraftConfigSpec): its method's
+    (draft/registry.py), with `num_aux` capture points; unset sizes follow the target."""
+    return get_method(spec.method).resolve_config(spec, facts, num_aux)
 
 
 def trainable_params(cfg: DraftConfig) -> int:

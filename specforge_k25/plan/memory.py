@@ -20,6 +20,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Optional
 
+from ..draft.eagle3.plan import ttt_backward_working_bytes, ttt_saved_bytes, ttt_step_bytes
 from ..draft.model import DraftConfig
 from .facts import GiB, trainable_params
 
@@ -37,63 +38,6 @@ class Item:
 
 def gib(n: float) -> str:
     return f"{n / GiB:.2f} GiB"
-
-
-def ttt_step_bytes(cfg: DraftConfig, batch: int, seq_len: int, k: int, bf16: bool) -> tuple[int, int]:
-    """(per-token bytes, mask bytes) TTT step k saves for backward (draft/loss.py::ttt_loss, one step).
-
-    Per token (a = 2 under bf16 autocast, 4 in fp32; qw = nh*hd):
-      bf16: 38H (norm inputs fp32 + outputs bf16, per-linear bf16 input casts) | fp32: 40H
-      + a*qw q + 2a*qw*(k+1) the K/V of steps 0..k repeated to nh heads + a*qw attention output
-      (= o_proj input) + 4*nh logsumexp (fp32) of the fused attention
-      + 4a*I MLP (gate, silu, up, product) + 2a*hd cos/sin
-      + 8*Vd (log-probs and renormalised teacher probs, both fp32) + 12 (rsqrt) + 1 (counted mask)
-    Per step: the [T, (k+1)T] attention mask, as SDPA's additive float mask (a bytes), shared by
-    the batch. No [B, nh, T, T] probabilities: the fused kernel recomputes them in backward.
-    """
-    H, I, hd, Vd = cfg.hidden_size, cfg.intermediate_size, cfg.head_dim, cfg.draft_vocab_size
-    qw, nh = cfg.num_attention_heads * cfg.head_dim, cfg.num_attention_heads
-    a = 2 if bf16 else 4
-    per_token = ((38 if bf16 else 40) * H + a * qw + 2 * a * qw * (k + 1) + a * qw + 4 * nh
-                 + 4 * a * I + 2 * a * hd + 8 * Vd + 12 + 1)
-    return per_token * batch * seq_len, a * seq_len * seq_len * (k + 1)
-
-
-def ttt_saved_bytes(cfg: DraftConfig, batch: int, seq_len: int, ttt_length: int, bf16: bool,
-                    checkpoint: bool = False) -> dict[str, int]:
-    """Bytes the TTT forward leaves saved for backward, all K steps (`ttt_step_bytes` each).
-
-    Once: bf16: the fc input cast [T, 3Ht] (6Ht per token); fp32: fc's output (4H per token).
-    checkpoint=True (train.activation_checkpointing): a step keeps only its inputs: the hidden
-    [B, T, H] entering every step (a bytes; step 0's is fc's output) and the K/V [B, nkv, T, hd]
-    of steps 0..K-2 (a bytes each); backward then recomputes one step at a time
-    (`ttt_step_bytes`, counted by the plan as a transient of the TTT phase).
-    Returns {"per_token": linear bytes, "attention_mask": quadratic bytes, "total": both}.
-    """
-    a = 2 if bf16 else 4
-    N = batch * seq_len
-    quadratic = 0
-    if checkpoint:
-        kv = 2 * a * cfg.num_key_value_heads * cfg.head_dim
-        linear = ((6 * cfg.target_hidden_size if bf16 else 0) + ttt_length * a * cfg.hidden_size
-                  + (ttt_length - 1) * kv) * N
-    else:
-        linear = (6 * cfg.target_hidden_size if bf16 else 4 * cfg.hidden_size) * N
-        for k in range(ttt_length):
-            per_token, mask = ttt_step_bytes(cfg, batch, seq_len, k, bf16)
-            linear += per_token
-            quadratic += mask
-    return {"per_token": linear, "attention_mask": quadratic, "total": linear + quadratic}
-
-
-def ttt_backward_working_bytes(cfg: DraftConfig, batch: int, seq_len: int, ttt_length: int, bf16: bool) -> int:
-    """Estimate (not measured) of the transient memory on top of the saved tensors, in the last
-    step's backward: the grads of its attention inputs (q and the K/V of all K steps at nh heads),
-    of its [B, T, Vd] log-softmax (8 bytes) and of its MLP activations (3 [B, T, I])."""
-    a = 2 if bf16 else 4
-    N = batch * seq_len
-    qw = cfg.num_attention_heads * cfg.head_dim
-    return (a * qw * (1 + 2 * ttt_length) + 8 * cfg.draft_vocab_size + 3 * a * cfg.intermediate_size) * N
 
 
 def optimizer_items(P: int, on_gpu: bool) -> list[Item]:

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
 
+from ..draft.eagle3.plan import draft_step_flops
 from ..draft.model import DraftConfig
 from .budget import LAYOUTS, colocated, gpu_layout, optimizer_device, target_batch_tokens
 from .facts import PlanError, TargetFacts, resolve_draft, trainable_params
@@ -38,39 +39,6 @@ PARTS = (TARGET_COMPUTE, TARGET_ALLREDUCE, TRAINER_COMPUTE, TRAINER_OPTIMIZER, T
 
 
 # ------------------------------------------------------------------------------- trainer
-def draft_step_flops(cfg: DraftConfig, batch: int, seq_len: int, ttt_length: int, checkpoint: bool = False) -> dict:
-    """Analytic FLOPs of one draft training step (multiply-adds x 2) of N = B*T tokens, K TTT steps,
-    S_k = (k+1)*T keys at step k; torch.utils.flop_counter counts the same step exactly
-    (tests/benchmarks/test_benchmarks.py, its SDPA formulas included).
-
-      forward  = N*2*(3Ht*H)                                 fc, once
-               + K*N*2*(2H*(nh+2nkv)*hd + nh*hd*H + 3H*I + H*Vd)  q,k,v (input 2H), o, SwiGLU, lm_head
-               + sum_k B*4*nh*T*S_k*hd                        QK^T and PV of step k's fused SDPA: the
-                                                              masked kernel computes every block
-      backward = fc: weight grad only (aux needs no grad) = 1 x its forward
-               + linears: 2 x forward (input and weight grads)
-               + attention: 2.5 x forward (QK^T recomputed, then dP, dV, dQ, dK: 5 matmuls of 2)
-      recompute (checkpoint: train.activation_checkpointing) = one more forward of every TTT step
-      teacher  = 2*N*V*Ht (the target's lm_head over the final hidden states; no backward)
-    Element-wise work (norms, softmax, RoPE, AdamW) is not counted."""
-    H, Ht, I, Vd, V = (cfg.hidden_size, cfg.target_hidden_size, cfg.intermediate_size, cfg.draft_vocab_size,
-                       cfg.vocab_size)
-    nh, nkv, hd = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
-    N, T, K = batch * seq_len, seq_len, ttt_length
-    fc = 2 * N * 3 * Ht * H
-    linear_per_step = 2 * N * (2 * H * (nh + 2 * nkv) * hd + nh * hd * H + 3 * H * I + H * Vd)
-    # step k: QK^T and PV, [T, hd] x [hd, (k+1)T] and [T, (k+1)T] x [(k+1)T, hd] per batch row and head
-    attention_fwd = sum(batch * 4 * nh * T * (k + 1) * T * hd for k in range(K))
-    attention_bwd = sum(batch * 10 * nh * T * (k + 1) * T * hd for k in range(K))  # 5 matmuls of the same size
-    fwd = fc + K * linear_per_step + attention_fwd
-    bwd = fc + 2 * K * linear_per_step + attention_bwd
-    recompute = K * linear_per_step + attention_fwd if checkpoint else 0
-    teacher = 2 * N * V * Ht
-    return {"teacher": teacher, "draft_fwd": fwd, "draft_bwd": bwd, "draft_recompute": recompute,
-            "attention_fwd": attention_fwd, "attention_bwd": attention_bwd,
-            "total": teacher + fwd + bwd + recompute}
-
-
 # -------------------------------------------------------------------------------- target
 def target_params_per_token(facts: TargetFacts) -> dict[str, int]:
     """The weights one token multiplies in a prefill (the activated parameters), by module. The

@@ -19,14 +19,11 @@ What each server reads (docs/EAGLE3.md §6):
 from __future__ import annotations
 
 import json
-import os
-import shutil
 from pathlib import Path
 
 import torch
-from safetensors.torch import load_file, save_file
+from safetensors.torch import load_file
 
-from ...paths import write_atomic, write_text_atomic
 from ..model import draft_state
 from .model import YARN_KEYS, Eagle3MLADraft, MLADraftConfig, _yarn
 
@@ -163,33 +160,7 @@ def validate_export(export_dir: str | Path) -> None:
         raise ValueError(f"invalid MLA draft export {d}:\n  " + "\n  ".join(problems))
 
 
-def export_mla_draft(draft: Eagle3MLADraft, out_dir: str | Path, eagle_layer_ids: list[int],
-                     vllm_layer_ids: list[int], bos_token_id, eos_token_id,
-                     dtype: torch.dtype = torch.float32) -> Path:
-    """Write <out_dir>/{config.json, model.safetensors} into a sibling temp folder, check it, then
-    swap it in (a reader never sees half a folder). Ids and eos as in `serving_config`."""
-    out = Path(out_dir)
-    tmp = out.with_name(out.name + ".tmp")
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir(parents=True)
-    tensors = serving_tensors(draft, dtype)
-    # the umask's mode: a server running as another user reads the folder (save_file alone makes 0600)
-    write_atomic(tmp / "model.safetensors", lambda f: save_file(tensors, f, metadata={"format": "pt"}))
-    config = serving_config(draft.cfg, eagle_layer_ids, vllm_layer_ids, bos_token_id, eos_token_id,
-                            str(dtype).replace("torch.", ""))
-    write_text_atomic(tmp / "config.json", json.dumps(config, indent=2))
-    try:
-        validate_export(tmp)
-    except ValueError:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
-    if out.exists():
-        shutil.rmtree(out)
-    os.replace(tmp, out)
-    return out
-
-
-def load_mla_export(export_dir: str | Path, embed_weight: torch.Tensor) -> Eagle3MLADraft:
+def load_export(export_dir: str | Path, embed_weight: torch.Tensor) -> Eagle3MLADraft:
     """Rebuild the draft from an export folder plus the target's embedding [V, H]."""
     d = Path(export_dir)
     validate_export(d)

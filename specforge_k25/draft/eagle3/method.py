@@ -1,0 +1,77 @@
+"""`draft.method=eagle3`: the Llama-style EAGLE-3 head (draft/model.py) trained with TTT
+(draft/loss.py), served as `LlamaForCausalLMEagle3` (SGLang, vLLM), with the EAGLE-3.1 options
+`draft.fc_norm` and `draft.norm_output`."""
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from .. import loss as ttt
+from ..method import DraftBatch, DraftMethod, Needs
+from ..model import NUM_AUX, DraftConfig, Eagle3Draft
+from . import export, plan
+
+
+class Eagle3Method(DraftMethod):
+    name = "eagle3"
+    served_architecture = "LlamaForCausalLMEagle3"
+    sglang_algorithm = "EAGLE3"
+    model_class = Eagle3Draft
+    plan = plan
+    _units = ("fc_norm", "fc", "midlayer", "norm", "lm_head")  # fc_norm exists only with the option on
+
+    def resolve_config(self, spec, target, num_aux: int = NUM_AUX) -> DraftConfig:
+        """H = Ht (the draft embeds tokens with the target's frozen embedding); unset sizes follow
+        the target; an MLA target's heads become MHA heads of hidden/heads."""
+        if num_aux != NUM_AUX:
+            raise ValueError(f"{num_aux} capture points (target.aux_layers), but the EAGLE-3 head (fc over "
+                             f"{NUM_AUX} x Ht, as SGLang and vLLM build it) takes exactly {NUM_AUX}: give "
+                             f"{NUM_AUX} capture points or null for the default")
+        heads = spec.num_attention_heads or target.num_attention_heads
+        kv_heads = spec.num_key_value_heads or target.num_key_value_heads or heads
+        if heads % kv_heads:  # e.g. MLA targets report as many KV heads as heads: fall back to MHA
+            kv_heads = heads
+        return DraftConfig(
+            hidden_size=target.hidden_size, intermediate_size=spec.intermediate_size or target.intermediate_size,
+            num_attention_heads=heads, num_key_value_heads=kv_heads,
+            head_dim=spec.head_dim or target.hidden_size // heads,
+            vocab_size=target.vocab_size, draft_vocab_size=spec.vocab_size, target_hidden_size=target.hidden_size,
+            rms_norm_eps=target.rms_norm_eps, rope_theta=spec.rope_theta,
+            max_position_embeddings=spec.max_position_embeddings or target.max_position_embeddings,
+            fc_norm=spec.fc_norm, norm_output=spec.norm_output,
+        )
+
+    def needs(self, cfg) -> Needs:
+        return Needs(num_aux=NUM_AUX)
+
+    def build(self, cfg) -> Eagle3Draft:
+        return self.model_class(cfg)
+
+    def describe(self, cfg) -> str:
+        options = [o for o in ("fc_norm", "norm_output") if getattr(cfg, o, False)]
+        return (f"EAGLE-3, Llama attention: H {cfg.hidden_size}, heads {cfg.num_attention_heads}/"
+                f"{cfg.num_key_value_heads} x {cfg.head_dim}, I {cfg.intermediate_size}, Vd {cfg.draft_vocab_size}"
+                + (f", EAGLE-3.1 {' + '.join(options)}" if options else ""))
+
+    def fsdp_units(self, model) -> list[str]:
+        return [u for u in self._units if hasattr(model, u)]
+
+    def loss(self, model, batch: DraftBatch, *, depth: int, decay: float, normalizer=None, checkpoint: bool = False):
+        return ttt.ttt_loss(model, batch.aux_hidden, batch.input_ids, batch.loss_mask, batch.lengths, batch.teacher,
+                            depth, decay, normalizer, checkpoint=checkpoint)
+
+    def loss_positions(self, batch: DraftBatch, depth: int) -> torch.Tensor:
+        return ttt.loss_positions(batch.loss_mask, batch.lengths, batch.teacher, depth)
+
+    def serving_tensors(self, model, dtype):
+        return export.serving_tensors(model, dtype)
+
+    def serving_config(self, cfg, *, sglang_layer_ids, vllm_layer_ids, bos_token_id, eos_token_id, dtype) -> dict:
+        return export.serving_config(cfg, sglang_layer_ids, vllm_layer_ids, bos_token_id, eos_token_id, dtype)
+
+    def validate_export(self, export_dir: Path) -> None:
+        export.validate_export(export_dir)
+
+    def load_export(self, export_dir: Path, embed_weight: torch.Tensor) -> Eagle3Draft:
+        return export.load_export(export_dir, embed_weight)

@@ -1,0 +1,75 @@
+"""`draft.method=eagle3_mla`: the EAGLE-3 head with DeepSeek multi-latent attention
+(draft/eagle3_mla/model.py) trained with the same TTT objective, served as
+`Eagle3DeepseekV2ForCausalLM` (SGLang's kimi_k25_eagle3.py, vLLM's deepseek_eagle3.py)."""
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from ..eagle3.method import Eagle3Method
+from ..method import Needs
+from . import export, plan
+from .model import Eagle3MLADraft, MLADraftConfig
+
+DEFAULT_NUM_AUX = 3
+
+
+class Eagle3MLAMethod(Eagle3Method):
+    name = "eagle3_mla"
+    served_architecture = export.ARCHITECTURE
+    sglang_algorithm = "EAGLE3"
+    model_class = Eagle3MLADraft
+    plan = plan
+    _units = ("fc", "midlayer", "norm", "lm_head")
+
+    def resolve_config(self, spec, target, num_aux: int = DEFAULT_NUM_AUX) -> MLADraftConfig:
+        """Unset MLA sizes follow an MLA target (Kimi-K2.5: q_lora_rank 1536, kv_lora_rank 512,
+        nope/rope/v head dims 128/64/128); behind a GQA/MHA target (head dim hd) they take
+        Kimi's ratios: nope hd, rope hd/2, v hd, kv_lora_rank 4hd, q_lora_rank 12hd.
+        RoPE is plain (YaRN factor 1, written as such): the head sees draft-length contexts."""
+        unsupported = [o for o in ("fc_norm", "norm_output") if getattr(spec, o, False)]
+        if unsupported:
+            raise ValueError(f"draft.{unsupported[0]}=true: the MLA head has no EAGLE-3.1 options "
+                             f"(SGLang 0.5.23's Eagle3DeepseekV2ForCausalLM reads neither); use draft.method=eagle3")
+        heads = spec.num_attention_heads or target.num_attention_heads
+        hd = spec.head_dim or target.hidden_size // heads
+        mla = target.kv_lora_rank is not None
+
+        def pick(name: str, target_value, fallback: int) -> int:
+            value = getattr(spec, name, None)
+            return value if value is not None else (target_value if mla and target_value else fallback)
+
+        return MLADraftConfig(
+            hidden_size=target.hidden_size, intermediate_size=spec.intermediate_size or target.intermediate_size,
+            num_attention_heads=heads,
+            q_lora_rank=pick("q_lora_rank", target.q_lora_rank, 12 * hd),
+            kv_lora_rank=pick("kv_lora_rank", target.kv_lora_rank, 4 * hd),
+            qk_nope_head_dim=pick("qk_nope_head_dim", target.qk_nope_head_dim, hd),
+            qk_rope_head_dim=pick("qk_rope_head_dim", target.qk_rope_head_dim, max(2, hd // 2)),
+            v_head_dim=pick("v_head_dim", target.v_head_dim, hd),
+            vocab_size=target.vocab_size, draft_vocab_size=spec.vocab_size, target_hidden_size=target.hidden_size,
+            num_aux_hidden_states=num_aux, rms_norm_eps=target.rms_norm_eps, rope_theta=spec.rope_theta,
+            max_position_embeddings=spec.max_position_embeddings or target.max_position_embeddings,
+        )
+
+    def needs(self, cfg: MLADraftConfig) -> Needs:
+        return Needs(num_aux=cfg.num_aux_hidden_states)
+
+    def describe(self, cfg: MLADraftConfig) -> str:
+        return (f"EAGLE-3, MLA attention: H {cfg.hidden_size}, {cfg.num_attention_heads} heads, q_lora "
+                f"{cfg.q_lora_rank}, kv_lora {cfg.kv_lora_rank}, nope/rope/v {cfg.qk_nope_head_dim}/"
+                f"{cfg.qk_rope_head_dim}/{cfg.v_head_dim}, I {cfg.intermediate_size}, Vd {cfg.draft_vocab_size}, "
+                f"K {cfg.num_aux_hidden_states}")
+
+    def serving_tensors(self, model, dtype):
+        return export.serving_tensors(model, dtype)
+
+    def serving_config(self, cfg, *, sglang_layer_ids, vllm_layer_ids, bos_token_id, eos_token_id, dtype) -> dict:
+        return export.serving_config(cfg, sglang_layer_ids, vllm_layer_ids, bos_token_id, eos_token_id, dtype)
+
+    def validate_export(self, export_dir: Path) -> None:
+        export.validate_export(export_dir)
+
+    def load_export(self, export_dir: Path, embed_weight: torch.Tensor) -> Eagle3MLADraft:
+        return export.load_export(export_dir, embed_weight)

@@ -1,0 +1,36 @@
+"""Publishing a serving folder: written beside its place, checked, then swapped in, so that a
+server or a reader never sees half a folder (each method's export builds what goes in it)."""
+from __future__ import annotations
+
+import json
+import os
+import shutil
+from pathlib import Path
+from typing import Callable
+
+import torch
+from safetensors.torch import save_file
+
+from ..paths import write_atomic, write_text_atomic
+
+
+def publish_folder(out_dir: str | Path, tensors: dict[str, torch.Tensor], config: dict,
+                   validate: Callable[[Path], None]) -> Path:
+    """<out_dir>/{config.json, model.safetensors}, built in <out_dir>.tmp, `validate`d, then renamed
+    into place; a folder that fails validation is removed and the error raised."""
+    out = Path(out_dir)
+    tmp = out.with_name(out.name + ".tmp")
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    # the umask's mode: a server running as another user reads the folder (save_file alone makes 0600)
+    write_atomic(tmp / "model.safetensors", lambda f: save_file(tensors, f, metadata={"format": "pt"}))
+    write_text_atomic(tmp / "config.json", json.dumps(config, indent=2))
+    try:
+        validate(tmp)
+    except ValueError:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    if out.exists():
+        shutil.rmtree(out)
+    os.replace(tmp, out)
+    return out

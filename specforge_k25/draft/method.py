@@ -1,0 +1,119 @@
+"""The draft-method interface: everything train, plan, export, eval and the stream ask of a way of
+drafting, so that none of them names one. A method is one folder under `draft/` plus an entry in
+`draft/registry.py`; `draft.method` picks it.
+
+A method's model is a plain `nn.Module` with
+    embed_tokens     the target's embedding [V, H], frozen (never checkpointed or exported)
+    d2t, t2d         draft vocab maps (draft/vocab.py)
+    trainable_parameters()
+and the method says how to build it, train it, size it for the plan, export it and serve it.
+
+Arguments are duck-typed so that `draft/` imports nothing of ours: `spec` is a `draft.*` config
+(config.py DraftConfigSpec), `target` the target's facts (plan/facts.py TargetFacts).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.nn as nn
+
+
+@dataclass(frozen=True)
+class Needs:
+    """The hidden states a method reads from the target for every trained token."""
+
+    num_aux: int  # K captured states (inputs of K decoder layers), carried side by side [T, K*Ht]
+    final_hidden: bool = True  # the last layer's normed state (teacher logits through the target's lm_head)
+
+
+@dataclass
+class DraftBatch:
+    """One micro-batch as a method's loss reads it (train/step.py builds it from the stream)."""
+
+    input_ids: torch.Tensor  # [B, T] int64, right-padded
+    loss_mask: torch.Tensor  # [B, T] bool
+    lengths: torch.Tensor  # [B]
+    aux_hidden: torch.Tensor  # [B, T, K*Ht] fp32, K aux states as the stream carries them
+    teacher: Any  # draft/loss.py Teacher: the target's distribution where the loss needs it
+
+    @property
+    def num_tokens(self) -> int:
+        return int(self.lengths.sum())
+
+
+class DraftMethod:
+    """Base of every draft method (docs/DRAFT_METHODS.md)."""
+
+    name: str = ""  # registry key = draft.method
+    served_architecture: str = ""  # `architectures[0]` of the exported config.json
+    sglang_algorithm: str = ""  # SGLang `speculative_algorithm` that serves the export
+    model_class: type = nn.Module  # what `build` returns (registry.method_of finds a model's method by it)
+
+    # ------------------------------------------------------------------ shape
+    def resolve_config(self, spec, target, num_aux: int = 3) -> Any:
+        """The model config from `draft.*`, the target's facts and the number of capture points the
+        run asks for (target.aux_layers); unset sizes follow the target. A method that cannot read
+        `num_aux` states raises ValueError saying so."""
+        raise NotImplementedError
+
+    def needs(self, cfg) -> Needs:
+        raise NotImplementedError
+
+    def build(self, cfg) -> nn.Module:
+        raise NotImplementedError
+
+    def fsdp_units(self, model: nn.Module) -> list[str]:
+        """Names of the trainable submodules, each sharded on its own (train/sharding.py)."""
+        raise NotImplementedError
+
+    def describe(self, cfg) -> str:
+        """One line for the plan a run prints."""
+        raise NotImplementedError
+
+    # --------------------------------------------------------------- training
+    def loss(self, model: nn.Module, batch: DraftBatch, *, depth: int, decay: float,
+             normalizer: torch.Tensor | None, checkpoint: bool):
+        """-> draft/loss.py TTTResult (per-depth counters; train/metrics.py sums them)."""
+        raise NotImplementedError
+
+    def loss_positions(self, batch: DraftBatch, depth: int) -> torch.Tensor:
+        """[depth] int64: the positions each depth's loss is averaged over (the data-parallel normalizer)."""
+        raise NotImplementedError
+
+    # -------------------------------------------------------------------- plan
+    # `plan`: a module of the method's folder with the arithmetic the memory and throughput plans
+    # (plan/) read, each taking the method's config:
+    #   param_counts(cfg) -> {module: parameters}, '(frozen)' names not trained
+    #   ttt_step_bytes(cfg, batch, seq_len, k, bf16) -> (bytes per token, mask bytes) step k keeps
+    #   ttt_saved_bytes(cfg, batch, seq_len, depth, bf16, checkpoint=False) -> {..., "total": bytes}
+    #   ttt_backward_working_bytes(cfg, batch, seq_len, depth, bf16) -> bytes
+    #   draft_step_flops(cfg, batch, seq_len, depth, checkpoint=False) -> {"teacher", ..., "total"}
+    plan: Any = None
+
+    # ----------------------------------------------------------------- export
+    def serving_tensors(self, model: nn.Module, dtype: torch.dtype) -> dict[str, torch.Tensor]:
+        raise NotImplementedError
+
+    def serving_config(self, cfg, *, sglang_layer_ids: list[int], vllm_layer_ids: list[int], bos_token_id,
+                       eos_token_id, dtype: str) -> dict:
+        raise NotImplementedError
+
+    def validate_export(self, export_dir: Path) -> None:
+        """Raise ValueError naming every problem of an export folder."""
+        raise NotImplementedError
+
+    def load_export(self, export_dir: Path, embed_weight: torch.Tensor) -> nn.Module:
+        raise NotImplementedError
+
+    # ------------------------------------------------------------------ serve
+    def sglang_draft_args(self, *, num_steps: int, topk: int, draft_tokens: int) -> dict:
+        """sglang.Engine / ServerArgs keyword arguments serving an export of this method."""
+        return {"speculative_algorithm": self.sglang_algorithm, "speculative_num_steps": num_steps,
+                "speculative_eagle_topk": topk, "speculative_num_draft_tokens": draft_tokens}
+
+
+def trainable_count(counts: dict[str, int]) -> int:
+    return sum(n for name, n in counts.items() if not name.endswith("(frozen)"))

@@ -1,0 +1,41 @@
+"""The draft methods by name (`draft.method`), by model class and by served architecture.
+Adding a method: a folder under draft/ with a `DraftMethod` subclass, and one entry here."""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch.nn as nn
+
+from .eagle3.method import Eagle3Method
+from .eagle3_mla.method import Eagle3MLAMethod
+from .method import DraftMethod
+
+METHODS: dict[str, DraftMethod] = {m.name: m for m in (Eagle3Method(), Eagle3MLAMethod())}
+
+
+def get_method(name: str) -> DraftMethod:
+    if name not in METHODS:
+        raise ValueError(f"draft.method={name!r}: expected one of {', '.join(METHODS)}")
+    return METHODS[name]
+
+
+def method_of(model: nn.Module) -> DraftMethod:
+    """The method whose model `model` is (an unsharded or FSDP-sharded draft)."""
+    for method in METHODS.values():
+        if isinstance(model, method.model_class):
+            return method
+    raise TypeError(f"{type(model).__name__} is not the model of any draft method")
+
+
+def method_of_export(export_dir: str | Path) -> DraftMethod:
+    """The method that wrote an export folder, by the architecture its config.json names."""
+    path = Path(export_dir) / "config.json"
+    if not path.is_file():
+        raise FileNotFoundError(f"{export_dir}: not an export folder (no config.json)")
+    arch = (json.loads(path.read_text()).get("architectures") or [None])[0]
+    for method in METHODS.values():
+        if method.served_architecture == arch:
+            return method
+    raise ValueError(f"{export_dir}: architecture {arch!r} is served by no draft method "
+                     f"({', '.join(m.served_architecture for m in METHODS.values())})")
