@@ -48,6 +48,7 @@ from stream import PhaseClock, phase_online, phase_trainer_only
 from specforge_k25.config import JobConfig
 from specforge_k25.data.dataset import TokenizedData
 from specforge_k25.data.tokenize import Sample
+from specforge_k25.draft.registry import get_method
 from specforge_k25.export.serving import export_draft
 from specforge_k25.plan import facts_from_folder, plan_memory, resolve_draft
 from specforge_k25.setup.run import RunSetup, make_target_stream
@@ -162,7 +163,7 @@ def make_setup(job: JobConfig, model_path: str, samples: list[Sample]) -> RunSet
     points = resolve_capture_points(job.target.aux_layers, info.num_layers)
     data = TokenizedData(train=samples, heldout=[], rows_seen=len(samples))
     return RunSetup(model_path, info, points, sglang_layer_ids(points, layer_id_rule(info.architecture)), None, data,
-                    resolve_draft(job.draft, facts_from_folder(model_path)))
+                    get_method(job.draft.method), resolve_draft(job.draft, facts_from_folder(model_path), len(points)))
 
 
 def schedule(job: JobConfig, n: int) -> tuple[list[list[int]], int]:

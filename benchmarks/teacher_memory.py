@@ -81,6 +81,7 @@ def make_trainer(*, hidden, heads, kv_heads, head_dim, intermediate, vocab, draf
 
     from specforge_k25.draft.model import DraftConfig, Eagle3Draft
     from specforge_k25.train.optim import build_optimizer, build_scheduler
+    from specforge_k25.draft.registry import method_of
     from specforge_k25.train.step import DraftTrainer
 
     torch.manual_seed(0)
@@ -91,7 +92,7 @@ def make_trainer(*, hidden, heads, kv_heads, head_dim, intermediate, vocab, draf
     lm_head = torch.randn(vocab, hidden) * hidden**-0.5
     optimizer = build_optimizer(draft.trainable_parameters(), 5e-5, (0.9, 0.95), 0.0)
     scheduler = build_scheduler(optimizer, 1000, 0.015)
-    return DraftTrainer(draft, lm_head, optimizer, scheduler, ttt_length=ttt_length, loss_decay=0.8, grad_accum=1,
+    return DraftTrainer(method_of(draft), draft, lm_head, optimizer, scheduler, ttt_length=ttt_length, loss_decay=0.8, grad_accum=1,
                         grad_clip=0.5, teacher_chunk=chunk, autocast_bf16=False)
 
 

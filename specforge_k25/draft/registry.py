@@ -33,9 +33,9 @@ def method_of_export(export_dir: str | Path) -> DraftMethod:
     path = Path(export_dir) / "config.json"
     if not path.is_file():
         raise FileNotFoundError(f"{export_dir}: not an export folder (no config.json)")
-    arch = (json.loads(path.read_text()).get("architectures") or [None])[0]
+    archs = json.loads(path.read_text()).get("architectures")
     for method in METHODS.values():
-        if method.served_architecture == arch:
+        if archs == [method.served_architecture]:
             return method
-    raise ValueError(f"{export_dir}: architecture {arch!r} is served by no draft method "
-                     f"({', '.join(m.served_architecture for m in METHODS.values())})")
+    raise ValueError(f"{export_dir}: config.architectures={archs!r} names no draft method's export "
+                     f"(expected one of {', '.join(repr([m.served_architecture]) for m in METHODS.values())})")

@@ -12,7 +12,8 @@ import torch
 from ..config import JobConfig
 from ..data.dataset import TokenizedData, build_dataset
 from ..data.regenerate import regeneration_prompt
-from ..draft.model import NUM_AUX, DraftConfig, Eagle3Draft
+from ..draft.method import DraftMethod
+from ..draft.registry import get_method
 from ..draft.vocab import build_vocab_maps, count_tokens
 from ..plan import check_fits, facts_from_folder, resolve_draft
 from ..plan.budget import kv_pool_tokens
@@ -34,7 +35,8 @@ class RunSetup:
     eagle_layer_ids: list[int]  # SGLang's ids for the capture points (docs/EAGLE3.md §4)
     tokenizer: object
     data: TokenizedData
-    draft_cfg: DraftConfig
+    method: DraftMethod  # draft.method (draft/registry.py)
+    draft_cfg: object  # the method's model config
     regeneration: Regeneration | None = None  # data.regenerate: how the target answers each prompt
     end_of_turn_id: int | None = None  # the token a served answer ends with (target.end_of_turn_token)
 
@@ -55,6 +57,7 @@ def prepare(job: JobConfig) -> RunSetup:
 
         config = AutoConfig.from_pretrained(model_path, trust_remote_code=job.target.trust_remote_code)
         check_deepseek_config(getattr(config, "text_config", None) or config)
+    method = get_method(job.draft.method)
     points = capture_points(job, info)
     eagle_ids = sglang_layer_ids(points, layer_id_rule(info.architecture))
     if job.draft.vocab_size > info.vocab_size:
@@ -73,19 +76,17 @@ def prepare(job: JobConfig) -> RunSetup:
     if top >= info.vocab_size:  # the engine would index past its embedding
         raise ValueError(f"the tokenizer produced token id {top}, outside the target's vocab ({info.vocab_size}): "
                          f"tokenizer and target weights in {model_path} do not match")
-    return RunSetup(model_path, info, points, eagle_ids, tokenizer, data, resolve_draft(job.draft, facts),
-                    regeneration(job, tokenizer), end_of_turn_id)
+    return RunSetup(model_path, info, points, eagle_ids, tokenizer, data, method,
+                    resolve_draft(job.draft, facts, len(points)), regeneration(job, tokenizer), end_of_turn_id)
 
 
 def capture_points(job: JobConfig, info: TargetInfo) -> list[int]:
     """The run's capture points (target.aux_layers checked against the target), refused unless the
-    draft takes one aux state per point: K = len(points) sizes the engine's capture, the ring's slots
-    and the trainer's batches, and the EAGLE-3 draft's fc is fixed at NUM_AUX states."""
+    draft method reads one aux state per point: K = len(points) sizes the engine's capture, the
+    ring's slots and the trainer's batches."""
     points = resolve_capture_points(job.target.aux_layers, info.num_layers)
-    if len(points) != NUM_AUX:
-        raise ValueError(f"target.aux_layers={points} asks for {len(points)} aux states, but the EAGLE-3 draft "
-                         f"(draft/model.py Eagle3Draft, fc over {NUM_AUX} x Ht) takes exactly {NUM_AUX}: "
-                         f"give {NUM_AUX} capture points or null for the default")
+    facts = facts_from_folder(resolve_target_path(job.target), job.target.name)
+    resolve_draft(job.draft, facts, len(points))  # the method refuses a K it cannot read
     return points
 
 
@@ -140,13 +141,13 @@ def prompt_renderer(job: JobConfig, tokenizer):
     raise ValueError(f"target.chat_format={job.target.chat_format!r}: expected template or kimi")
 
 
-def fresh_draft(setup: RunSetup, seed: int) -> tuple[Eagle3Draft, torch.Tensor]:
-    """An untrained draft (seeded init, the target's embedding, vocab maps from the training
-    split only) and the target's lm_head [V, Ht]."""
+def fresh_draft(setup: RunSetup, seed: int) -> tuple[torch.nn.Module, torch.Tensor]:
+    """An untrained draft of the run's method (seeded init, the target's embedding, vocab maps
+    from the training split only) and the target's lm_head [V, Ht]."""
     torch.manual_seed(seed)
     d2t, t2d = build_vocab_maps(count_tokens(setup.data.train, setup.info.vocab_size), setup.draft_cfg.draft_vocab_size)
     embed, lm_head = load_embedding_and_head(setup.model_path)
-    draft = Eagle3Draft(setup.draft_cfg)
+    draft = setup.method.build(setup.draft_cfg)
     with torch.no_grad():
         draft.embed_tokens.weight.copy_(embed.float())
         draft.d2t.copy_(d2t)

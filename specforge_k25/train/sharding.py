@@ -2,7 +2,8 @@
 (`fully_shard`): each rank keeps 1/W of the trainable weights, their gradients and AdamW's m/v,
 so the optimizer runs on the GPUs beside the target (docs/PERFORMANCE.md §5).
 
-Units: fc, the decoder layer, the final norm and the draft lm_head, each sharded on its own; the
+Units: the method's (`DraftMethod.fsdp_units`: for EAGLE-3 fc, the decoder layer, the final norm
+and the draft lm_head, and fc_norm when on), each sharded on its own; the
 frozen target embedding stays whole on every rank (it is never trained, and gathering its
 vocab x hidden rows every step would dominate the traffic). The TTT loop calls each unit K times
 per micro-batch: they stay gathered from the first call to the end of backward
@@ -25,17 +26,21 @@ from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model
                                                      set_optimizer_state_dict)
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
-from ..draft.model import Eagle3Draft
+from torch import nn
 
-UNITS = ("fc", "midlayer", "norm", "lm_head")
+from ..draft.method import DraftMethod
 _FULL = StateDictOptions(full_state_dict=True, cpu_offload=True)  # complete on rank 0, on the host
 
 
-def shard_draft(draft: Eagle3Draft, bf16: bool = False) -> Eagle3Draft:
+def shard_draft(draft: nn.Module, units: list[str], bf16: bool = False) -> nn.Module:
     """In place: shard the draft's trainable units over the default process group.
     bf16: gather the weights in bf16 (what autocast computes with anyway), reduce in fp32."""
     mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if bf16 else MixedPrecisionPolicy()
-    for name in UNITS:
+    trainable = {n for n, p in draft.named_parameters() if p.requires_grad}
+    covered = {n for n in trainable if n.split(".")[0] in units}
+    if covered != trainable:  # an unsharded trainable weight would get no gradient sum over ranks
+        raise ValueError(f"trainable weights outside the FSDP units {units}: {sorted(trainable - covered)}")
+    for name in units:
         unit = fully_shard(getattr(draft, name), reshard_after_forward=False, mp_policy=mp)
         unit.set_gradient_divide_factor(1.0)
         unit.set_force_sum_reduction_for_comms(True)
@@ -43,29 +48,29 @@ def shard_draft(draft: Eagle3Draft, bf16: bool = False) -> Eagle3Draft:
     return draft
 
 
-def reshard(draft: Eagle3Draft) -> None:
+def reshard(draft: nn.Module, units: list[str]) -> None:
     """Free the gathered weights after a micro-batch's backward (the next forward gathers the
     updated shards)."""
-    for name in UNITS:
+    for name in units:
         getattr(draft, name).reshard()
 
 
-def is_sharded(draft: torch.nn.Module) -> bool:
-    return any(isinstance(getattr(draft, name, None), torch.distributed.fsdp.FSDPModule) for name in UNITS)
+def is_sharded(draft: nn.Module, units: list[str]) -> bool:
+    return any(isinstance(getattr(draft, name, None), torch.distributed.fsdp.FSDPModule) for name in units)
 
 
-def full_model_state(draft: Eagle3Draft) -> dict:
+def full_model_state(draft: nn.Module) -> dict:
     """The model state dict, unsharded; a collective every rank calls, complete on rank 0 only
     (the others get an empty dict)."""
     return get_model_state_dict(draft, options=_FULL)
 
 
-def full_state(draft: Eagle3Draft, optimizer) -> tuple[dict, dict]:
+def full_state(draft: nn.Module, optimizer) -> tuple[dict, dict]:
     """(model state dict, optimizer state dict keyed by parameter name), as full_model_state."""
     return full_model_state(draft), get_optimizer_state_dict(draft, optimizer, options=_FULL)
 
 
-def load_full_state(draft: Eagle3Draft, optimizer, model: dict, optim: dict | None) -> None:
+def load_full_state(draft: nn.Module, optimizer, model: dict, optim: dict | None) -> None:
     """Each rank keeps its shard of a full state (every rank passes the same dicts)."""
     opts = StateDictOptions(full_state_dict=True, strict=False)  # the frozen embedding is not in checkpoints
     set_model_state_dict(draft, model, options=opts)
@@ -73,8 +78,8 @@ def load_full_state(draft: Eagle3Draft, optimizer, model: dict, optim: dict | No
         set_optimizer_state_dict(draft, optimizer, optim, options=StateDictOptions(full_state_dict=True))
 
 
-def unsharded_copy(draft: Eagle3Draft, model: dict) -> Eagle3Draft:
+def unsharded_copy(method: DraftMethod, draft: nn.Module, model: dict) -> nn.Module:
     """A plain (unsharded, host) draft holding the full state `model` (rank 0's, from full_state)."""
-    plain = Eagle3Draft(draft.cfg)
+    plain = method.build(draft.cfg)
     plain.load_state_dict(model)
     return plain

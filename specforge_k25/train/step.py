@@ -1,28 +1,14 @@
 """One micro-batch of draft training or evaluation, from packed target hidden states."""
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
 
-from ..draft.loss import Teacher, TTTResult, compute_teacher, loss_positions, ttt_loss
-from ..draft.model import Eagle3Draft, draft_state
+from ..draft.loss import TTTResult, compute_teacher
+from ..draft.method import DraftBatch, DraftMethod
+from ..draft.model import draft_state
 from .distributed import Ranks
 from .metrics import TTTStats
 from .sharding import full_model_state, full_state, is_sharded, load_full_state, reshard, unsharded_copy
-
-
-@dataclass
-class DraftBatch:
-    input_ids: torch.Tensor  # [B, T] int64, right-padded
-    loss_mask: torch.Tensor  # [B, T] bool
-    lengths: torch.Tensor  # [B]
-    aux_hidden: torch.Tensor  # [B, T, K*Ht] fp32, K aux states as the stream carries them
-    teacher: Teacher
-
-    @property
-    def num_tokens(self) -> int:
-        return int(self.lengths.sum())
 
 
 def pad_packed(packed: torch.Tensor, lengths: list[int]) -> torch.Tensor:
@@ -46,16 +32,16 @@ class DraftTrainer:
     loss-free one-position batch: every rank takes part in the same collectives.
     """
 
-    def __init__(self, draft: Eagle3Draft, lm_head: torch.Tensor, optimizer, scheduler, *, ttt_length: int,
+    def __init__(self, method: DraftMethod, draft: torch.nn.Module, lm_head: torch.Tensor, optimizer, scheduler, *, ttt_length: int,
                  loss_decay: float, grad_accum: int, grad_clip: float, teacher_chunk: int, autocast_bf16: bool,
                  activation_checkpointing: bool = False, ranks: Ranks | None = None):
-        self.draft, self.lm_head, self.optimizer, self.scheduler = draft, lm_head, optimizer, scheduler
+        self.method, self.draft, self.lm_head, self.optimizer, self.scheduler = method, draft, lm_head, optimizer, scheduler
         self.ranks = ranks or Ranks()
         self.ttt_length, self.loss_decay, self.grad_accum = ttt_length, loss_decay, grad_accum
         self.grad_clip, self.teacher_chunk = grad_clip, teacher_chunk
         self.activation_checkpointing = activation_checkpointing
         self.device = lm_head.device
-        self.sharded = is_sharded(draft)
+        self.sharded = is_sharded(draft, method.fsdp_units(draft))
         self.autocast = lambda: torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=autocast_bf16)
 
     def make_batch(self, samples, lengths: list[int], aux_packed: torch.Tensor, final_packed: torch.Tensor) -> DraftBatch:
@@ -87,16 +73,15 @@ class DraftTrainer:
 
     def _loss(self, batch: DraftBatch, normalizer: torch.Tensor | None = None) -> TTTResult:
         with self.autocast():
-            return ttt_loss(self.draft, batch.aux_hidden, batch.input_ids, batch.loss_mask, batch.lengths,
-                            batch.teacher, self.ttt_length, self.loss_decay, normalizer,
-                            checkpoint=self.activation_checkpointing)
+            return self.method.loss(self.draft, batch, depth=self.ttt_length, decay=self.loss_decay,
+                                    normalizer=normalizer, checkpoint=self.activation_checkpointing)
 
     def train_micro(self, batch: DraftBatch | None) -> TTTResult | None:
         """Forward + backward of this rank's part of a micro-batch. None: this rank has no sample in
         it (a short last batch); it still takes part in the count all-reduce."""
         normalizer = None
         if self.ranks.distributed:
-            local = (loss_positions(batch.loss_mask, batch.lengths, batch.teacher, self.ttt_length) if batch is not None
+            local = (self.method.loss_positions(batch, self.ttt_length) if batch is not None
                      else torch.zeros(self.ttt_length, dtype=torch.int64, device=self.device))
             normalizer = self.ranks.sum(local)  # [K] loss positions of the whole global micro-batch
         if batch is None and not self.sharded:
@@ -104,7 +89,7 @@ class DraftTrainer:
         res = self._loss(batch if batch is not None else self.empty_batch(), normalizer)
         (res.loss / self.grad_accum).backward()
         if self.sharded:
-            reshard(self.draft)
+            reshard(self.draft, self.method.fsdp_units(self.draft))
         return res if batch is not None else None
 
     def loss_value(self, res: TTTResult | None) -> float:
@@ -154,9 +139,9 @@ class DraftTrainer:
             self.draft.load_state_dict(tensors, strict=False)
             self.optimizer.load_state_dict(optim)
 
-    def plain_draft(self) -> Eagle3Draft | None:
+    def plain_draft(self) -> torch.nn.Module | None:
         """The trained draft as a plain module on the host (sharded: a collective; None off rank 0)."""
         if not self.sharded:
             return self.draft.cpu()
         model = full_model_state(self.draft)
-        return unsharded_copy(self.draft, model) if self.ranks.main else None
+        return unsharded_copy(self.method, self.draft, model) if self.ranks.main else None

@@ -62,11 +62,11 @@ def build_trainer(job: JobConfig, setup: RunSetup, steps: int, device: torch.dev
     draft.to(device)
     opt_device = tr.optimizer_device
     if job.hw.trainer_layout == "colocated" and ranks is not None and ranks.distributed:
-        shard_draft(draft, bf16=job.hw.autocast == "bf16")
+        shard_draft(draft, setup.method.fsdp_units(draft), bf16=job.hw.autocast == "bf16")
         opt_device = None
     optimizer = build_optimizer(draft.trainable_parameters(), tr.lr, tr.betas, tr.weight_decay, opt_device)
     scheduler = build_scheduler(optimizer, steps, tr.warmup_ratio)
-    return DraftTrainer(draft, lm_head.to(device, frozen), optimizer, scheduler, ttt_length=tr.ttt_length,
+    return DraftTrainer(setup.method, draft, lm_head.to(device, frozen), optimizer, scheduler, ttt_length=tr.ttt_length,
                         loss_decay=tr.loss_decay, grad_accum=tr.grad_accum, grad_clip=tr.grad_clip,
                         teacher_chunk=tr.teacher_chunk, autocast_bf16=job.hw.autocast == "bf16",
                         activation_checkpointing=tr.activation_checkpointing, ranks=ranks)

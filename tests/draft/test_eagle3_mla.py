@@ -18,12 +18,13 @@ from safetensors.torch import load_file, save_file
 
 from mla_ttt_reference import (YARN, reference_steps, reference_ttt_loss, rope_frequencies, tiny_mla_config,
                                tiny_mla_setup)
-from specforge_k25.draft.eagle3_mla.export import (LAYER_PREFIX, expected_shapes, export_mla_draft, load_mla_export,
+from specforge_k25.draft.eagle3_mla.export import (LAYER_PREFIX, expected_shapes, load_export,
                                                    validate_export)
 from specforge_k25.draft.eagle3_mla.model import (Eagle3MLADraft, MLADraftConfig, apply_rope_interleaved,
                                                   rope_cos_sin, rope_inv_freq, softmax_scale)
 from specforge_k25.draft.loss import Teacher, ttt_loss
-from specforge_k25.target_engine.layers import DEEPSEEK_RULE, sglang_layer_ids, vllm_layer_ids
+from specforge_k25.export.serving import export_draft
+from specforge_k25.target_engine.layers import DEEPSEEK_RULE, sglang_layer_ids
 
 K = 3  # TTT steps
 ROOT = Path(__file__).resolve().parents[2]
@@ -156,8 +157,8 @@ def _export(tmp_path, **overrides):
     cfg, draft, *_ = tiny_mla_setup(2, **overrides)
     draft = draft.float()
     ids = sglang_layer_ids(POINTS[: cfg.num_aux_hidden_states], DEEPSEEK_RULE)
-    vllm = vllm_layer_ids(POINTS[: cfg.num_aux_hidden_states])
-    return draft, export_mla_draft(draft, tmp_path / "export", ids, vllm, bos_token_id=1, eos_token_id=[2, 3])
+    return draft, export_draft(draft, tmp_path / "export", ids, bos_token_id=1, eos_token_id=[2, 3],
+                               capture_points=POINTS[: cfg.num_aux_hidden_states])
 
 
 def test_export_layout_config_and_round_trip(tmp_path):
@@ -177,7 +178,7 @@ def test_export_layout_config_and_round_trip(tmp_path):
     assert not any(n.startswith("midlayer.") or n.startswith("embed_tokens") for n in tensors)
     assert tensors[LAYER_PREFIX + "self_attn.kv_b_proj.weight"].shape == (2 * (6 + 5), 10)
 
-    back = load_mla_export(out, draft.embed_tokens.weight)
+    back = load_export(out, draft.embed_tokens.weight)
     assert back.cfg == cfg
     for name, t in draft.state_dict().items():
         assert torch.equal(back.state_dict()[name], t), name
@@ -200,7 +201,7 @@ def test_export_of_any_aux_count_and_a_full_vocab(tmp_path):
     draft, out = _export(tmp_path, num_aux_hidden_states=2, draft_vocab_size=50)
     config = json.loads((out / "config.json").read_text())
     assert config["eagle_config"]["eagle_aux_hidden_state_layer_ids"] == POINTS[:2]
-    assert load_mla_export(out, draft.embed_tokens.weight).fc.weight.shape == (16, 2 * 16)
+    assert load_export(out, draft.embed_tokens.weight).fc.weight.shape == (16, 2 * 16)
 
 
 def test_validate_export_names_each_problem(tmp_path):
@@ -279,8 +280,8 @@ def sglang_runs(smollm2_path, tiny_deepseek_path, tmp_path_factory):
         draft.embed_tokens.weight.data.copy_(embed)
         n_aux = draft.cfg.num_aux_hidden_states
         points = POINTS + [7] if n_aux == 4 else POINTS
-        export_mla_draft(draft, root / name / "export", sglang_layer_ids(points, DEEPSEEK_RULE),
-                                  vllm_layer_ids(points), 1, 2)
+        export_draft(draft, root / name / "export", sglang_layer_ids(points, DEEPSEEK_RULE), 1, 2,
+                     capture_points=points)
         g = torch.Generator().manual_seed(100 + seed)
         seqs = [torch.randint(0, embed.shape[0], (n,), generator=g) for n in LENGTHS]
         aux = [torch.randn(n, n_aux * draft.cfg.target_hidden_size, generator=g) for n in LENGTHS]

@@ -13,6 +13,7 @@ from safetensors.torch import load_file, save_file
 
 from specforge_k25.draft.model import DraftConfig, Eagle3Draft
 from specforge_k25.draft.vocab import build_vocab_maps
+from specforge_k25.draft.registry import get_method
 from specforge_k25.export.serving import export_draft, load_exported_draft, validate_export
 
 H, I, NH, NKV, HD, V, VD = 32, 48, 4, 2, 8, 300, 50
@@ -289,8 +290,8 @@ def test_validate_lists_every_problem(exported):
     FAULTS["missing_tensor"][0](out)
     FAULTS["wrong_architectures"][0](out)
     FAULTS["extra_embedding"][0](out)
-    with pytest.raises(ValueError) as info:
-        validate_export(out)
+    with pytest.raises(ValueError) as info:  # the method's own check: past the architecture
+        get_method("eagle3").validate_export(out)
     msg = str(info.value)
     assert "missing tensor midlayer.hidden_norm.weight" in msg
     assert "config.architectures" in msg

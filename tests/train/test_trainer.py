@@ -21,6 +21,7 @@ from specforge_k25.stream.producer import StreamError
 from specforge_k25.stream.ring import EndOfStream, SlotMessage
 from specforge_k25.target_engine.hf_config import read_target_info
 from specforge_k25.train.distributed import Ranks
+from specforge_k25.draft.registry import get_method, method_of
 from specforge_k25.train.step import DraftTrainer
 from specforge_k25.train.feed import take_batches
 from specforge_k25.train.trainer import Trainer, build_trainer
@@ -51,7 +52,7 @@ def tiny_setup(tmp_path_factory) -> RunSetup:
     facts = facts_from_folder(folder)
     draft_cfg = resolve_draft(JobConfig().draft.__class__(vocab_size=48), facts)
     return RunSetup(str(folder), read_target_info(folder), [1, 2, 3], [0, 1, 2], None,
-                    TokenizedData(samples[:12], samples[12:]), draft_cfg)
+                    TokenizedData(samples[:12], samples[12:]), get_method("eagle3"), draft_cfg)
 
 
 class FakeStream:
@@ -141,7 +142,7 @@ def _sgd_trainer(draft, lm_head, ranks=None, accum=1) -> DraftTrainer:
     is nearly sign(g) and would hide a mis-scaled gradient)."""
     opt = torch.optim.SGD(draft.trainable_parameters(), lr=1.0)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0)
-    return DraftTrainer(draft, lm_head, opt, sched, ttt_length=3, loss_decay=0.8, grad_accum=accum, grad_clip=1e9,
+    return DraftTrainer(method_of(draft), draft, lm_head, opt, sched, ttt_length=3, loss_decay=0.8, grad_accum=accum, grad_clip=1e9,
                         teacher_chunk=64, autocast_bf16=False, ranks=ranks)
 
 
