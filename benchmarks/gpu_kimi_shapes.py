@@ -185,6 +185,7 @@ def optimizer_device(args, device: torch.device) -> str | None:
 def build_trainer(cfg, device: torch.device, args):
     from specforge_k25.draft.model import Eagle3Draft
     from specforge_k25.train.optim import build_optimizer, build_scheduler
+    from specforge_k25.draft.registry import method_of
     from specforge_k25.train.step import DraftTrainer
 
     frozen = frozen_dtype(not args.no_bf16)
@@ -197,7 +198,7 @@ def build_trainer(cfg, device: torch.device, args):
     optimizer = build_optimizer(draft.trainable_parameters(), 5e-5, (0.9, 0.95), 0.0,
                                 device=optimizer_device(args, device))
     scheduler = build_scheduler(optimizer, 1000, 0.015)
-    return DraftTrainer(draft, lm_head, optimizer, scheduler, ttt_length=args.ttt_length, loss_decay=0.8,
+    return DraftTrainer(method_of(draft), draft, lm_head, optimizer, scheduler, ttt_length=args.ttt_length, loss_decay=0.8,
                         grad_accum=1, grad_clip=0.5, teacher_chunk=args.teacher_chunk, autocast_bf16=not args.no_bf16,
                         activation_checkpointing=args.activation_checkpointing)
 
