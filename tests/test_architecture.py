@@ -152,3 +152,86 @@ def test_a_planted_cycle_is_found(tmp_path):
     (copy / "stream" / "x.py").write_text("from ..setup.run import prepare\n")
     found = cycles(copy)
     assert any("setup" in c and "stream/x.py:1" in c for c in found), found
+
+
+# ------------------------------------------------------------------------- draft methods
+# Outside draft/ the package reaches a draft method only through these modules of draft/ (the
+# interface, the registry, and what every method shares: the teacher and loss counters, the vocab
+# maps, the folder publisher); it never names a method, its model classes or its served names.
+DRAFT_SHARED = {"method", "registry", "loss", "vocab", "export_folder"}
+
+
+def method_vocabulary(root: Path = PACKAGE) -> set[str]:
+    """Every method's registry name, and the classes and constants its folder (or draft/model.py,
+    the EAGLE-3 family's layer) defines: what must not appear outside draft/. (The servers' class
+    names may: the SGLang CPU workarounds patch SGLang's own draft classes.)"""
+    words = set()
+    for path in [root / "draft" / "model.py", *(root / "draft").glob("*/*.py")]:
+        for node in ast.parse(path.read_text()).body:
+            if isinstance(node, ast.ClassDef):
+                words.add(node.name)
+                for stmt in node.body:  # the registry name: name = "..."
+                    if (isinstance(stmt, ast.Assign) and isinstance(stmt.value, ast.Constant)
+                            and isinstance(stmt.value.value, str) and stmt.value.value
+                            and any(isinstance(t, ast.Name) and t.id == "name" for t in stmt.targets)):
+                        words.add(stmt.value.value)
+            elif isinstance(node, ast.Assign) and all(isinstance(t, ast.Name) and t.id.isupper() for t in node.targets):
+                words |= {t.id for t in node.targets}
+    return words
+
+
+def method_mentions(root: Path = PACKAGE) -> list[str]:
+    """'file:line: what' for each place outside draft/ that names a method: an import of a draft
+    module other than DRAFT_SHARED, a name or attribute from `method_vocabulary`, or a string
+    (docstrings aside) equal to one. config.py is the one exception: it holds draft.method."""
+    words = method_vocabulary(root)
+    out = []
+    for path in sorted(root.rglob("*.py")):
+        rel = path.relative_to(root.parent)
+        if rel.parts[1] in ("draft", "config.py"):  # config: draft.method's default and help list the methods
+            continue
+        tree = ast.parse(path.read_text())
+        docstrings = {id(n.value) for n in ast.walk(tree) if isinstance(n, ast.Expr) and isinstance(n.value, ast.Constant)}
+        for node in ast.walk(tree):
+            what = None
+            if isinstance(node, ast.Import):
+                what = next((f"imports {a.name}" for a in node.names if a.name.split(".")[:2] == ["specforge_k25", "draft"]
+                             and (len(a.name.split(".")) < 3 or a.name.split(".")[2] not in DRAFT_SHARED)), None)
+            elif isinstance(node, ast.ImportFrom) and node.module:
+                mod = node.module.split(".")
+                if node.level == 2 and mod[0] == "draft" and (len(mod) < 2 or mod[1] not in DRAFT_SHARED):
+                    what = f"imports draft.{'.'.join(mod[1:])}"
+                elif node.level == 0 and mod[:2] == ["specforge_k25", "draft"] and (len(mod) < 3 or mod[2] not in DRAFT_SHARED):
+                    what = f"imports {node.module}"
+                else:
+                    what = next((f"imports {a.name}" for a in node.names if a.name in words), None)
+            elif isinstance(node, ast.Name) and node.id in words:
+                what = node.id
+            elif isinstance(node, ast.Attribute) and node.attr in words:
+                what = node.attr
+            elif (isinstance(node, ast.Constant) and isinstance(node.value, str) and node.value in words
+                  and id(node) not in docstrings):
+                what = repr(node.value)
+            if what:
+                out.append(f"{rel}:{node.lineno}: {what}")
+    return out
+
+
+def test_no_module_outside_draft_names_a_draft_method():
+    assert "eagle3" in method_vocabulary() and "Eagle3MLADraft" in method_vocabulary()  # the walker reads the methods
+    assert method_mentions() == []
+
+
+@pytest.mark.parametrize("source", [
+    "from ..draft.model import Eagle3Draft\n",
+    "def f(m):\n    return m == 'eagle3_mla'\n",
+    "import specforge_k25.draft.eagle3_mla.model\n",
+])
+def test_a_planted_method_mention_is_named(tmp_path, source):
+    import shutil
+
+    copy = tmp_path / "specforge_k25"
+    shutil.copytree(PACKAGE, copy, ignore=shutil.ignore_patterns("__pycache__"))
+    (copy / "train" / "x.py").write_text(source)
+    found = method_mentions(copy)
+    assert any(f.startswith(f"specforge_k25/train/x.py:{source.count(chr(10))}") for f in found), found

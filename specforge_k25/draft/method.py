@@ -117,3 +117,9 @@ class DraftMethod:
 
 def trainable_count(counts: dict[str, int]) -> int:
     return sum(n for name, n in counts.items() if not name.endswith("(frozen)"))
+
+
+def draft_state(draft: nn.Module) -> dict[str, torch.Tensor]:
+    """What a checkpoint and the serving export hold: trainable weights + vocab maps; the frozen
+    target embedding is left out (the target's own is used)."""
+    return {k: v.detach().contiguous() for k, v in draft.state_dict().items() if not k.startswith("embed_tokens.")}

@@ -186,9 +186,3 @@ class Eagle3Draft(nn.Module):
         """`step`'s hidden [B, T, H] -> draft-vocab logits [B, T, Vd]: lm_head(norm(h)) in both modes,
         the norm being already applied with norm_output (the servers norm once, not twice)."""
         return self.lm_head(hidden if self.cfg.norm_output else self.norm(hidden))
-
-
-def draft_state(draft: Eagle3Draft) -> dict[str, torch.Tensor]:
-    """What a checkpoint and the serving export hold: trainable weights + vocab maps; the frozen
-    target embedding is left out (the target's own is used)."""
-    return {k: v.detach().contiguous() for k, v in draft.state_dict().items() if not k.startswith("embed_tokens.")}

@@ -12,6 +12,7 @@ from .eagle3_mla.method import Eagle3MLAMethod
 from .method import DraftMethod
 
 METHODS: dict[str, DraftMethod] = {m.name: m for m in (Eagle3Method(), Eagle3MLAMethod())}
+FIRST_METHOD = Eagle3Method.name  # what runs that predate draft.method trained (their checkpoints name none)
 
 
 def get_method(name: str) -> DraftMethod:

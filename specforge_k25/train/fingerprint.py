@@ -7,6 +7,7 @@ import json
 from pathlib import Path
 
 from ..config import JobConfig
+from ..draft.registry import FIRST_METHOD
 from ..setup.run import RunSetup
 
 
@@ -16,7 +17,8 @@ def run_fingerprint(job: JobConfig, setup: RunSetup, n_items: int, ranks: int = 
     return {
         "target_architecture": setup.info.architecture, "target_layers": setup.info.num_layers,
         "target_hidden": setup.info.hidden_size, "target_vocab": setup.info.vocab_size,
-        "capture_points": list(setup.capture_points), "draft": dataclasses.asdict(setup.draft_cfg),
+        "capture_points": list(setup.capture_points), "draft_method": setup.method.name,
+        "draft": dataclasses.asdict(setup.draft_cfg),
         "train_data_sha1": setup.data.train_sha1(), "schedule_items": n_items, "seed": job.train.seed,
         "regeneration": json.loads(json.dumps(dataclasses.asdict(setup.regeneration))) if setup.regeneration else None,
         "regen_cut": job.data.regen_cut if setup.regeneration else None,
@@ -35,9 +37,9 @@ RESHARDABLE = ("batch_size", "trainer_ranks", "trainer_layout")
 def fingerprint_defaults(fingerprint: dict) -> dict:
     """A saved fingerprint with the keys older checkpoints left out at the value they meant: the
     trainer ranks were recorded only when there were several (absent: one), the layout only when
-    co-located, regen_cut not at all (absent while regenerating: its default, keep), the draft's
-    fc_norm / norm_output not at all (off)."""
-    fp = {"trainer_ranks": 1, "trainer_layout": "dedicated", **fingerprint}
+    co-located, regen_cut not at all (absent while regenerating: its default, keep), the draft
+    method not at all (the one method there was), nor its fc_norm / norm_output (off)."""
+    fp = {"trainer_ranks": 1, "trainer_layout": "dedicated", "draft_method": FIRST_METHOD, **fingerprint}
     if isinstance(fp.get("draft"), dict):  # the draft's EAGLE-3.1 options (draft/model.py), off when not recorded
         fp["draft"] = {"fc_norm": False, "norm_output": False, **fp["draft"]}
     fp.setdefault("regen_cut", "keep" if fp.get("regeneration") else None)

@@ -4,8 +4,7 @@ from __future__ import annotations
 import torch
 
 from ..draft.loss import TTTResult, compute_teacher
-from ..draft.method import DraftBatch, DraftMethod
-from ..draft.model import draft_state
+from ..draft.method import DraftBatch, DraftMethod, draft_state
 from .distributed import Ranks
 from .metrics import TTTStats
 from .sharding import full_model_state, full_state, is_sharded, load_full_state, reshard, unsharded_copy

@@ -11,7 +11,8 @@ import torch
 from safetensors.torch import load_file, save_file
 
 import specforge_k25.train.checkpoint as ckpt_mod
-from specforge_k25.draft.model import DraftConfig, Eagle3Draft, draft_state
+from specforge_k25.draft.method import draft_state
+from specforge_k25.draft.model import DraftConfig, Eagle3Draft
 from specforge_k25.draft.vocab import build_vocab_maps
 from specforge_k25.train.checkpoint import list_checkpoints, load_checkpoint, save_checkpoint
 from specforge_k25.train.optim import build_optimizer, build_scheduler
@@ -304,7 +305,7 @@ def test_load_checkpoint_missing_tensor_raises(tmp_path):
 
 # ------------------------------------------------------------------ 9. what a resume must match
 def _fingerprint(ranks: int = 1, batch_size: int = 4, layout: str = "dedicated", regenerate: bool = False,
-                 regen_cut: str = "keep") -> dict:
+                 regen_cut: str = "keep", method: str = "eagle3") -> dict:
     """run_fingerprint of a small stand-in setup: ranks x batch_size trainer ranks."""
     import dataclasses
     from types import SimpleNamespace
@@ -312,6 +313,7 @@ def _fingerprint(ranks: int = 1, batch_size: int = 4, layout: str = "dedicated",
     from specforge_k25.config import JobConfig
     from specforge_k25.data.dataset import TokenizedData
     from specforge_k25.data.tokenize import Sample
+    from specforge_k25.draft.registry import get_method
     from specforge_k25.target_engine.sampling import Regeneration
     from specforge_k25.train.fingerprint import run_fingerprint
 
@@ -323,14 +325,15 @@ def _fingerprint(ranks: int = 1, batch_size: int = 4, layout: str = "dedicated",
     setup = SimpleNamespace(info=SimpleNamespace(architecture="LlamaForCausalLM", num_layers=4, hidden_size=H,
                                                  vocab_size=V),
                             capture_points=[1, 2, 3], draft_cfg=make_cfg(), data=TokenizedData([sample], [sample]),
+                            method=get_method(method),
                             regeneration=Regeneration(stop_ids=(0,)) if regenerate else None)
     return run_fingerprint(job, setup, n_items=9, ranks=ranks)
 
 
 def _older(fingerprint: dict) -> dict:
     """As checkpoints recorded it before: trainer ranks and layout only with several ranks (the
-    layout only when co-located), no regen_cut."""
-    old = {k: v for k, v in fingerprint.items() if k not in ("trainer_ranks", "trainer_layout", "regen_cut")}
+    layout only when co-located), no regen_cut, no draft method."""
+    old = {k: v for k, v in fingerprint.items() if k not in ("trainer_ranks", "trainer_layout", "regen_cut", "draft_method")}
     if fingerprint["trainer_ranks"] > 1:
         old["trainer_ranks"] = fingerprint["trainer_ranks"]
         if fingerprint["trainer_layout"] == "colocated":
@@ -383,6 +386,9 @@ def test_fingerprint_differences_count_on_either_side_and_include_regen_cut():
     no_seed = {k: v for k, v in base.items() if k != "seed"}
     assert "seed: checkpoint '(not recorded)' vs now 0" in _refusal(no_seed, base)
     assert "global batch" in _refusal({k: v for k, v in base.items() if k != "batch_size"}, base)
+    # the draft method: an older checkpoint (none recorded) was the first method's, and another is refused
+    check_fingerprint(_older(base), base, Path("ckpt"))
+    assert "draft_method: checkpoint 'eagle3' vs now 'eagle3_mla'" in _refusal(_older(base), _fingerprint(method="eagle3_mla"))
     message = _refusal({}, base)  # a checkpoint without a fingerprint matches nothing
     assert "train_data_sha1: checkpoint '(not recorded)'" in message and "draft: checkpoint" in message
 

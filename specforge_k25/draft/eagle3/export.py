@@ -25,7 +25,8 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file
 
-from ..model import NUM_AUX, DraftConfig, Eagle3Draft, draft_state
+from ..method import draft_state
+from ..model import NUM_AUX, DraftConfig, Eagle3Draft
 
 # EAGLE-3.1 config keys, top level, read as booleans by SGLang and vLLM (absent = off). SGLang
 # also takes `use_aux_norm` for fc_norm; vLLM does not, so an export never relies on it.

@@ -24,7 +24,7 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file
 
-from ..model import draft_state
+from ..method import draft_state
 from .model import YARN_KEYS, Eagle3MLADraft, MLADraftConfig, _yarn
 
 ARCHITECTURE = "Eagle3DeepseekV2ForCausalLM"
