@@ -58,7 +58,7 @@ from specforge_k25.target_engine.hf_reference import HFTarget
 from specforge_k25.target_engine.layers import layer_id_rule, resolve_capture_points, sglang_layer_ids
 from specforge_k25.target_engine.sglang_spec import Chain, generate
 from specforge_k25.train.schedule import build_schedule
-from specforge_k25.train.trainer import build_trainer
+from specforge_k25.train.trainer import build_learner
 
 ROOT = Path(__file__).resolve().parents[1]
 GPU_OUT = ROOT / "docs" / "gpu_h200" / "gpu_e2e.json"
@@ -241,7 +241,7 @@ def check_stream(job, setup, device: torch.device, hf_batches: int) -> tuple[dic
     trainers = []
 
     def factory():  # as stream.TrainerFactory, on this device; the last one's head is exported for d)
-        trainers.append(build_trainer(job, setup, steps, device))
+        trainers.append(build_learner(job, setup, steps, device))
         return trainers[-1]
 
     target_only, kept, sums = phase_target_only(job, setup, plan)
@@ -276,7 +276,7 @@ def check_slots(job, setup, device: torch.device, n_batches: int, sleep_s: float
     job = dataclasses.replace(job, train=dataclasses.replace(job.train, stream_slots=2))
     plan, steps = schedule(job, len(setup.data.train))
     plan = (plan * (n_batches // len(plan) + 1))[:n_batches]
-    trainer = build_trainer(job, setup, steps, device)
+    trainer = build_learner(job, setup, steps, device)
     captured, rows = [], []
     stream = make_target_stream(job, setup, setup.data.train, plan)
     with stream:
@@ -424,7 +424,7 @@ def main(argv=None) -> dict:
 
         def d():
             if state["trainer"] is None:  # b) did not run: an untrained head (d checks decoding, not AL)
-                state["trainer"] = build_trainer(make_job(args, model_path, size, "float32"), setup, 1, device)
+                state["trainer"] = build_learner(make_job(args, model_path, size, "float32"), setup, 1, device)
             res["d_spec"], errors = check_spec(args, setup, state["trainer"], Path(tmp, "export"), size)
             for r in res["d_spec"]:
                 mode = f"d) EAGLE-3 3/1/4 in SGLang, CUDA graphs {'on' if r['cuda_graph'] else 'off'}"

@@ -1,6 +1,6 @@
 """One EAGLE-3 draft training step at Kimi-K2.5 shapes on one GPU: time, peak memory, TFLOP/s.
 
-The step is the trainer's own (train/step.py `DraftTrainer`): make_batch (pad + chunked teacher
+The step is the trainer's own (train/step.py `DraftLearner`): make_batch (pad + chunked teacher
 over the full 163840-token vocab) -> train_micro (TTT forward + backward, bf16 autocast) ->
 optimizer_step (grad clip + AdamW + LR schedule). Random tensors stand in for the target's hidden
 states (aux [N, 3*7168], final [N, 7168], bf16 as the stream carries them on GPU). The frozen
@@ -98,7 +98,7 @@ def draft_config(small: bool):
 
 def planned_bytes(cfg, batch: int, seq_len: int, ttt_length: int, chunk: int, bf16: bool, *, checkpoint: bool,
                   optimizer_offloaded: bool) -> int:
-    """The memory planner's trainer figure for this step (same settings as `build_trainer`: frozen
+    """The memory planner's trainer figure for this step (same settings as `build_learner`: frozen
     embedding / lm_head in bf16 under bf16 autocast, else fp32), without the CUDA context."""
     from specforge_k25.plan import trainer_items
 
@@ -164,7 +164,7 @@ def is_oom(err: BaseException) -> bool:
 
 # -------------------------------------------------------------------------------------- step
 def frozen_dtype(bf16: bool) -> torch.dtype:
-    """dtype of the frozen embedding and lm_head: the target's (train/trainer.py build_trainer keeps
+    """dtype of the frozen embedding and lm_head: the target's (train/trainer.py build_learner keeps
     them in hw.target_dtype, bfloat16 for the bf16-autocast profiles); fp32 with --no-bf16."""
     return torch.bfloat16 if bf16 else torch.float32
 
@@ -182,11 +182,11 @@ def optimizer_device(args, device: torch.device) -> str | None:
     return None if (want.type, index(want)) == (device.type, index(device)) else name
 
 
-def build_trainer(cfg, device: torch.device, args):
+def build_learner(cfg, device: torch.device, args):
     from specforge_k25.draft.model import Eagle3Draft
     from specforge_k25.train.optim import build_optimizer, build_scheduler
     from specforge_k25.draft.registry import method_of
-    from specforge_k25.train.step import DraftTrainer
+    from specforge_k25.train.step import DraftLearner
 
     frozen = frozen_dtype(not args.no_bf16)
     torch.manual_seed(0)
@@ -198,7 +198,7 @@ def build_trainer(cfg, device: torch.device, args):
     optimizer = build_optimizer(draft.trainable_parameters(), 5e-5, (0.9, 0.95), 0.0,
                                 device=optimizer_device(args, device))
     scheduler = build_scheduler(optimizer, 1000, 0.015)
-    return DraftTrainer(method_of(draft), draft, lm_head, optimizer, scheduler, ttt_length=args.ttt_length, loss_decay=0.8,
+    return DraftLearner(method_of(draft), draft, lm_head, optimizer, scheduler, ttt_length=args.ttt_length, loss_decay=0.8,
                         grad_accum=1, grad_clip=0.5, teacher_chunk=args.teacher_chunk, autocast_bf16=not args.no_bf16,
                         activation_checkpointing=args.activation_checkpointing)
 
@@ -237,7 +237,7 @@ def timed_step(trainer, inputs, device: torch.device) -> dict:
 
 
 def run_shape(cfg, seq_len: int, device: torch.device, args) -> dict:
-    trainer = build_trainer(cfg, device, args)
+    trainer = build_learner(cfg, device, args)
     inputs = random_inputs(cfg, args.batch, seq_len, device)
     sync(device)
     resident = torch.cuda.memory_allocated(device) if device.type == "cuda" else None

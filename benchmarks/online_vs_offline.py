@@ -1,6 +1,6 @@
 """Online vs offline EAGLE-3 training on the same data: wall time and bytes written to disk.
 
-Same samples, same plan of batches, same trainer (`build_trainer`, same seed) in every run:
+Same samples, same plan of batches, same trainer (`build_learner`, same seed) in every run:
 
   online   the SGLang target in its own process streams hidden states through shared memory
            while the trainer trains on them, pipelined as train/trainer.py does (target and
@@ -45,7 +45,7 @@ from _common import RESULTS, replot, fmt_bytes, machine_info, new_figure, print_
 from specforge_k25.data.tokenize import Sample
 from specforge_k25.setup.run import make_target_stream, prepare
 from specforge_k25.train.schedule import build_schedule
-from specforge_k25.train.trainer import build_trainer
+from specforge_k25.train.trainer import build_learner
 from stream import build_job, cpu_pair_speed
 
 DEFAULT_OUT = RESULTS / "online_vs_offline.json"
@@ -144,7 +144,7 @@ def train_on(trainer, samples, lengths, aux, final) -> tuple[float, int]:
 def run_online(job, setup, plan, steps, threads: int, engine: str = "sglang") -> dict:
     job.hw.target_threads = job.hw.trainer_threads = threads
     set_threads(threads)
-    trainer = build_trainer(job, setup, steps, torch.device("cpu"))
+    trainer = build_learner(job, setup, steps, torch.device("cpu"))
     losses, tokens, t_first = [], 0, None
     stream = make_target_stream(job, setup, setup.data.train, plan, engine=engine)
     io = Io()
@@ -197,7 +197,7 @@ def run_offline(job, setup, plan, steps, threads: int, dump_parent: Path | None 
         dump_bytes = allocated_bytes(dump)
 
         # pass 2: files -> trainer
-        trainer = build_trainer(job, setup, steps, torch.device("cpu"))
+        trainer = build_learner(job, setup, steps, torch.device("cpu"))
         losses, tokens = [], 0
         io = Io()
         t1 = time.perf_counter()

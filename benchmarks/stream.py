@@ -4,7 +4,7 @@ One run, one data set, one plan of train batches, three phases:
 
   A  target only   SGLang target in its own process -> shared-memory stream -> the consumer only
                    copies each batch into memory (kept for B) and releases the slot.
-  B  trainer only  the DraftTrainer steps (make_batch + train_micro + optimizer_step) over the
+  B  trainer only  the DraftLearner steps (make_batch + train_micro + optimizer_step) over the
                    tensors kept in A; no target process is running.
   C  online        a fresh draft and optimizer, the target streaming and the trainer consuming,
                    pipelined exactly as `run_training` does it.
@@ -40,11 +40,11 @@ import torch
 
 from _common import replot
 from specforge_k25.config import JobConfig
-from specforge_k25.stream.producer import TargetStream
+from specforge_k25.stream.target_stream import TargetStream
 from specforge_k25.setup.run import RunSetup, make_target_stream, prepare
 from specforge_k25.train.schedule import build_schedule
-from specforge_k25.train.trainer import build_trainer
-from specforge_k25.train.step import DraftTrainer
+from specforge_k25.train.trainer import build_learner
+from specforge_k25.train.step import DraftLearner
 
 GOAL = 0.95
 DEFAULT_OUT = Path(__file__).resolve().parent / "results" / "stream.json"
@@ -88,13 +88,13 @@ def build_job(args) -> JobConfig:
 
 
 class TrainerFactory:
-    """A fresh trainer per phase, built by `build_trainer` exactly as `run_training` does."""
+    """A fresh trainer per phase, built by `build_learner` exactly as `run_training` does."""
 
     def __init__(self, job: JobConfig, setup: RunSetup, steps: int):
         self.job, self.setup, self.steps = job, setup, steps
 
-    def __call__(self) -> DraftTrainer:
-        return build_trainer(self.job, self.setup, self.steps, torch.device("cpu"))
+    def __call__(self) -> DraftLearner:
+        return build_learner(self.job, self.setup, self.steps, torch.device("cpu"))
 
 
 def make_stream(job: JobConfig, setup: RunSetup, plan: list[list[int]]) -> TargetStream:

@@ -1,6 +1,6 @@
 """Trainer memory as the target vocabulary grows (chunked teacher), and draft step time vs T and K.
 
-Part 1, memory. One draft training step (DraftTrainer: make_batch with the teacher ->
+Part 1, memory. One draft training step (DraftLearner: make_batch with the teacher ->
 train_micro -> optimizer_step) at fixed T and fixed draft vocab Vd, for target vocabs V = 32k,
 64k, 128k, 164k, each in a fresh subprocess, twice: with the teacher in chunks of `--chunk`
 positions (as the trainer runs) and with one chunk covering the whole batch (what a non-chunked
@@ -76,13 +76,13 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 # --------------------------------------------------------------------------- trainer pieces
 def make_trainer(*, hidden, heads, kv_heads, head_dim, intermediate, vocab, draft_vocab, chunk, ttt_length=7):
-    """A DraftTrainer on CPU, fp32, random weights; d2t = 0 (draft ids = the first Vd target ids)."""
+    """A DraftLearner on CPU, fp32, random weights; d2t = 0 (draft ids = the first Vd target ids)."""
     import torch
 
     from specforge_k25.draft.model import DraftConfig, Eagle3Draft
     from specforge_k25.train.optim import build_optimizer, build_scheduler
     from specforge_k25.draft.registry import method_of
-    from specforge_k25.train.step import DraftTrainer
+    from specforge_k25.train.step import DraftLearner
 
     torch.manual_seed(0)
     cfg = DraftConfig(hidden_size=hidden, intermediate_size=intermediate, num_attention_heads=heads,
@@ -92,7 +92,7 @@ def make_trainer(*, hidden, heads, kv_heads, head_dim, intermediate, vocab, draf
     lm_head = torch.randn(vocab, hidden) * hidden**-0.5
     optimizer = build_optimizer(draft.trainable_parameters(), 5e-5, (0.9, 0.95), 0.0)
     scheduler = build_scheduler(optimizer, 1000, 0.015)
-    return DraftTrainer(method_of(draft), draft, lm_head, optimizer, scheduler, ttt_length=ttt_length, loss_decay=0.8, grad_accum=1,
+    return DraftLearner(method_of(draft), draft, lm_head, optimizer, scheduler, ttt_length=ttt_length, loss_decay=0.8, grad_accum=1,
                         grad_clip=0.5, teacher_chunk=chunk, autocast_bf16=False)
 
 

@@ -50,7 +50,7 @@ def _sglang_capture(model_path: str, points: list[int], seqs, **spec_fields):
     """Run the real SGLang engine in its own process through the stream, as the trainer does; two
     batches (several packed sequences, then one). Returns [(lengths, aux, final)] per batch.
     `spec_fields` go to TargetSpec (e.g. tp_size=2)."""
-    from specforge_k25.stream.producer import TargetStream
+    from specforge_k25.stream.target_stream import TargetStream
     from specforge_k25.target_engine.factory import TargetSpec
     from specforge_k25.target_engine.hf_config import read_target_info
 

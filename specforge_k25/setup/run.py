@@ -17,7 +17,7 @@ from ..draft.registry import get_method
 from ..draft.vocab import build_vocab_maps, count_tokens
 from ..plan import check_fits, facts_from_folder, resolve_draft
 from ..plan.budget import kv_pool_tokens
-from ..stream.producer import TargetStream
+from ..stream.target_stream import TargetStream
 from ..target_engine.base import TargetInfo
 from ..target_engine.factory import TargetSpec, check_tp_layout
 from ..target_engine.hf_config import load_embedding_and_head, read_target_info

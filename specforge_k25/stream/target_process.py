@@ -1,5 +1,5 @@
 """What runs inside a target process (one per TP rank): the engine over a fixed list of batches,
-the hidden states into a `SlotRing` (stream/producer.py starts these processes and reads the ring).
+the hidden states into a `SlotRing` (stream/target_stream.py starts these processes and reads the ring).
 
 TP rank 0 (`run_producer`) walks the batches and broadcasts each batch's token ids to the other
 ranks (`run_tp_rank`), which run the same forward (or, regenerating, the same decoding of a group

@@ -34,7 +34,7 @@ class TargetInfo:
 
 
 class TargetEngine(Protocol):
-    """One TP rank of a frozen target, as the target process (stream/producer.py) drives it."""
+    """One TP rank of a frozen target, as the target process (stream/target_stream.py) drives it."""
 
     max_total_tokens: int | None  # tokens the engine's KV pool holds (None: unbounded)
 

@@ -15,7 +15,7 @@ SGLang internals touched (all in this file, covered by tests/target_engine/test_
 - regeneration: `one_batch.decode`, `ScheduleBatch.filter_batch(keep_indices=...)` (finished
   requests leave the decode batch) and the KV allocator's `page_size`;
 - TP > 1: `ServerArgs(nnodes, node_rank, dist_init_addr)`, `SGLANG_DISTRIBUTED_INIT_METHOD_OVERRIDE`
-  (one node: env:// to the trainer's TCPStore, stream/producer.py `Rendezvous`) and SGLang's TP group
+  (one node: env:// to the trainer's TCPStore, stream/target_stream.py `Rendezvous`) and SGLang's TP group
   (`parallel_state.get_tp_group()`: `cpu_group`, `ranks`, `rank_in_group`), over which TP rank 0
   broadcasts each batch's token ids to the other ranks (`share_batch`), and its teardown
   (`parallel_state.destroy_model_parallel`, `destroy_distributed_environment`) in `close`.
@@ -81,7 +81,7 @@ def engine_server_args(model_path: str, *, device: str, dtype: str, tp_size: int
         speculative_algorithm="EAGLE3",
         return_aux_hidden_state_layer_ids=layer_ids,
         # TP > 1: every rank must meet at the same rendezvous. One node: the TCPStore the trainer
-        # process serves (env:// via the environment, stream/producer.py); several nodes:
+        # process serves (env:// via the environment, stream/target_stream.py); several nodes:
         # dist_init_addr (host:port). dist_timeout bounds the TP group's setup and its collectives,
         # so a rank that never arrives or hangs fails the others instead of blocking them.
         nnodes=nnodes,

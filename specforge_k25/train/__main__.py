@@ -77,7 +77,7 @@ def main(cfg) -> None:
     from hydra.core.hydra_config import HydraConfig
 
     from ..setup.layout import World
-    from ..stream.producer import StreamError
+    from ..stream.target_stream import StreamError
     from .distributed import RankFailed
     from .stop import TrainingInterrupted
     from .trainer import run_training

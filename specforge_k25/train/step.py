@@ -20,7 +20,7 @@ def pad_packed(packed: torch.Tensor, lengths: list[int]) -> torch.Tensor:
     return out
 
 
-class DraftTrainer:
+class DraftLearner:
     """Owns the draft, the frozen target lm_head (in the target's dtype), the optimizer and the schedule.
 
     With data-parallel `ranks` (train/distributed.py) each rank trains on its slice of every

@@ -19,7 +19,7 @@ def main(argv: list[str]) -> int:
         return 0
     from ..config import compose_job
     from ..setup.run import target_spec
-    from ..stream.producer import run_tp_node
+    from ..stream.target_stream import run_tp_node
 
     try:
         return run_tp_node(target_spec(compose_job(argv)))

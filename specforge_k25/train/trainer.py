@@ -22,7 +22,7 @@ from ..config import JobConfig
 from ..data.regenerate import regeneration_prompt
 from ..export.serving import export_draft
 from ..setup.run import RunSetup, fresh_draft, make_target_stream, prepare
-from ..stream.producer import StreamError, StreamInterrupted, TargetStream
+from ..stream.target_stream import StreamError, StreamInterrupted, TargetStream
 from .checkpoint import (check_draft_keys, list_checkpoints, optimizer_state_for, read_checkpoint, read_state,
                          save_checkpoint)
 from .distributed import RankFailed, Ranks, launcher_env_hidden, start_ranks, stop_ranks
@@ -34,7 +34,7 @@ from .optim import build_optimizer, build_scheduler
 from .overview import eval_line, print_overview
 from .schedule import BatchItem, build_schedule
 from .sharding import shard_draft
-from .step import DraftTrainer
+from .step import DraftLearner
 from .stop import StopOnSignal, TrainingInterrupted
 
 
@@ -50,8 +50,8 @@ class Progress:
 
 
 # ------------------------------------------------------------------------------- builders
-def build_trainer(job: JobConfig, setup: RunSetup, steps: int, device: torch.device,
-                  ranks: Ranks | None = None) -> DraftTrainer:
+def build_learner(job: JobConfig, setup: RunSetup, steps: int, device: torch.device,
+                  ranks: Ranks | None = None) -> DraftLearner:
     """A fresh draft (target embedding, vocab maps from the training split only), AdamW and schedule.
     hw.trainer_layout=colocated with several ranks: the draft sharded over them (train/sharding.py),
     AdamW on each rank's shard (train.optimizer_device does not apply, as the plan says)."""
@@ -66,7 +66,7 @@ def build_trainer(job: JobConfig, setup: RunSetup, steps: int, device: torch.dev
         opt_device = None
     optimizer = build_optimizer(draft.trainable_parameters(), tr.lr, tr.betas, tr.weight_decay, opt_device)
     scheduler = build_scheduler(optimizer, steps, tr.warmup_ratio)
-    return DraftTrainer(setup.method, draft, lm_head.to(device, frozen), optimizer, scheduler, ttt_length=tr.ttt_length,
+    return DraftLearner(setup.method, draft, lm_head.to(device, frozen), optimizer, scheduler, ttt_length=tr.ttt_length,
                         loss_decay=tr.loss_decay, grad_accum=tr.grad_accum, grad_clip=tr.grad_clip,
                         teacher_chunk=tr.teacher_chunk, autocast_bf16=job.hw.autocast == "bf16",
                         activation_checkpointing=tr.activation_checkpointing, ranks=ranks)
@@ -109,7 +109,7 @@ class Trainer:
         self.schedule, self.steps = build_schedule(
             len(setup.data.train), len(setup.data.heldout), batch_size=tr.batch_size * ranks.world,
             grad_accum=tr.grad_accum, epochs=tr.epochs, max_steps=tr.max_steps, eval_every=tr.eval_every, seed=tr.seed)
-        self.draft_trainer = build_trainer(job, setup, self.steps, self.device, ranks)
+        self.learner = build_learner(job, setup, self.steps, self.device, ranks)
         self.fingerprint = run_fingerprint(job, setup, len(self.schedule), ranks.world)
         self.samples = setup.data.train + setup.data.heldout
         self.saved = Progress()  # at the last optimizer-step boundary
@@ -137,7 +137,7 @@ class Trainer:
         if path is not None:
             saved = fingerprint_defaults(read_state(path).get("fingerprint", {}))
             check_fingerprint(saved, self.fingerprint, path)
-            t = self.draft_trainer
+            t = self.learner
             state, tensors, optim = read_checkpoint(path)
             check_draft_keys(path, t.draft, tensors)
             names = [name for name, p in t.draft.named_parameters() if p.requires_grad]
@@ -160,7 +160,7 @@ class Trainer:
         an optimizer step at every train.grad_accum-th one."""
         if self._t_train is None:
             self._t_train, self._wait_at_train_start = time.perf_counter(), self.stream.wait_s
-        res = self.draft_trainer.train_micro(batch)  # None: no share of this micro-batch (it still joins the counts)
+        res = self.learner.train_micro(batch)  # None: no share of this micro-batch (it still joins the counts)
         if res is not None:
             self._train_stats.add(res)
         p = self.progress
@@ -173,22 +173,22 @@ class Trainer:
 
     def optimizer_step(self, index: int, last) -> None:
         tr, p = self.job.train, self.progress
-        grad_norm = self.draft_trainer.optimizer_step()
+        grad_norm = self.learner.optimizer_step()
         p.step += 1
         p.schedule_item = index + 1
         self.saved = dataclasses.replace(p)
         elapsed = time.perf_counter() - self._t_train
-        loss = self.draft_trainer.loss_value(last)
+        loss = self.learner.loss_value(last)
         log_now = p.step % tr.log_every == 0 or p.step == self.steps
         if log_now:
-            self.draft_trainer.sum_stats(self._train_stats)
+            self.learner.sum_stats(self._train_stats)
         summary = self._train_stats.summary("train")
         self.bar.set_postfix(tok_s=f"{self._session_tokens / elapsed:.0f}", loss=f"{loss:.3f}",
                              acc0=f"{summary.get('train/acc_0', 0):.2f}", q=self.stream.depth())
         self.bar.update(1)
         if log_now:
             self.logger.log({**summary, "train/loss": loss, "train/grad_norm": grad_norm,
-                             "train/lr": self.draft_trainer.scheduler.get_last_lr()[0],
+                             "train/lr": self.learner.scheduler.get_last_lr()[0],
                              "perf/tokens_per_s": self._session_tokens / elapsed, "stream/depth": self.stream.depth(),
                              "stream/wait_frac": self.stream.wait_s / elapsed}, p.step)
             self._train_stats = TTTStats()
@@ -199,7 +199,7 @@ class Trainer:
         """One held-out batch of the evaluation `item.tag`; its metrics are logged when it ends."""
         if self._eval is None:
             self._eval = (item.tag, TTTStats())
-        result = self.draft_trainer.evaluate(batch)  # sharded, without a share: FSDP's collectives still run
+        result = self.learner.evaluate(batch)  # sharded, without a share: FSDP's collectives still run
         if result is not None:
             self._eval[1].add(result)
 
@@ -208,7 +208,7 @@ class Trainer:
             return
         tag, stats = self._eval
         self._eval = None
-        self.evals[tag] = {k.split("/", 1)[1]: v for k, v in self.draft_trainer.sum_stats(stats).summary("eval").items()}
+        self.evals[tag] = {k.split("/", 1)[1]: v for k, v in self.learner.sum_stats(stats).summary("eval").items()}
         self.logger.log({f"eval/{k}": v for k, v in self.evals[tag].items()}, self.progress.step)
         if self.ranks.main:
             self.bar.write(f"eval[{tag}] " + eval_line(self.evals[tag], self.job.train.ttt_length))
@@ -217,7 +217,7 @@ class Trainer:
         """Checkpoint at the last optimizer-step boundary, written by rank 0 (replicated ranks hold
         equal weights; sharded ones first gather the full state: every rank calls this).
         done: the whole schedule ran (a resume has nothing left to do)."""
-        t = self.draft_trainer
+        t = self.learner
         if not (self.ranks.main or t.sharded) or (self.saved.step == 0 and not done):
             return None  # step 0: nothing a fresh start lacks (and no AdamW state for FSDP2 to gather)
         tensors, optim = t.state_dicts()
@@ -242,7 +242,7 @@ class Trainer:
         self.progress = dataclasses.replace(self.saved)
         start = self.saved.schedule_item
         if self.ranks.main:
-            print_overview(self.job, self.setup, self.schedule, self.steps, self.draft_trainer.draft, self.run_dir,
+            print_overview(self.job, self.setup, self.schedule, self.steps, self.learner.draft, self.run_dir,
                            self.ranks.world)
             self.logger = MetricsLogger(tr.logger, project=tr.wandb_project, mode=tr.wandb_mode,
                                         run_dir=str(self.run_dir), config={"job": dataclasses.asdict(self.job),
@@ -265,7 +265,7 @@ class Trainer:
                                               keep=[k for b, k in zip(batches, keep) if b], ranks=self.ranks, **before)
         # Sharded ranks keep waiting for their batch after a stop signal (once there is progress to
         # save): they stop together at the next schedule item, where they can gather their state.
-        self.stream.should_stop = lambda: self.stop.requested() and not (self.draft_trainer.sharded and self.saved.step)
+        self.stream.should_stop = lambda: self.stop.requested() and not (self.learner.sharded and self.saved.step)
         self.bar = tqdm(total=self.steps, initial=self.saved.step, desc="train", unit="step",
                         disable=not (tr.progress and self.ranks.main), dynamic_ncols=True)
         io = psutil.Process().io_counters
@@ -276,7 +276,7 @@ class Trainer:
                 trainer_written = io().write_bytes - written_before
             self.bar.close()
             self.save(done=True)
-            draft = self.draft_trainer.plain_draft() if (self.ranks.main or self.draft_trainer.sharded) else None
+            draft = self.learner.plain_draft() if (self.ranks.main or self.learner.sharded) else None
             export = (export_draft(draft, self.run_dir / "export", self.setup.eagle_layer_ids,
                                    self.setup.info.bos_token_id, self.setup.info.eos_token_id,
                                    capture_points=self.setup.capture_points, end_of_turn_id=self.setup.end_of_turn_id)
@@ -291,7 +291,7 @@ class Trainer:
     def _walk(self, start: int, shares: list[list[int]]) -> None:
         regen = self.setup.regeneration
         rebuild = rebuild_regenerated(regen, self.job.data.regen_cut) if regen is not None else None
-        batches = take_batches(self.stream, shares, self.samples, self.draft_trainer.make_batch, rebuild)
+        batches = take_batches(self.stream, shares, self.samples, self.learner.make_batch, rebuild)
         for index, (share, batch, regenerated) in enumerate(batches, start):
             item = self.schedule[index]
             tokens = self._item_tokens(item, batch, share, regenerated)
@@ -318,10 +318,10 @@ class Trainer:
         stop); after a failure the newest periodic checkpoint is the saved progress."""
         self.bar.close()
         self.stream.close()
-        if self.draft_trainer.sharded and isinstance(err, StreamInterrupted):  # before any optimizer step
+        if self.learner.sharded and isinstance(err, StreamInterrupted):  # before any optimizer step
             self.logger.close()
             return TrainingInterrupted(self.stop.signum or signal.SIGTERM, None)
-        if self.draft_trainer.sharded and not isinstance(err, TrainingInterrupted):
+        if self.learner.sharded and not isinstance(err, TrainingInterrupted):
             found = list_checkpoints(self.run_dir)
             path = self.checkpoint or (found[-1] if found else None)
             self.logger.close()

@@ -87,7 +87,7 @@ def test_analytic_flops_match_torch_flop_counter(bf16, checkpoint, one_torch_thr
     cfg = g.draft_config(small=True)
     cpu = torch.device("cpu")
     for T in (16, 40):
-        trainer = g.build_trainer(cfg, cpu, args)
+        trainer = g.build_learner(cfg, cpu, args)
         assert trainer.activation_checkpointing is checkpoint
         assert trainer.lm_head.dtype == trainer.draft.embed_tokens.weight.dtype == g.frozen_dtype(bf16)
         inputs = g.random_inputs(cfg, 1, T, cpu)
@@ -265,25 +265,25 @@ def test_gpu_e2e_slot_check_catches_a_copy_tied_to_the_slot(tmp_path, one_torch_
     """c) can fail: a trainer whose DraftBatch still reads the slot after release (what an unfinished
     CUDA copy does) is caught, because the producer refills the slot while the consumer sleeps."""
     g = bench("gpu_e2e")
-    from specforge_k25.train.step import DraftTrainer
+    from specforge_k25.train.step import DraftLearner
 
     args = g.parse_args(["--device", "cpu", "--small"])
     size = dict(g.SIZES["small"], samples=8)
     path = g.build_random_target(tmp_path / "target", small=True, seed=0)
     job = g.make_job(args, path, size, "float32")
     setup = g.make_setup(job, path, g.random_samples(size["samples"], size["lengths"], g.SMALL["vocab_size"], 0))
-    copy_batch = DraftTrainer.make_batch
+    copy_batch = DraftLearner.make_batch
 
     def tied_to_the_slot(self, samples, lengths, aux_packed, final_packed):
         batch = copy_batch(self, samples, lengths, aux_packed, final_packed)
         batch.aux_hidden = aux_packed[None]  # a view into the slot instead of the copy
         return batch
 
-    DraftTrainer.make_batch = tied_to_the_slot
+    DraftLearner.make_batch = tied_to_the_slot
     try:
         res, _, _ = g.check_slots(job, setup, torch.device("cpu"), 4, 0.3, hf_batches=0)
     finally:
-        DraftTrainer.make_batch = copy_batch
+        DraftLearner.make_batch = copy_batch
     assert not res["ok"] and len(res["mismatched_items"]) >= 2, res  # the last 2 slots are never refilled
 
 

@@ -41,7 +41,7 @@ def test_eval_engines_get_the_same_attention_backend():
 
 def test_the_tp_node_cli_builds_the_trainers_spec(monkeypatch, smollm2_path):
     """`python -m specforge_k25.train.tp_node` composes the same overrides into the same TargetSpec."""
-    import specforge_k25.stream.producer as producer
+    import specforge_k25.stream.target_stream as producer
     from specforge_k25.train import tp_node
 
     overrides = ["hw.target_tp=2", "hw.target_nnodes=2", "hw.target_dist_init_addr=h:1", "hw.target_node_rank=1"]

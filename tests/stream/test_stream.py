@@ -12,7 +12,7 @@ import time
 import pytest
 import torch
 
-from specforge_k25.stream.producer import StreamError, TargetStream
+from specforge_k25.stream.target_stream import StreamError, TargetStream
 from specforge_k25.target_engine.factory import TargetSpec
 from specforge_k25.target_engine.hf_config import read_target_info
 from specforge_k25.target_engine.hf_reference import HFTarget
@@ -79,7 +79,7 @@ def test_slow_consumer_copies_what_the_producer_wrote_checksum_every_slot(tiny_d
     with TargetStream(spec, seqs, [[i] for i in range(16)], hidden_size=info.hidden_size, slots=2,
                       timeout_s=120) as stream:
         for msg, aux, final in stream:
-            copy = (aux.clone(), final.clone())  # what the trainer keeps (DraftTrainer.make_batch copies)
+            copy = (aux.clone(), final.clone())  # what the trainer keeps (DraftLearner.make_batch copies)
             stream.release(msg)
             time.sleep(0.05)  # the producer refills the slot meanwhile
             assert slot_checksum(*copy) == msg.checksum, f"batch {msg.item}: the copy is not what was produced"

@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from specforge_k25.stream.producer import TargetStream
+from specforge_k25.stream.target_stream import TargetStream
 from specforge_k25.target_engine.factory import TargetSpec
 from specforge_k25.target_engine.hf_config import read_target_info
 from specforge_k25.target_engine.hf_reference import HFTarget

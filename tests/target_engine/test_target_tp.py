@@ -13,7 +13,7 @@ import time
 import pytest
 import torch
 
-from specforge_k25.stream.producer import StreamError, TargetStream
+from specforge_k25.stream.target_stream import StreamError, TargetStream
 from specforge_k25.target_engine.factory import TargetSpec, check_tp_layout
 from specforge_k25.target_engine.hf_config import read_target_info
 from specforge_k25.target_engine.hf_reference import HFTarget
@@ -107,7 +107,7 @@ def test_tp_group_over_two_nodes_equals_tp1(tiny_deepseek_path, tp1_and_hf):
                       capture_points=points, tp_size=2, nnodes=2, node_rank=0, dist_init_addr=addr)
     node1 = subprocess.Popen([sys.executable, "-c", textwrap.dedent(f"""
         import dataclasses
-        from specforge_k25.stream.producer import run_tp_node
+        from specforge_k25.stream.target_stream import run_tp_node
         from specforge_k25.target_engine.factory import TargetSpec
         spec = TargetSpec(**{dataclasses.asdict(spec)!r})
         spec.node_rank = 1

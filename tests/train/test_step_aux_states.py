@@ -9,15 +9,15 @@ from specforge_k25.data.tokenize import Sample
 from specforge_k25.draft.eagle3_mla.model import Eagle3MLADraft, MLADraftConfig
 from specforge_k25.draft.model import DraftConfig, Eagle3Draft
 from specforge_k25.draft.registry import method_of
-from specforge_k25.train.step import DraftTrainer
+from specforge_k25.train.step import DraftLearner
 
 V, VD, HT = 40, 16, 8
 
 
-def _trainer(draft) -> DraftTrainer:
+def _trainer(draft) -> DraftLearner:
     opt = torch.optim.SGD(draft.trainable_parameters(), lr=0.1)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0)
-    return DraftTrainer(method_of(draft), draft, torch.randn(V, HT), opt, sched, ttt_length=2, loss_decay=0.8, grad_accum=1,
+    return DraftLearner(method_of(draft), draft, torch.randn(V, HT), opt, sched, ttt_length=2, loss_decay=0.8, grad_accum=1,
                         grad_clip=1e9, teacher_chunk=64, autocast_bf16=False)
 
 

@@ -17,14 +17,14 @@ from specforge_k25.data.tokenize import Sample
 from specforge_k25.draft.loss import loss_positions
 from specforge_k25.plan import facts_from_folder, resolve_draft
 from specforge_k25.setup.run import RunSetup
-from specforge_k25.stream.producer import StreamError
+from specforge_k25.stream.target_stream import StreamError
 from specforge_k25.stream.ring import EndOfStream, SlotMessage
 from specforge_k25.target_engine.hf_config import read_target_info
 from specforge_k25.train.distributed import Ranks
 from specforge_k25.draft.registry import get_method, method_of
-from specforge_k25.train.step import DraftTrainer
+from specforge_k25.train.step import DraftLearner
 from specforge_k25.train.feed import take_batches
-from specforge_k25.train.trainer import Trainer, build_trainer
+from specforge_k25.train.trainer import Trainer, build_learner
 
 V, H = 96, 32
 
@@ -109,7 +109,7 @@ def test_a_slot_goes_back_only_after_the_batch_is_copied_out(tiny_setup, tmp_pat
     keeps must still hold the target's numbers (released before the copy, or kept as a view of the
     slot, it would hold NaN)."""
     job = _job(tmp_path)
-    trainer = build_trainer(job, tiny_setup, steps=1, device=torch.device("cpu"))
+    trainer = build_learner(job, tiny_setup, steps=1, device=torch.device("cpu"))
     samples = tiny_setup.data.train
     shares = [[0, 1], [], [2]]
     stream = FakeStream(samples, [s for s in shares if s])
@@ -137,19 +137,19 @@ class StandInRanks(Ranks):
         return t
 
 
-def _sgd_trainer(draft, lm_head, ranks=None, accum=1) -> DraftTrainer:
+def _sgd_trainer(draft, lm_head, ranks=None, accum=1) -> DraftLearner:
     """Plain SGD with lr 1 and no clipping: the update IS the summed gradient (AdamW's first step
     is nearly sign(g) and would hide a mis-scaled gradient)."""
     opt = torch.optim.SGD(draft.trainable_parameters(), lr=1.0)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0)
-    return DraftTrainer(method_of(draft), draft, lm_head, opt, sched, ttt_length=3, loss_decay=0.8, grad_accum=accum, grad_clip=1e9,
+    return DraftLearner(method_of(draft), draft, lm_head, opt, sched, ttt_length=3, loss_decay=0.8, grad_accum=accum, grad_clip=1e9,
                         teacher_chunk=64, autocast_bf16=False, ranks=ranks)
 
 
 def test_two_ranks_through_step_py_make_the_single_rank_update(tiny_setup, tmp_path):
     """Rank r trains on sample r of a 2-sample micro-batch; the loss is normalised by the GLOBAL
     loss-position count and the gradients summed: the update equals one rank's on both samples."""
-    base = build_trainer(_job(tmp_path), tiny_setup, steps=1, device=torch.device("cpu"))
+    base = build_learner(_job(tmp_path), tiny_setup, steps=1, device=torch.device("cpu"))
     samples = tiny_setup.data.train[:2]
     stream = FakeStream(samples, [[0], [1], [0, 1]])
     (_, b0, _), (_, b1, _), (_, both, _) = take_batches(stream, [[0], [1], [0, 1]], samples, base.make_batch)
@@ -207,7 +207,7 @@ def test_resume_continues_from_the_step_boundary_exactly(tiny_setup, tmp_path):
     resumed, resumed_batches = _run(_job(tmp_path / "resume", resume="auto"), tiny_setup)
     assert resumed_batches == full_batches[5:]
     assert dataclasses.asdict(resumed.progress) == dataclasses.asdict(full.progress)
-    for (name, a), b in zip(full.draft_trainer.draft.state_dict().items(), resumed.draft_trainer.draft.state_dict().values()):
+    for (name, a), b in zip(full.learner.draft.state_dict().items(), resumed.learner.draft.state_dict().values()):
         assert torch.equal(a, b), name
     assert resumed.evals["end"] == full.evals["end"]
 
@@ -299,5 +299,5 @@ def test_regenerated_answers_are_what_the_loop_trains_on_and_a_resume_redoes_the
     # the resumed target also gets the batches run before it, to decode in the same groups
     (none, whole), (before, rest) = served
     assert none == [] and before == whole[:5] and rest == whole[5:]
-    for (name, a), b in zip(full.draft_trainer.draft.state_dict().items(), resumed.draft_trainer.draft.state_dict().values()):
+    for (name, a), b in zip(full.learner.draft.state_dict().items(), resumed.learner.draft.state_dict().values()):
         assert torch.equal(a, b), name
