@@ -21,14 +21,6 @@ import torch
 import torch.nn as nn
 
 
-@dataclass(frozen=True)
-class Needs:
-    """The hidden states a method reads from the target for every trained token."""
-
-    num_aux: int  # K captured states (inputs of K decoder layers), carried side by side [T, K*Ht]
-    final_hidden: bool = True  # the last layer's normed state (teacher logits through the target's lm_head)
-
-
 @dataclass
 class DraftBatch:
     """One micro-batch as a method's loss reads it (train/step.py builds it from the stream)."""
@@ -59,7 +51,9 @@ class DraftMethod:
         `num_aux` states raises ValueError saying so."""
         raise NotImplementedError
 
-    def needs(self, cfg) -> Needs:
+    def num_aux(self, cfg) -> int:
+        """K: the captured target states (inputs of K decoder layers) the model reads per token,
+        side by side [T, K*Ht]; the target's final state (teacher logits) is always read too."""
         raise NotImplementedError
 
     def build(self, cfg) -> nn.Module:

@@ -41,15 +41,16 @@ class DraftLearner:
         self.activation_checkpointing = activation_checkpointing
         self.device = lm_head.device
         self.sharded = is_sharded(draft, method.fsdp_units(draft))
+        self.aux_width = method.num_aux(draft.cfg) * draft.cfg.target_hidden_size  # K*Ht
         self.autocast = lambda: torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=autocast_bf16)
 
     def make_batch(self, samples, lengths: list[int], aux_packed: torch.Tensor, final_packed: torch.Tensor) -> DraftBatch:
         """samples: the `Sample`s of the batch, in stream order; the packed tensors may be views
         into shared memory: everything kept is copied, so the slot can be released afterwards."""
         dev = self.device
-        if aux_packed.shape[-1] != self.draft.fc.in_features:
-            raise ValueError(f"the stream's aux states are {aux_packed.shape[-1]} wide, the draft's fc takes "
-                             f"{self.draft.fc.in_features} (target.aux_layers and the draft disagree on K)")
+        if aux_packed.shape[-1] != self.aux_width:
+            raise ValueError(f"the stream's aux states are {aux_packed.shape[-1]} wide, the draft reads "
+                             f"{self.aux_width} (target.aux_layers and the draft disagree on K)")
         pad = torch.nn.utils.rnn.pad_sequence
         input_ids = pad([s.input_ids for s in samples], batch_first=True, padding_value=0).to(dev)
         loss_mask = pad([s.loss_mask for s in samples], batch_first=True, padding_value=False).to(dev)
@@ -65,7 +66,7 @@ class DraftLearner:
         """One position, no loss position: a sharded rank's stand-in for a batch it has no share of."""
         dev, ht = self.device, self.draft.cfg.target_hidden_size
         final = torch.zeros(1, 1, ht, device=dev)
-        aux = torch.zeros(1, 1, self.draft.fc.in_features, device=dev)  # K*Ht, what the stream brings
+        aux = torch.zeros(1, 1, self.aux_width, device=dev)  # what the stream brings
         return DraftBatch(torch.zeros(1, 1, dtype=torch.int64, device=dev), torch.zeros(1, 1, dtype=torch.bool, device=dev),
                           torch.ones(1, dtype=torch.int64, device=dev), aux,
                           compute_teacher(final, self.lm_head, self.draft.d2t, self.teacher_chunk))

@@ -56,5 +56,5 @@ def test_a_stream_of_another_count_than_the_draft_takes_is_named(one_torch_threa
     trainer = _trainer(draft)
     assert trainer.empty_batch().aux_hidden.shape == (1, 1, 3 * HT)
     assert trainer.make_batch(*_stream_batch(3)).aux_hidden.shape[-1] == 3 * HT
-    with pytest.raises(ValueError, match="the stream's aux states are 40 wide, the draft's fc takes 24"):
+    with pytest.raises(ValueError, match="the stream's aux states are 40 wide, the draft reads 24"):
         trainer.make_batch(*_stream_batch(5))

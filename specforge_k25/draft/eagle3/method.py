@@ -8,7 +8,7 @@ from pathlib import Path
 import torch
 
 from .. import loss as ttt
-from ..method import DraftBatch, DraftMethod, Needs
+from ..method import DraftBatch, DraftMethod
 from ..model import NUM_AUX, DraftConfig, Eagle3Draft
 from . import export, plan
 
@@ -42,8 +42,8 @@ class Eagle3Method(DraftMethod):
             fc_norm=spec.fc_norm, norm_output=spec.norm_output,
         )
 
-    def needs(self, cfg) -> Needs:
-        return Needs(num_aux=NUM_AUX)
+    def num_aux(self, cfg) -> int:
+        return NUM_AUX
 
     def build(self, cfg) -> Eagle3Draft:
         return self.model_class(cfg)

@@ -8,7 +8,6 @@ from pathlib import Path
 import torch
 
 from ..eagle3.method import Eagle3Method
-from ..method import Needs
 from . import export, plan
 from .model import Eagle3MLADraft, MLADraftConfig
 
@@ -53,8 +52,8 @@ class Eagle3MLAMethod(Eagle3Method):
             max_position_embeddings=spec.max_position_embeddings or target.max_position_embeddings,
         )
 
-    def needs(self, cfg: MLADraftConfig) -> Needs:
-        return Needs(num_aux=cfg.num_aux_hidden_states)
+    def num_aux(self, cfg: MLADraftConfig) -> int:
+        return cfg.num_aux_hidden_states
 
     def describe(self, cfg: MLADraftConfig) -> str:
         return (f"EAGLE-3, MLA attention: H {cfg.hidden_size}, {cfg.num_attention_heads} heads, q_lora "
