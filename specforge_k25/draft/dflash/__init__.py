@@ -1,0 +1,1 @@
+"""DFlash: block drafting from K target states (served as SGLang/vLLM `DFlashDraftModel`)."""

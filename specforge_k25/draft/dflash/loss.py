@@ -1,0 +1,161 @@
+"""DFlash training objective: random anchors, one block per anchor, all blocks of a sequence in
+one forward, CE against the sequence's own tokens, weighted by position in the block.
+
+For a sequence x[0..n-1] and an anchor a, the block is what the server drafts after committing
+x[0..a-1] with x[a] the last accepted token (draft/dflash/model.py): context = the target states
+of positions 0..a-1, block = [x[a], MASK x (B-1)] at positions a..a+B-1, and block position j
+(1..B-1) is taught x[a+j]. It counts iff a+j <= n-1 and loss_mask[a+j].
+
+Anchors: a in [1, n-2] (at least one context token and one label) with loss_mask[a+1] (the
+first drafted token is supervised); up to `num_anchors` of them per sequence, drawn without
+replacement by `sample_anchors` from a torch.Generator the caller owns (its state is what a
+resume restores), sorted. A batch pads every sequence to the same anchor count A with invalid
+anchors (no labels; they see only their own block, so no attention row is empty).
+
+All A blocks of a sequence run as Q = A*B block tokens in one forward; `block_mask` says which
+keys each sees: the context keys at positions < its anchor, and the B tokens of its own block
+(both directions). A plain SDPA with this boolean mask computes exactly what flex attention with
+the same block mask does.
+
+Loss: CE_j = mean over counted positions of block position j of -log q(x[a+j]) (q over the full
+target vocab, through the target's lm_head), logits in chunks of `logits_chunk` rows, each chunk
+recomputed in backward (only its hidden rows stay saved). total = sum_j w_j CE_j / sum_j w_j with
+w_j = exp(-(j-1)/gamma): a position-weighted mean, equal to the weighted mean over all counted
+tokens when every position counts as many tokens.
+
+Counters (draft/loss.py TTTResult, index k = block position k+1, so train/metrics.py's acc_k is
+the k+1-th drafted token): counted = scored = the positions in CE_j; correct = argmax q == the
+label; alpha_sum = sum of q(label) (Σ_v min(p, q) with p the label's one-hot: the sequence's
+token stands for the target's choice, which it is for regenerated data).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+import torch.utils.checkpoint
+
+from ..loss import TTTResult
+from ..model import at_least_fp32
+
+
+@dataclass
+class BlockInputs:
+    block_ids: torch.Tensor  # [B, Q] int64, Q = A*Bk: [x[a], MASK, ...] per anchor
+    block_positions: torch.Tensor  # [B, Q] a + j
+    labels: torch.Tensor  # [B, Q] x[a+j] (clamped index where out of range)
+    counted: torch.Tensor  # [B, Q] bool: enters the loss (j >= 1, in range, loss_mask, valid anchor)
+    offset: torch.Tensor  # [Q] j, the position in the block
+    mask: torch.Tensor  # [B, Q, T+Q] bool, True = visible
+
+
+def anchor_candidates(loss_mask: torch.Tensor, length: int) -> torch.Tensor:
+    """loss_mask [T] of one sequence of `length` tokens -> the anchors it allows (module doc)."""
+    a = torch.arange(1, max(length - 1, 1), device=loss_mask.device)
+    return a[loss_mask[a + 1]] if a.numel() else a
+
+
+def sample_anchors(loss_mask: torch.Tensor, lengths: torch.Tensor, num_anchors: int,
+                   generator: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
+    """-> anchors [B, A] int64 (sorted per sequence, 0 where padded), valid [B, A] bool, with
+    A = min(num_anchors, the most candidates any sequence has), at least 1. Draws one randperm
+    per sequence from `generator` (a CPU generator; the result moves to loss_mask's device)."""
+    cands = [anchor_candidates(loss_mask[b].cpu(), int(n)) for b, n in enumerate(lengths.tolist())]
+    A = max(1, min(num_anchors, max(c.numel() for c in cands)))
+    anchors = torch.zeros(len(cands), A, dtype=torch.int64)
+    valid = torch.zeros(len(cands), A, dtype=torch.bool)
+    for b, c in enumerate(cands):
+        pick = c[torch.randperm(c.numel(), generator=generator)[:A]].sort().values
+        anchors[b, :pick.numel()] = pick
+        valid[b, :pick.numel()] = True
+    return anchors.to(loss_mask.device), valid.to(loss_mask.device)
+
+
+def block_inputs(input_ids: torch.Tensor, loss_mask: torch.Tensor, lengths: torch.Tensor, anchors: torch.Tensor,
+                 valid: torch.Tensor, block_size: int, mask_token_id: int) -> BlockInputs:
+    B, T = input_ids.shape
+    A, Bk, dev = anchors.shape[1], block_size, input_ids.device
+    j = torch.arange(Bk, device=dev)
+    pos = anchors[:, :, None] + j  # [B, A, Bk]
+    idx = pos.clamp(max=T - 1).reshape(B, -1)
+    block_ids = torch.full((B, A, Bk), mask_token_id, dtype=torch.int64, device=dev)
+    block_ids[:, :, 0] = input_ids.gather(1, anchors)
+    labels = input_ids.gather(1, idx)  # [B, Q]
+    counted = (valid[:, :, None] & (j >= 1) & (pos <= lengths[:, None, None] - 1)).reshape(B, -1)
+    counted &= loss_mask.gather(1, idx)
+    ctx_visible = torch.arange(T, device=dev) < anchors[:, :, None]  # [B, A, T]: positions before the anchor
+    ctx_visible = ctx_visible.repeat_interleave(Bk, dim=1)  # [B, Q, T]
+    owner = torch.arange(A, device=dev).repeat_interleave(Bk)  # [Q] the anchor of each block token
+    own_block = (owner[:, None] == owner[None, :]).expand(B, -1, -1)  # [B, Q, Q]
+    return BlockInputs(block_ids.reshape(B, -1), pos.reshape(B, -1), labels, counted, j.repeat(A),
+                       torch.cat([ctx_visible, own_block], -1))
+
+
+def position_weights(block_size: int, gamma: float, device=None) -> torch.Tensor:
+    """[Bk-1] w_j = exp(-(j-1)/gamma) for block positions j = 1..Bk-1."""
+    return torch.exp(-torch.arange(block_size - 1, dtype=torch.float64, device=device) / gamma)
+
+
+def loss_positions(loss_mask, lengths, anchors, valid, block_size: int) -> torch.Tensor:
+    """[Bk-1] int64: counted positions per block position 1..Bk-1 (known before the draft runs)."""
+    zeros = torch.zeros_like(loss_mask, dtype=torch.int64)
+    inp = block_inputs(zeros, loss_mask, lengths, anchors, valid, block_size, 0)
+    k = inp.offset.expand_as(inp.counted)[inp.counted] - 1
+    return torch.bincount(k, minlength=block_size - 1)[:block_size - 1]
+
+
+def dflash_loss(model, aux_hidden: torch.Tensor, input_ids: torch.Tensor, loss_mask: torch.Tensor,
+                lengths: torch.Tensor, anchors: torch.Tensor, valid: torch.Tensor,
+                normalizer: torch.Tensor | None = None, checkpoint: bool = False) -> TTTResult:
+    """aux_hidden [B, T, K*Ht], input_ids / loss_mask [B, T] right-padded, lengths [B], anchors /
+    valid [B, A] (sample_anchors) -> TTTResult over block positions 1..Bk-1.
+
+    normalizer [Bk-1]: divide position j's summed CE by normalizer[j-1] (the count summed over
+    data-parallel ranks, `loss_positions`) instead of this batch's own count.
+    checkpoint: recompute each draft layer in backward."""
+    cfg = model.cfg
+    Bk, dev = cfg.block_size, input_ids.device
+    B, T = input_ids.shape
+    inp = block_inputs(input_ids, loss_mask, lengths, anchors, valid, Bk, cfg.mask_token_id)
+    ctx_positions = torch.arange(T, device=dev).expand(B, T)
+    hidden = model(aux_hidden, ctx_positions, inp.block_ids, inp.block_positions, inp.mask, checkpoint=checkpoint)
+    rows = inp.counted.nonzero(as_tuple=True)
+    h = hidden[rows]  # [N, H] the counted block tokens only
+    labels = inp.labels[rows]  # [N]
+    k = inp.offset[rows[1]] - 1  # [N] block position - 1
+
+    def chunk_stats(h_chunk, labels_chunk):
+        logits = model.logits(h_chunk)
+        logits = logits.to(at_least_fp32(logits.dtype))  # [c, V]
+        logq = F.log_softmax(logits, -1)
+        ce = -logq.gather(1, labels_chunk[:, None])[:, 0]
+        with torch.no_grad():
+            correct = (logits.argmax(-1) == labels_chunk).to(torch.int64)
+        return ce, correct
+
+    ces, corrects = [], []
+    for s in range(0, h.shape[0], cfg.logits_chunk):
+        args = (h[s:s + cfg.logits_chunk], labels[s:s + cfg.logits_chunk])
+        if torch.is_grad_enabled():
+            ce, correct = torch.utils.checkpoint.checkpoint(chunk_stats, *args, use_reentrant=False)
+        else:
+            ce, correct = chunk_stats(*args)
+        ces.append(ce)
+        corrects.append(correct)
+    ce = torch.cat(ces) if ces else hidden.new_zeros(0, dtype=at_least_fp32(hidden.dtype))
+    correct = torch.cat(corrects) if corrects else torch.zeros(0, dtype=torch.int64, device=dev)
+
+    P = Bk - 1
+    ce_sum = torch.zeros(P, dtype=ce.dtype, device=dev).index_add(0, k, ce)  # differentiable
+    counted = torch.bincount(k, minlength=P)[:P]
+    with torch.no_grad():
+        correct_sum = torch.bincount(k, weights=correct.double(), minlength=P)[:P].to(torch.int64)
+        alpha_sum = torch.zeros(P, dtype=torch.float32, device=dev).index_add(0, k, torch.exp(-ce.detach()).float())
+    w = position_weights(Bk, cfg.loss_gamma, dev).to(ce.dtype)
+    denom = (normalizer if normalizer is not None else counted).clamp(min=1).to(ce.dtype)
+    loss = (w * ce_sum / denom).sum() / w.sum()
+    if h.shape[0] == 0:
+        loss = loss + 0 * hidden.sum()  # keep the graph (a rank without counted positions still backpropagates)
+    return TTTResult(loss, (ce_sum / counted.clamp(min=1)).detach(), counted, correct_sum, counted.clone(), alpha_sum)
+
