@@ -3,15 +3,18 @@ memory items (what each part holds), the per-GPU budget and the one fit search, 
 throughput of both trainer layouts (seconds per token on every GPU, node tokens/s).
 
 `python -m specforge_k25.plan` prints it; `check_fits(job)` returns the `MemoryPlan` or raises
-`PlanError` naming an override that fits; `predict_layouts(job, facts)` returns the throughput.
+`PlanError` naming an override that fits; `predict_layouts(job, facts)` returns the throughput;
+`compare_methods(job, facts)` the memory and throughput of every draft method in the job's place.
+The draft's part is asked of its method (draft/method.py `plan`); the plan names none.
 """
 from .budget import GpuBudget, MemoryPlan, check_fits, longest_fitting_length, plan_memory, suggest_override
-from .facts import (KIMI_K25, GiB, MiB, PlanError, TargetFacts, draft_param_counts, facts_from_folder, resolve_draft,
-                    target_facts_for, trainable_params, with_hw_overrides)
+from .facts import (KIMI_K25, GiB, MiB, PlanError, TargetFacts, draft_of, draft_param_counts, facts_from_folder,
+                    method_of_config, num_capture_points, resolve_draft, target_facts_for, trainable_params,
+                    with_hw_overrides)
 from .memory import (PHASE_OPT, PHASE_TEACHER, PHASE_TTT, Item, optimizer_items, trainer_items, ttt_saved_bytes,
                      ttt_step_bytes)
-from .throughput import (Throughput, allreduce_bytes_per_token, draft_step_flops, predict, predict_layouts,
-                         target_flops_per_token, target_params_per_token)
+from .throughput import (MethodRow, Throughput, allreduce_bytes_per_token, compare_methods, draft_step_flops, predict,
+                         predict_layouts, target_flops_per_token, target_params_per_token)
 
 __all__ = [
     "GpuBudget",
@@ -25,8 +28,11 @@ __all__ = [
     "MiB",
     "PlanError",
     "TargetFacts",
+    "draft_of",
     "draft_param_counts",
     "facts_from_folder",
+    "method_of_config",
+    "num_capture_points",
     "resolve_draft",
     "target_facts_for",
     "trainable_params",
@@ -39,8 +45,10 @@ __all__ = [
     "trainer_items",
     "ttt_saved_bytes",
     "ttt_step_bytes",
+    "MethodRow",
     "Throughput",
     "allreduce_bytes_per_token",
+    "compare_methods",
     "draft_step_flops",
     "predict",
     "predict_layouts",

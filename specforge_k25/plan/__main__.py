@@ -3,8 +3,10 @@
 Composes the same config as `python -m specforge_k25.train` (conf/ + the typed schema) and prints
 the per-GPU memory budget, the SGLang `mem_fraction_static` it implies and the tokens per
 optimizer step, then the throughput plan of both trainer layouts (when the hw profile has its
-inputs: hw.peak_tflops, hw.memory_gbps, hw.link_gbps). Starts nothing. Exit status 0 when the run
-fits, 2 (with the override that would fit) when it does not.
+inputs: hw.peak_tflops, hw.memory_gbps, hw.link_gbps), then every draft method (draft.method) in
+this run's place: trainable parameters, peak GPU memory, the longest data.max_length that fits and
+node tokens/s. Starts nothing. Exit status 0 when the run fits, 2 (with the override that would
+fit) when it does not.
 """
 from __future__ import annotations
 
@@ -15,8 +17,8 @@ from dataclasses import replace
 from ..config import compose_job
 from . import (PHASE_OPT, PHASE_TEACHER, PHASE_TTT, GiB, MemoryPlan, PlanError, check_fits, draft_param_counts,
                plan_memory, target_facts_for, with_hw_overrides)
-from .budget import longest_fitting_length
-from .throughput import PARTS, predict_layouts
+from .budget import LAYOUTS, longest_fitting_length
+from .throughput import PARTS, compare_methods, predict_layouts
 
 
 def _g(n: int) -> str:
@@ -51,16 +53,16 @@ def render(job, plan: MemoryPlan) -> None:
 
     tr = job.train
     opt = f"on {tr.optimizer_device} with its own fp32 master" if tr.optimizer_device else "next to the weights"
-    console.print(f"draft: H {d.hidden_size}, heads {d.num_attention_heads}/{d.num_key_value_heads} x {d.head_dim}, "
-                  f"I {d.intermediate_size}, Vd {d.draft_vocab_size}; fp32 weights and grads, AdamW m/v {opt}; "
+    console.print(f"draft ({job.draft.method}): {plan.method.describe(d)}; fp32 weights and grads, AdamW m/v {opt}; "
                   f"frozen embedding and target lm_head in {hw.target_dtype} on the trainer GPU; activation "
                   f"checkpointing {'on' if tr.activation_checkpointing else 'off'}")
     params = Table()
     params.add_column("module")
     params.add_column("params", justify="right")
-    for name, n in draft_param_counts(d).items():
+    counts = draft_param_counts(d, plan.method)
+    for name, n in counts.items():
         params.add_row(name, f"{n:,}")
-    params.add_row("trainable total", f"{sum(n for k, n in draft_param_counts(d).items() if 'frozen' not in k):,}")
+    params.add_row("trainable total", f"{sum(n for k, n in counts.items() if 'frozen' not in k):,}")
     console.print(params)
 
     # one column per distinct GPU role (identical budgets merged)
@@ -177,6 +179,39 @@ def render_throughput(job, facts) -> None:
                   f"layout's tokens/s (this run: hw.trainer_layout={job.hw.trainer_layout})")
 
 
+def render_methods(job, facts) -> None:
+    """Every draft method in this run's place (draft.method replaced, all else kept)."""
+    from rich.console import Console
+    from rich.markup import escape
+    from rich.table import Table
+
+    console = Console(width=max(Console().width, 140))
+    rows = compare_methods(job, facts)
+    tr, L = job.train, job.data.max_length
+    table = Table(title=f"draft methods on hw={job.hw.name} (memory: hw.trainer_layout={job.hw.trainer_layout}; "
+                        f"batch {tr.batch_size} x max_length {L}, K={tr.ttt_length}, activation checkpointing "
+                        f"{'on' if tr.activation_checkpointing else 'off'})")
+    for col in ("method", "trainable params", "trainer GFLOP/token", "peak GPU GiB", f"fits at {L}",
+                "longest max_length", *(f"{layout} tokens/s" for layout in LAYOUTS)):
+        table.add_column(col, justify="left" if col == "method" else "right", no_wrap=col == "method")
+    notes = []
+    for r in rows:
+        name = r.method + (" (this run)" if r.method == job.draft.method else "")
+        if r.refused:
+            table.add_row(name, *["-"] * (5 + len(LAYOUTS)))
+            notes.append(f"{r.method}: {r.refused}")
+            continue
+        peak = f"{_g(r.peak_bytes)}" + (f" / {_g(r.capacity_bytes)}" if r.capacity_bytes else "")
+        table.add_row(name, f"{r.trainable_params:,}", f"{r.trainer_flops_per_token / 1e9:.2f}", peak,
+                      ("yes" if r.fits else "[red]no[/]") if r.capacity_bytes else "-",
+                      str(r.longest_length or "-"),
+                      *(f"{r.tokens_per_s[layout]:,.0f}" if layout in r.tokens_per_s else "-" for layout in LAYOUTS))
+        notes.append(f"{r.method}: {r.describe}")
+    console.print(table)
+    for note in notes:
+        console.print(f"  {escape(note)}")
+
+
 def main(argv: list[str]) -> int:
     if "--help" in argv or "-h" in argv:
         print(__doc__)
@@ -189,6 +224,7 @@ def main(argv: list[str]) -> int:
         facts = with_hw_overrides(job, target_facts_for(job))
         render(job, plan_memory(job, facts))
         render_throughput(job, facts)
+        render_methods(job, facts)
         check_fits(job, facts)
     except (PlanError, FileNotFoundError) as err:
         print(f"\nrefused: {err}", file=sys.stderr)

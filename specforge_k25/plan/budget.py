@@ -16,10 +16,10 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field, replace
-from typing import Optional
+from typing import Any, Optional
 
-from ..draft.model import DraftConfig
-from .facts import GiB, MiB, PlanError, TargetFacts, resolve_draft, target_facts_for, trainable_params, with_hw_overrides
+from ..draft.method import DraftMethod
+from .facts import GiB, MiB, PlanError, TargetFacts, draft_of, target_facts_for, trainable_params, with_hw_overrides
 from .kernels import MARLIN, int4_moe_backend, kernel_notes, kernel_problems, marlin_scratch_bytes
 from .memory import Item, activation_note, gib, optimizer_items, trainer_items
 
@@ -60,7 +60,7 @@ class GpuBudget:
 @dataclass
 class MemoryPlan:
     facts: TargetFacts
-    draft: DraftConfig
+    draft: Any  # the method's config (resolve_draft)
     gpus: list[GpuBudget]
     kv_pool_tokens: int
     tokens_per_step: int
@@ -70,6 +70,7 @@ class MemoryPlan:
     notes: list[str] = field(default_factory=list)
     capacity_ok: bool = True  # every GPU's peak fits and the target loads (what an override of sizes can fix)
     free_before_load: Optional[int] = None  # SGLang's `pre`: the smallest free memory of a TP rank before loading
+    method: Optional[DraftMethod] = None  # draft.method (draft/registry.py)
 
     @property
     def fits(self) -> bool:
@@ -134,7 +135,8 @@ def plan_memory(job, facts: TargetFacts, *, max_length: int | None = None, batch
     L = max_length or job.data.max_length
     B = batch_size or tr.batch_size
     spec = job.draft if intermediate_size is None else replace(job.draft, intermediate_size=intermediate_size)
-    cfg = resolve_draft(spec, facts)
+    method, cfg = draft_of(job, facts, spec)
+    num_aux = method.num_aux(cfg)  # target states captured per token: the ring and the batch carry them
     bf16 = hw.autocast == "bf16"
     groups, trainers = gpu_layout(hw)
     ranks, coloc = len(trainers), colocated(hw)
@@ -148,8 +150,9 @@ def plan_memory(job, facts: TargetFacts, *, max_length: int | None = None, batch
     t_items = trainer_items(cfg, batch=B, seq_len=L, ttt_length=tr.ttt_length, teacher_chunk=tr.teacher_chunk,
                             bf16=bf16, data_parallel=ranks > 1, context_bytes=ctx, frozen_bytes=elem,
                             checkpoint=tr.activation_checkpointing, optimizer_offloaded=opt_dev is not None,
-                            shards=ranks if coloc else 1)
-    notes = [_host_optimizer_note(trainable_params(cfg), ranks)] if opt_dev == "cpu" else []
+                            shards=ranks if coloc else 1, method=method)
+    P = trainable_params(cfg, method)
+    notes = [_host_optimizer_note(P, ranks)] if opt_dev == "cpu" else []
     if coloc:
         notes.append(f"hw.trainer_layout=colocated: {ranks} "
                      f"trainer ranks, one beside each TP rank, the draft state sharded 1/{ranks} each (FSDP2), "
@@ -158,14 +161,13 @@ def plan_memory(job, facts: TargetFacts, *, max_length: int | None = None, batch
     if hw.device != "cuda":
         g = GpuBudget(-1, "trainer rank (host memory, not checked)", 0, t_items)
         return MemoryPlan(facts, cfg, [g], kv_tokens, tokens_per_step, None, None,
-                          length_problems(facts, L), notes)
+                          length_problems(facts, L), notes, method=method)
 
     problems = _layout_problems(hw, facts, groups, trainers, opt_dev)
-    target_items = _target_items(hw, facts, batch_tokens, kv_tokens, ctx)
-    ring = Item("stream ring slots (aux + final)", tr.stream_slots * B * L * 4 * facts.hidden_size * elem,
-                owner="stream", note=f"{tr.stream_slots} x {B * L} tokens x 4Ht x {elem} B")
-    budgets, preloaded = _place_items(hw, ring, groups, trainers, target_items, t_items, opt_dev,
-                                      trainable_params(cfg), ctx)
+    target_items = _target_items(hw, facts, batch_tokens, kv_tokens, ctx, num_aux)
+    ring = Item("stream ring slots (aux + final)", tr.stream_slots * B * L * (num_aux + 1) * facts.hidden_size * elem,
+                owner="stream", note=f"{tr.stream_slots} x {B * L} tokens x {num_aux + 1}Ht x {elem} B")
+    budgets, preloaded = _place_items(hw, ring, groups, trainers, target_items, t_items, opt_dev, P, ctx)
     capacity = hw.gpu_memory_mib * MiB
     frac = frac_min = free_before_load = None
     capacity_ok = capacity > 0 and facts.weight_bytes > 0
@@ -195,13 +197,13 @@ def plan_memory(job, facts: TargetFacts, *, max_length: int | None = None, batch
                 problems.append(f"GPU {b.gpu} ({b.role}) needs {gib(b.total())} of {gib(capacity)} "
                                 f"(peak phase: {b.peak_phase() or '-'})")
     problems += length_problems(facts, L)
-    notes.append(activation_note(cfg, B, L, tr.ttt_length, bf16, tr.activation_checkpointing))
+    notes.append(activation_note(cfg, B, L, tr.ttt_length, bf16, tr.activation_checkpointing, method))
     notes += kernel_notes(hw, facts)
     if not coloc and (ranks > 1 or hw.target_replicas > 1):
         notes.append(f"data-parallel: launch with torchrun --nproc-per-node {hw.target_replicas} (one trainer rank "
                      f"per replica)")
     return MemoryPlan(facts, cfg, budgets, kv_tokens, tokens_per_step, frac, frac_min, problems, notes, capacity_ok,
-                      free_before_load)
+                      free_before_load, method)
 
 
 def length_problems(facts: TargetFacts, max_length: int) -> list[str]:
@@ -254,8 +256,8 @@ def _layout_problems(hw, facts: TargetFacts, groups, trainers, opt_dev) -> list[
 STATIC_ITEMS = ("target weights (TP shard + replicated)", "KV cache pool", "SGLang multimodal reservation")
 
 
-def _target_items(hw, facts: TargetFacts, batch_tokens: int, kv_tokens: int, ctx: int) -> list[Item]:
-    """One SGLang TP rank's items on its GPU."""
+def _target_items(hw, facts: TargetFacts, batch_tokens: int, kv_tokens: int, ctx: int, num_aux: int) -> list[Item]:
+    """One SGLang TP rank's items on its GPU (num_aux: the captured states, besides the final one)."""
     items = [
         Item("CUDA context (SGLang TP rank)", ctx, owner="target"),
         Item("target weights (TP shard + replicated)", facts.weight_bytes_per_gpu(hw.target_tp), owner="target",
@@ -264,7 +266,7 @@ def _target_items(hw, facts: TargetFacts, batch_tokens: int, kv_tokens: int, ctx
              note=f"{kv_tokens} tokens x {facts.kv_bytes_per_token(hw.target_tp)} B"),
         Item("SGLang multimodal reservation", 100 * MiB if facts.multimodal else 0, owner="target"),  # SGLANG_VLM_CACHE_SIZE_MB
         Item("SGLang runtime (activations, workspaces)",
-             int(hw.target_runtime_gib * GiB) + batch_tokens * 4 * facts.hidden_size * 2, owner="target",
+             int(hw.target_runtime_gib * GiB) + batch_tokens * (num_aux + 1) * facts.hidden_size * 2, owner="target",
              note="estimate: hw.target_runtime_gib + captured states"),
     ]
     if int4_moe_backend(hw, facts) == MARLIN:  # grows with the batch, unlike hw.target_runtime_gib
@@ -301,7 +303,7 @@ def _place_items(hw, ring: Item, groups, trainers, target: list[Item], t_items: 
         if r < len(trainers) and trainers[r] != ring_gpu:  # the trainer process also opens a context there
             add(ring_gpu, "stream ring", [Item("CUDA context (trainer process, for the ring)", ctx, owner="stream")], ctx)
     for gpu in trainers:
-        # allocated by build_trainer before the target process starts
+        # allocated by build_learner before the target process starts
         add(gpu, "trainer rank", list(t_items), sum(i.bytes for i in t_items if i.phase is None
                                                     and not i.name.startswith(("draft grads", "AdamW"))))
         if isinstance(opt_dev, int):  # OffloadedAdamW on another GPU: the trainer process opens a context there too
@@ -389,7 +391,7 @@ def suggest_override(job, facts: TargetFacts) -> Optional[str]:
             batch = "" if B == tr.batch_size else f"train.batch_size=1 train.grad_accum={tr.grad_accum * tr.batch_size} "
             return f"{batch}lower data.max_length to {best} (data.max_length={best})"
     best = _largest_fitting(lambda width: _fits(job, facts, intermediate_size=width),
-                            resolve_draft(job.draft, facts).intermediate_size)
+                            draft_of(job, facts)[1].intermediate_size)
     if best:
         return f"a smaller draft MLP: draft.intermediate_size={best} (at data.max_length={L})"
     return None

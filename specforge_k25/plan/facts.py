@@ -1,6 +1,10 @@
 """What the plans know about a run before anything starts: the target's facts (`TargetFacts`,
-from its folder or known defaults) and the draft those facts imply (`resolve_draft`, its
-parameter counts). Plain arithmetic inputs; nothing here allocates.
+from its folder or known defaults) and the draft those facts imply (`draft_of`: the method
+`draft.method` names and its config, `resolve_draft`; its parameter counts). Plain arithmetic
+inputs; nothing here allocates.
+
+The plan never names a draft method: whatever depends on one (parameters, TTT activations, FLOPs,
+the captured states it reads) is asked of the method (draft/method.py, its `plan` module).
 
 Kimi-K2.5's defaults are summarised in docs/KIMI_K25.md §2.
 """
@@ -8,13 +12,14 @@ from __future__ import annotations
 
 import json
 import math
+import typing
 from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import Optional
+from typing import Any, Optional
 
-from ..draft.eagle3.plan import draft_param_counts
-from ..draft.registry import get_method
-from ..draft.model import DraftConfig
+from ..draft.method import DraftMethod, trainable_count
+from ..draft.registry import METHODS, get_method
+from ..target_engine.layers import default_capture_points
 
 GiB = 1 << 30
 MiB = 1 << 20
@@ -191,11 +196,44 @@ def with_hw_overrides(job, facts: TargetFacts) -> TargetFacts:
 
 
 # ----------------------------------------------------------------------------------- draft
+def num_capture_points(job, facts: TargetFacts) -> int:
+    """K, the target states the run captures: len(target.aux_layers), or the default's
+    (target_engine/layers.py, checked there against the target when a run starts)."""
+    return len(job.target.aux_layers or default_capture_points(facts.num_layers))
+
+
 def resolve_draft(spec, facts: TargetFacts, num_aux: int = 3):
     """The draft config the trainer builds from `draft.*` (DraftConfigSpec): its method's
-    (draft/registry.py), with `num_aux` capture points; unset sizes follow the target."""
-    return get_method(spec.method).resolve_config(spec, facts, num_aux)
+    (draft/registry.py), with `num_aux` capture points; unset sizes follow the target. A method that
+    refuses the spec (or an unknown draft.method) raises PlanError (a ValueError) with its reason."""
+    try:
+        return get_method(spec.method).resolve_config(spec, facts, num_aux)
+    except PlanError:
+        raise
+    except ValueError as err:
+        raise PlanError(str(err)) from err
 
 
-def trainable_params(cfg: DraftConfig) -> int:
-    return sum(n for name, n in draft_param_counts(cfg).items() if name != "embed_tokens (frozen)")
+def draft_of(job, facts: TargetFacts, spec=None) -> tuple[DraftMethod, Any]:
+    """(the method `draft.method` names, its config for this target and the run's capture points);
+    `spec` replaces job.draft (the fit search and the method comparison vary it)."""
+    spec = job.draft if spec is None else spec
+    return get_method(spec.method), resolve_draft(spec, facts, num_capture_points(job, facts))
+
+
+def method_of_config(cfg) -> DraftMethod:
+    """The method whose model `cfg` builds: the config class its model's constructor takes. For
+    callers holding only a config (the plan's functions take `method=` to skip the lookup)."""
+    for method in METHODS.values():
+        if type(cfg) is typing.get_type_hints(method.model_class.__init__).get("cfg"):
+            return method
+    raise TypeError(f"{type(cfg).__name__} is the config of no draft method")
+
+
+def draft_param_counts(cfg, method: DraftMethod | None = None) -> dict[str, int]:
+    """Parameters per module of the method's model; names ending in '(frozen)' are not trained."""
+    return (method or method_of_config(cfg)).plan.param_counts(cfg)
+
+
+def trainable_params(cfg, method: DraftMethod | None = None) -> int:
+    return trainable_count(draft_param_counts(cfg, method))

@@ -1,7 +1,8 @@
 """The memory items of one trainer rank: what the draft, its optimizer and the TTT objective
 hold on a GPU, phase by phase, for a batch of B sequences of T tokens.
 
-Sources: the trainer as it stands (train/step.py, train/optim.py, draft/model.py, draft/loss.py):
+Sources: the trainer as it stands (train/step.py, train/optim.py, the draft method's model,
+draft/loss.py):
 the draft lives in fp32 with fp32 grads (`hw.autocast=bf16` computes in bf16 and caches bf16
 weight copies until backward); AdamW's m/v sit next to it (the fp32 weights are the master copy)
 or, with `train.optimizer_device`, on the host or another GPU with their own fp32 master and
@@ -9,9 +10,9 @@ gradient copies; the frozen embedding [V, H] and the target's lm_head [V, Ht] ke
 dtype; the teacher holds [B, T, Vd] fp32 draft logits; each TTT step keeps its activations
 ([B, T, Vd] fp32 log-probs and teacher probs, the fused attention's q/K/V/out and logsumexp, its
 [T, (k+1)T] mask; never [B, nh, T, T] probabilities) or, with `train.activation_checkpointing`,
-only its inputs and recomputes one step at a time in backward. `ttt_saved_bytes` counts those
-tensors exactly (tests/plan/test_memory_plan.py measures them with saved-tensor hooks); the
-backward working set and the runtime reserves are estimates. The co-located layout
+only its inputs and recomputes one step at a time in backward. The draft method counts those
+tensors (its `plan` module: `ttt_saved_bytes`, exact against saved-tensor hooks in the tests;
+`ttt_backward_working_bytes`, an estimate); the runtime reserves are estimates. The co-located layout
 (hw.trainer_layout=colocated) shards the trainable state over the trainer ranks with FSDP2
 (train/sharding.py; `_sharded_trainer_items`).
 """
@@ -20,9 +21,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Optional
 
-from ..draft.eagle3.plan import ttt_backward_working_bytes, ttt_saved_bytes, ttt_step_bytes
-from ..draft.model import DraftConfig
-from .facts import GiB, trainable_params
+from ..draft.method import DraftMethod
+from .facts import GiB, method_of_config, trainable_params
 
 PHASE_TEACHER, PHASE_TTT, PHASE_OPT = "teacher", "TTT fwd+bwd", "optimizer step"
 
@@ -54,23 +54,41 @@ def optimizer_items(P: int, on_gpu: bool) -> list[Item]:
     return items
 
 
-def trainer_items(cfg: DraftConfig, *, batch: int, seq_len: int, ttt_length: int, teacher_chunk: int, bf16: bool,
+def ttt_step_bytes(cfg, batch: int, seq_len: int, k: int, bf16: bool, method: DraftMethod | None = None):
+    """(bytes, mask bytes) TTT step k of the draft saves for backward (its method's count)."""
+    return _method(cfg, method).plan.ttt_step_bytes(cfg, batch, seq_len, k, bf16)
+
+
+def ttt_saved_bytes(cfg, batch: int, seq_len: int, ttt_length: int, bf16: bool, checkpoint: bool = False,
+                    method: DraftMethod | None = None) -> dict[str, int]:
+    """{"per_token", "attention_mask", "total"}: bytes all K TTT steps leave saved for backward."""
+    return _method(cfg, method).plan.ttt_saved_bytes(cfg, batch, seq_len, ttt_length, bf16, checkpoint)
+
+
+def _method(cfg, method: DraftMethod | None) -> DraftMethod:
+    return method if method is not None else method_of_config(cfg)
+
+
+def trainer_items(cfg, *, batch: int, seq_len: int, ttt_length: int, teacher_chunk: int, bf16: bool,
                   data_parallel: bool, context_bytes: int, frozen_bytes: int = 4, checkpoint: bool = False,
-                  optimizer_offloaded: bool = False, shards: int = 1) -> list[Item]:
+                  optimizer_offloaded: bool = False, shards: int = 1, method: DraftMethod | None = None) -> list[Item]:
     """One trainer rank's memory on its GPU. Resident items are allocated before the target starts
     (weights, frozen tensors) or persist across steps (grads, AdamW state); phase items are peaks of
     the three phases of a micro-batch, which do not overlap.
 
+    cfg: the draft method's config (`method`, else the method whose config it is);
     frozen_bytes: element size of the frozen embedding and lm_head (the target's dtype);
     checkpoint: train.activation_checkpointing; optimizer_offloaded: AdamW state elsewhere
     (`optimizer_items` on train.optimizer_device); shards > 1: the co-located layout's draft state
     sharded over `shards` ranks (`_sharded_trainer_items`; optimizer_offloaded and data_parallel then
     do not apply)."""
+    method = _method(cfg, method)
     if shards > 1:
-        return _sharded_trainer_items(cfg, shards, batch=batch, seq_len=seq_len, ttt_length=ttt_length,
+        return _sharded_trainer_items(cfg, method, shards, batch=batch, seq_len=seq_len, ttt_length=ttt_length,
                                       teacher_chunk=teacher_chunk, bf16=bf16, context_bytes=context_bytes,
                                       frozen_bytes=frozen_bytes, checkpoint=checkpoint)
-    P = trainable_params(cfg)
+    P = trainable_params(cfg, method)
+    K = method.num_aux(cfg)
     items = [
         Item("CUDA context (trainer process)", context_bytes),
         Item("draft weights fp32", 4 * P, note=f"{P:,} trainable params" + ("" if optimizer_offloaded else
@@ -83,17 +101,17 @@ def trainer_items(cfg: DraftConfig, *, batch: int, seq_len: int, ttt_length: int
     if data_parallel:
         items.append(Item("DP gradient buckets fp32 (DDP, assumed)", 4 * P,
                           note="upper bound: train/step.py all-reduces each grad in place"))
-    items += _teacher_items(cfg, batch * seq_len, teacher_chunk, frozen_bytes)
-    items += [Item("batch: aux fp32 [B,T,3Ht] + teacher [B,T,Vd] fp32", _batch_bytes(cfg, batch * seq_len), PHASE_TTT),
+    items += _teacher_items(cfg, K, batch * seq_len, teacher_chunk, frozen_bytes)
+    items += [_batch_item(cfg, K, batch * seq_len, PHASE_TTT),
               Item("bf16 autocast weight copies", 2 * P if bf16 else 0, PHASE_TTT)]
-    items += _ttt_items(cfg, batch, seq_len, ttt_length, bf16, checkpoint)
-    items.append(Item("batch: aux fp32 [B,T,3Ht] + teacher [B,T,Vd] fp32", _batch_bytes(cfg, batch * seq_len), PHASE_OPT))
+    items += _ttt_items(cfg, method, batch, seq_len, ttt_length, bf16, checkpoint)
+    items.append(_batch_item(cfg, K, batch * seq_len, PHASE_OPT))
     if not optimizer_offloaded:
         items.append(Item("AdamW foreach temporaries fp32", 4 * P, PHASE_OPT))
     return [i for i in items if i.bytes]
 
 
-def _sharded_trainer_items(cfg: DraftConfig, shards: int, *, batch: int, seq_len: int, ttt_length: int,
+def _sharded_trainer_items(cfg, method: DraftMethod, shards: int, *, batch: int, seq_len: int, ttt_length: int,
                            teacher_chunk: int, bf16: bool, context_bytes: int, frozen_bytes: int,
                            checkpoint: bool) -> list[Item]:
     """One co-located trainer rank (hw.trainer_layout=colocated): the draft's trainable state
@@ -105,7 +123,8 @@ def _sharded_trainer_items(cfg: DraftConfig, shards: int, *, batch: int, seq_len
     bound as if one unit: the per-module units free each module's unsharded gradient at its
     reduce-scatter). The frozen embedding and lm_head stay whole on
     every rank."""
-    P = trainable_params(cfg)
+    P = trainable_params(cfg, method)
+    K = method.num_aux(cfg)
     shard = -(-P // shards)  # ceil: the largest shard
     a = 2 if bf16 else 4
     items = [
@@ -116,24 +135,28 @@ def _sharded_trainer_items(cfg: DraftConfig, shards: int, *, batch: int, seq_len
         Item(f"AdamW m, v fp32 (shard 1/{shards})", 8 * shard),
     ]
     items += _frozen_items(cfg, frozen_bytes)
-    items += _teacher_items(cfg, batch * seq_len, teacher_chunk, frozen_bytes)
-    items += [Item("batch: aux fp32 [B,T,3Ht] + teacher [B,T,Vd] fp32", _batch_bytes(cfg, batch * seq_len), PHASE_TTT),
+    items += _teacher_items(cfg, K, batch * seq_len, teacher_chunk, frozen_bytes)
+    items += [_batch_item(cfg, K, batch * seq_len, PHASE_TTT),
               Item(f"all-gathered draft params {'bf16' if bf16 else 'fp32'} (FSDP2)", a * P, PHASE_TTT,
                    note="whole unit, kept from forward through backward"),
               Item("unsharded grads fp32 before reduce-scatter", 4 * P, PHASE_TTT, note="upper bound: one unit")]
-    items += _ttt_items(cfg, batch, seq_len, ttt_length, bf16, checkpoint)
-    items += [Item("batch: aux fp32 [B,T,3Ht] + teacher [B,T,Vd] fp32", _batch_bytes(cfg, batch * seq_len), PHASE_OPT),
+    items += _ttt_items(cfg, method, batch, seq_len, ttt_length, bf16, checkpoint)
+    items += [_batch_item(cfg, K, batch * seq_len, PHASE_OPT),
               Item(f"AdamW foreach temporaries fp32 (shard 1/{shards})", 4 * shard, PHASE_OPT)]
     return [i for i in items if i.bytes]
 
 
-def _batch_bytes(cfg: DraftConfig, tokens: int) -> int:
-    # DraftBatch: aux fp32 [N, 3Ht], input_ids int64, loss_mask bool, teacher: draft logits fp32
+def _batch_bytes(cfg, num_aux: int, tokens: int) -> int:
+    # DraftBatch: aux fp32 [N, K*Ht], input_ids int64, loss_mask bool, teacher: draft logits fp32
     # [N, Vd], logsumexp fp32, argmax int64; plus lengths (negligible)
-    return tokens * (12 * cfg.target_hidden_size + 8 + 1 + 4 * cfg.draft_vocab_size + 4 + 8)
+    return tokens * (4 * num_aux * cfg.target_hidden_size + 8 + 1 + 4 * cfg.draft_vocab_size + 4 + 8)
 
 
-def _frozen_items(cfg: DraftConfig, frozen_bytes: int) -> list[Item]:
+def _batch_item(cfg, num_aux: int, tokens: int, phase: str) -> Item:
+    return Item(f"batch: aux fp32 [B,T,{num_aux}Ht] + teacher [B,T,Vd] fp32", _batch_bytes(cfg, num_aux, tokens), phase)
+
+
+def _frozen_items(cfg, frozen_bytes: int) -> list[Item]:
     V, Vd = cfg.vocab_size, cfg.draft_vocab_size
     dtype = {2: "bf16", 4: "fp32"}.get(frozen_bytes, f"{frozen_bytes} B")
     return [
@@ -143,13 +166,13 @@ def _frozen_items(cfg: DraftConfig, frozen_bytes: int) -> list[Item]:
     ]
 
 
-def _teacher_items(cfg: DraftConfig, tokens: int, teacher_chunk: int, frozen_bytes: int) -> list[Item]:
+def _teacher_items(cfg, num_aux: int, tokens: int, teacher_chunk: int, frozen_bytes: int) -> list[Item]:
     V = cfg.vocab_size
-    batch_bytes = _batch_bytes(cfg, tokens)
+    batch_bytes = _batch_bytes(cfg, num_aux, tokens)
     # teacher logits: [chunk, V] in the lm_head's dtype, its fp32 copy (not made for fp32) and logsumexp's exp
     chunk_elem = frozen_bytes + (4 if frozen_bytes != 4 else 0) + 4
     return [
-        Item("batch: aux fp32 [B,T,3Ht] + teacher [B,T,Vd] fp32", batch_bytes, PHASE_TEACHER),
+        _batch_item(cfg, num_aux, tokens, PHASE_TEACHER),
         Item("next batch + its final hidden fp32 [B,T,Ht]", batch_bytes + 4 * tokens * cfg.target_hidden_size,
              PHASE_TEACHER, note="built while the previous batch is still referenced"),
         Item("teacher chunk [chunk, V]: logits, fp32 copy, logsumexp", chunk_elem * min(teacher_chunk, tokens) * V
@@ -157,29 +180,32 @@ def _teacher_items(cfg: DraftConfig, tokens: int, teacher_chunk: int, frozen_byt
     ]
 
 
-def _ttt_items(cfg: DraftConfig, batch: int, seq_len: int, ttt_length: int, bf16: bool,
+def _ttt_items(cfg, method: DraftMethod, batch: int, seq_len: int, ttt_length: int, bf16: bool,
                checkpoint: bool) -> list[Item]:
-    saved = ttt_saved_bytes(cfg, batch, seq_len, ttt_length, bf16, checkpoint)
+    arithmetic = method.plan
+    saved = arithmetic.ttt_saved_bytes(cfg, batch, seq_len, ttt_length, bf16, checkpoint)
     items = [
         Item("TTT saved: per-token tensors (K steps)", saved["per_token"], PHASE_TTT,
-             note=("checkpointed: each step's hidden input + K/V" if checkpoint else
+             note=("checkpointed: each step's hidden input + its attention cache" if checkpoint else
                    "incl. [B,T,Vd] fp32 log-probs + teacher probs per step")),
         Item("TTT saved: attention masks [T,(k+1)T] (K steps)", saved["attention_mask"], PHASE_TTT),
     ]
     if checkpoint:  # backward recomputes one step at a time: the last (largest) one at most
-        per_token, mask = ttt_step_bytes(cfg, batch, seq_len, ttt_length - 1, bf16)
+        per_token, mask = arithmetic.ttt_step_bytes(cfg, batch, seq_len, ttt_length - 1, bf16)
         items.append(Item("TTT one step recomputed in backward", per_token + mask, PHASE_TTT,
                           note="activation checkpointing: the largest step's saved tensors"))
     items.append(Item("TTT backward working set (estimate)",
-                      ttt_backward_working_bytes(cfg, batch, seq_len, ttt_length, bf16), PHASE_TTT))
+                      arithmetic.ttt_backward_working_bytes(cfg, batch, seq_len, ttt_length, bf16), PHASE_TTT))
     return items
 
 
-def activation_note(cfg: DraftConfig, batch: int, seq_len: int, ttt_length: int, bf16: bool, checkpoint: bool) -> str:
+def activation_note(cfg, batch: int, seq_len: int, ttt_length: int, bf16: bool, checkpoint: bool,
+                    method: DraftMethod | None = None) -> str:
     """The TTT activations with and without train.activation_checkpointing at this length."""
-    plain = ttt_saved_bytes(cfg, batch, seq_len, ttt_length, bf16)["total"]
-    kept = ttt_saved_bytes(cfg, batch, seq_len, ttt_length, bf16, checkpoint=True)["total"]
-    one = sum(ttt_step_bytes(cfg, batch, seq_len, ttt_length - 1, bf16))
+    arithmetic = _method(cfg, method).plan
+    plain = arithmetic.ttt_saved_bytes(cfg, batch, seq_len, ttt_length, bf16)["total"]
+    kept = arithmetic.ttt_saved_bytes(cfg, batch, seq_len, ttt_length, bf16, checkpoint=True)["total"]
+    one = sum(arithmetic.ttt_step_bytes(cfg, batch, seq_len, ttt_length - 1, bf16))
     state = "on" if checkpoint else "off"
     return (f"TTT activations at T={seq_len}, K={ttt_length}: {gib(plain)} kept for backward without activation "
             f"checkpointing; {gib(kept)} kept + {gib(one)} for the one step recomputed with it "

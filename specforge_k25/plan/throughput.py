@@ -18,11 +18,13 @@ Arithmetic on the target's facts, the draft's shapes and the hw profile; nothing
 from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
+from typing import Optional
 
-from ..draft.eagle3.plan import draft_step_flops
-from ..draft.model import DraftConfig
-from .budget import LAYOUTS, colocated, gpu_layout, optimizer_device, target_batch_tokens
-from .facts import PlanError, TargetFacts, resolve_draft, trainable_params
+from ..draft.method import DraftMethod
+from ..draft.registry import METHODS
+from .budget import (LAYOUTS, colocated, gpu_layout, longest_fitting_length, optimizer_device, plan_memory,
+                     target_batch_tokens)
+from .facts import PlanError, TargetFacts, draft_of, method_of_config, trainable_params
 
 # NVIDIA H200 SXM datasheet: dense BF16 tensor-core peak and HBM3e bandwidth; the GPU the trainer was measured on
 H200_PEAK_TFLOPS = 989.5
@@ -39,6 +41,15 @@ PARTS = (TARGET_COMPUTE, TARGET_ALLREDUCE, TRAINER_COMPUTE, TRAINER_OPTIMIZER, T
 
 
 # ------------------------------------------------------------------------------- trainer
+def draft_step_flops(cfg, batch: int, seq_len: int, ttt_length: int, checkpoint: bool = False,
+                     method: DraftMethod | None = None) -> dict:
+    """Analytic FLOPs of one draft training step ({"teacher", "draft_fwd", "draft_bwd",
+    "draft_recompute", "attention_fwd", "attention_bwd", "total"}), as the draft's method counts
+    them (its `plan` module; torch's flop counter checks each method's count in the tests)."""
+    method = method if method is not None else method_of_config(cfg)
+    return method.plan.draft_step_flops(cfg, batch, seq_len, ttt_length, checkpoint)
+
+
 # -------------------------------------------------------------------------------- target
 def target_params_per_token(facts: TargetFacts) -> dict[str, int]:
     """The weights one token multiplies in a prefill (the activated parameters), by module. The
@@ -148,10 +159,10 @@ def predict(job, facts: TargetFacts, layout: str | None = None) -> Throughput:
         raise PlanError("the throughput plan covers a target on one node (hw.target_nnodes=1)")
     tr, coloc = job.train, colocated(hw)
     B, L, K, accum = tr.batch_size, job.data.max_length, tr.ttt_length, tr.grad_accum
-    cfg = resolve_draft(job.draft, facts)
+    method, cfg = draft_of(job, facts)
     groups, trainers = gpu_layout(hw)
     tp, ranks = len(groups[0]), len(trainers)
-    P = trainable_params(cfg)
+    P = trainable_params(cfg, method)
     elem = 2 if hw.target_dtype in ("bfloat16", "float16") else 4
     a = 2 if hw.autocast == "bf16" else 4  # the trainer's compute dtype: FSDP2 gathers its params in it
     peak, link, mem = hw.peak_tflops * 1e12, hw.link_gbps * 1e9, hw.memory_gbps * 1e9
@@ -166,7 +177,7 @@ def predict(job, facts: TargetFacts, layout: str | None = None) -> Throughput:
     t_allreduce = ar_bytes * 2 * (tp - 1) / tp / link
 
     # trainer, per token it trains; optimizer and gradient traffic once per step of `step_tokens`
-    flops = draft_step_flops(cfg, B, L, K, tr.activation_checkpointing)
+    flops = method.plan.draft_step_flops(cfg, B, L, K, tr.activation_checkpointing)
     c_compute = flops["total"] / (B * L) / (peak * hw.trainer_efficiency)
     step_tokens = B * L * accum
     gpu_adamw = GPU_ADAMW_S_PER_PARAM * H200_MEMORY_GBPS * 1e9 / mem  # seconds per parameter on this GPU
@@ -237,3 +248,59 @@ def predict(job, facts: TargetFacts, layout: str | None = None) -> Throughput:
 def predict_layouts(job, facts: TargetFacts) -> dict[str, Throughput]:
     """Both layouts on the job's settings (colocated: AdamW sharded on the GPUs)."""
     return {layout: predict(job, facts, layout) for layout in LAYOUTS}
+
+
+# --------------------------------------------------------------------------- draft methods
+# what the plans ask of a method's `plan` module (draft/method.py)
+PLAN_FUNCTIONS = ("param_counts", "ttt_step_bytes", "ttt_saved_bytes", "ttt_backward_working_bytes", "draft_step_flops")
+
+@dataclass
+class MethodRow:
+    """One draft method on the job's target, hw profile and settings (`compare_methods`)."""
+
+    method: str
+    describe: str = ""
+    trainable_params: int = 0
+    trainer_flops_per_token: float = 0.0  # draft_step_flops total / tokens, at data.max_length
+    peak_bytes: int = 0  # the fullest GPU's peak (hw.trainer_layout), at data.max_length
+    capacity_bytes: int = 0
+    fits: bool = False  # memory only (MemoryPlan.capacity_ok)
+    longest_length: Optional[int] = None  # longest data.max_length that fits (multiple of 256)
+    tokens_per_s: dict[str, float] = field(default_factory=dict)  # per layout, at data.max_length
+    refused: str = ""  # the method cannot run this job (its reason); the numbers are then unset
+
+
+def compare_methods(job, facts: TargetFacts, names: list[str] | None = None) -> list[MethodRow]:
+    """Every registered draft method (or `names`) in the job's place: draft.method replaced, all
+    other settings kept (draft.* sizes a method does not read are ignored by it)."""
+    rows = []
+    for name in names or list(METHODS):
+        variant = replace(job, draft=replace(job.draft, method=name))
+        row = MethodRow(name)
+        try:
+            method, cfg = draft_of(variant, facts)
+        except PlanError as err:
+            row.refused = str(err)
+            rows.append(row)
+            continue
+        missing = [f for f in PLAN_FUNCTIONS if not hasattr(method.plan, f)]
+        if missing:  # a method still being written
+            row.refused = f"its plan arithmetic (DraftMethod.plan) lacks {', '.join(missing)}"
+            rows.append(row)
+            continue
+        B, L = job.train.batch_size, job.data.max_length
+        row.describe = method.describe(cfg)
+        row.trainable_params = trainable_params(cfg, method)
+        row.trainer_flops_per_token = method.plan.draft_step_flops(cfg, B, L, job.train.ttt_length,
+                                                                   job.train.activation_checkpointing)["total"] / (B * L)
+        plan = plan_memory(variant, facts)
+        fullest = max(plan.gpus, key=lambda g: g.total())
+        row.peak_bytes, row.capacity_bytes, row.fits = fullest.total(), fullest.capacity, plan.capacity_ok
+        if job.hw.device == "cuda":
+            row.longest_length = longest_fitting_length(variant, facts)
+        try:
+            row.tokens_per_s = {layout: t.tokens_per_s for layout, t in predict_layouts(variant, facts).items()}
+        except PlanError:
+            pass  # no throughput inputs in this hw profile
+        rows.append(row)
+    return rows

@@ -8,7 +8,7 @@ from __future__ import annotations
 from ..model import NUM_AUX, DraftConfig
 
 
-def draft_param_counts(cfg: DraftConfig) -> dict[str, int]:
+def param_counts(cfg: DraftConfig) -> dict[str, int]:
     """Parameters per module of `Eagle3Draft` (draft/model.py); `embed_tokens` is frozen."""
     H, Ht, I = cfg.hidden_size, cfg.target_hidden_size, cfg.intermediate_size
     q_out, kv_out = cfg.num_attention_heads * cfg.head_dim, cfg.num_key_value_heads * cfg.head_dim
