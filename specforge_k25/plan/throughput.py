@@ -291,8 +291,8 @@ def compare_methods(job, facts: TargetFacts, names: list[str] | None = None) -> 
         B, L = job.train.batch_size, job.data.max_length
         row.describe = method.describe(cfg)
         row.trainable_params = trainable_params(cfg, method)
-        row.trainer_flops_per_token = method.plan.draft_step_flops(cfg, B, L, job.train.ttt_length,
-                                                                   job.train.activation_checkpointing)["total"] / (B * L)
+        flops = method.plan.draft_step_flops(cfg, B, L, job.train.ttt_length, job.train.activation_checkpointing)
+        row.trainer_flops_per_token = flops["total"] / (B * L)
         plan = plan_memory(variant, facts)
         fullest = max(plan.gpus, key=lambda g: g.total())
         row.peak_bytes, row.capacity_bytes, row.fits = fullest.total(), fullest.capacity, plan.capacity_ok
