@@ -7,11 +7,12 @@ from pathlib import Path
 
 import torch.nn as nn
 
+from .dflash.method import DFlashMethod
 from .eagle3.method import Eagle3Method
 from .eagle3_mla.method import Eagle3MLAMethod
 from .method import DraftMethod
 
-METHODS: dict[str, DraftMethod] = {m.name: m for m in (Eagle3Method(), Eagle3MLAMethod())}
+METHODS: dict[str, DraftMethod] = {m.name: m for m in (Eagle3Method(), Eagle3MLAMethod(), DFlashMethod())}
 FIRST_METHOD = Eagle3Method.name  # what runs that predate draft.method trained (their checkpoints name none)
 
 

@@ -1,0 +1,140 @@
+"""`draft.method=dflash`: block drafting (draft/dflash/model.py) trained with random-anchor blocks
+(draft/dflash/loss.py), served as `DFlashDraftModel` (SGLang speculative_algorithm DFLASH, vLLM
+method `dflash`).
+
+Config fields it reads from `draft.*` (with getattr defaults until config.py has them):
+  block_size (8), num_layers (null = K, one draft layer per capture point, SGLang's and z-lab's
+  default pairing), num_anchors (512 per sequence), loss_gamma (null: 7 for blocks >= 16, 5 for
+  >= 10, else 4), mask_token_id (null = V-1), logits_chunk (2048); and the shared sizes
+  (num_attention_heads, num_key_value_heads, head_dim, intermediate_size, rope_theta,
+  max_position_embeddings). draft.vocab_size is not used: the draft proposes over the full
+  target vocab with the target's lm_head.
+
+Mask token rule: an id below the target vocab (SGLang refuses another) that real input never
+contains. The default V-1 is the last embedding row: for Kimi-K2.5 a reserved special token, for
+padded vocabularies a padding row. Setup must check it against the tokenizer and the data (a
+sample containing it would look masked), which draft/ cannot see.
+
+Anchors are drawn per batch from a torch.Generator the trainer owns (`prepare_batch`); a batch
+without them (a trainer that does not call prepare_batch yet) gets anchors from a generator seeded
+by the batch's token ids, which is deterministic (a resume replays it) but repeats a sequence's
+anchors across epochs.
+"""
+from __future__ import annotations
+
+import zlib
+from pathlib import Path
+
+import torch
+
+from ..method import DraftBatch, DraftMethod
+from . import export, plan
+from . import loss as block_loss
+from .model import DFlashConfig, DFlashDraft
+
+DEFAULT_BLOCK_SIZE = 8
+DEFAULT_NUM_ANCHORS = 512
+
+
+def default_gamma(block_size: int) -> float:
+    return 7.0 if block_size >= 16 else 5.0 if block_size >= 10 else 4.0
+
+
+class DFlashMethod(DraftMethod):
+    name = "dflash"
+    served_architecture = export.ARCHITECTURE
+    sglang_algorithm = "DFLASH"
+    model_class = DFlashDraft
+    plan = plan
+
+    def resolve_config(self, spec, target, num_aux: int = 5) -> DFlashConfig:
+        if num_aux < 1:
+            raise ValueError("DFlash reads at least one capture point")
+        block = getattr(spec, "block_size", None) or DEFAULT_BLOCK_SIZE
+        heads = getattr(spec, "num_attention_heads", None) or target.num_attention_heads
+        kv_heads = getattr(spec, "num_key_value_heads", None) or target.num_key_value_heads or heads
+        if heads % kv_heads:  # e.g. an MLA target reports as many KV heads as heads
+            kv_heads = heads
+        mask = getattr(spec, "mask_token_id", None)
+        gamma = getattr(spec, "loss_gamma", None)
+        return DFlashConfig(
+            hidden_size=target.hidden_size,
+            intermediate_size=getattr(spec, "intermediate_size", None) or target.intermediate_size,
+            num_hidden_layers=getattr(spec, "num_layers", None) or num_aux,
+            num_attention_heads=heads, num_key_value_heads=kv_heads,
+            head_dim=getattr(spec, "head_dim", None) or target.hidden_size // heads,
+            vocab_size=target.vocab_size, target_hidden_size=target.hidden_size, num_aux_hidden_states=num_aux,
+            block_size=block, mask_token_id=target.vocab_size - 1 if mask is None else mask,
+            rms_norm_eps=target.rms_norm_eps, rope_theta=getattr(spec, "rope_theta", 10000.0),
+            max_position_embeddings=getattr(spec, "max_position_embeddings", None) or target.max_position_embeddings,
+            num_anchors=getattr(spec, "num_anchors", None) or DEFAULT_NUM_ANCHORS,
+            loss_gamma=gamma if gamma is not None else default_gamma(block),
+            logits_chunk=getattr(spec, "logits_chunk", None) or 2048,
+        )
+
+    def num_aux(self, cfg: DFlashConfig) -> int:
+        return cfg.num_aux_hidden_states
+
+    def build(self, cfg: DFlashConfig) -> DFlashDraft:
+        return DFlashDraft(cfg)
+
+    def fsdp_units(self, model) -> list[str]:
+        return ["fc", "hidden_norm", *[f"layers.{i}" for i in range(len(model.layers))], "norm"]
+
+    def describe(self, cfg: DFlashConfig) -> str:
+        return (f"DFlash: {cfg.num_hidden_layers} layers, H {cfg.hidden_size}, heads {cfg.num_attention_heads}/"
+                f"{cfg.num_key_value_heads} x {cfg.head_dim}, I {cfg.intermediate_size}, K {cfg.num_aux_hidden_states}, "
+                f"block {cfg.block_size}, mask id {cfg.mask_token_id}, {cfg.num_anchors} anchors, gamma {cfg.loss_gamma:g}")
+
+    # --------------------------------------------------------------- training
+    def prepare_batch(self, cfg: DFlashConfig, batch: DraftBatch, generator: torch.Generator) -> DraftBatch:
+        """Draw the batch's anchors from the trainer's generator (before loss_positions and loss)."""
+        batch.anchors = block_loss.sample_anchors(batch.loss_mask, batch.lengths, cfg.num_anchors, generator)
+        return batch
+
+    def _anchors(self, cfg: DFlashConfig, batch: DraftBatch):
+        if getattr(batch, "anchors", None) is None:
+            seed = zlib.crc32(batch.input_ids.cpu().numpy().tobytes()) ^ zlib.crc32(batch.lengths.cpu().numpy().tobytes())
+            self.prepare_batch(cfg, batch, torch.Generator().manual_seed(seed))
+        return batch.anchors
+
+    def _check_depth(self, cfg: DFlashConfig, depth: int) -> None:
+        if depth != cfg.block_size - 1:
+            raise ValueError(f"DFlash counts block positions 1..{cfg.block_size - 1}: depth (train.ttt_length) must be "
+                             f"block_size - 1 = {cfg.block_size - 1}, got {depth}")
+
+    def loss(self, model, batch: DraftBatch, *, depth: int, decay: float = 0.0, normalizer=None, checkpoint: bool = False):
+        """`decay` is EAGLE's; DFlash weights block positions by cfg.loss_gamma."""
+        cfg = model.cfg
+        self._check_depth(cfg, depth)
+        anchors, valid = self._anchors(cfg, batch)
+        return block_loss.dflash_loss(model, batch.aux_hidden, batch.input_ids, batch.loss_mask, batch.lengths,
+                                      anchors, valid, normalizer=normalizer, checkpoint=checkpoint)
+
+    def loss_positions(self, batch: DraftBatch, depth: int) -> torch.Tensor:
+        if getattr(batch, "anchors", None) is None:
+            raise ValueError("DFlash loss positions depend on the batch's anchors: call "
+                             "method.prepare_batch(cfg, batch, generator) first")
+        anchors, valid = batch.anchors
+        return block_loss.loss_positions(batch.loss_mask, batch.lengths, anchors, valid, depth + 1)
+
+    # ----------------------------------------------------------------- export
+    def serving_tensors(self, model, dtype):
+        return export.serving_tensors(model, dtype)
+
+    def serving_config(self, cfg, *, sglang_layer_ids, vllm_layer_ids, bos_token_id, eos_token_id, dtype) -> dict:
+        """`sglang_layer_ids` (the EAGLE-3 rule's) are not used: DFlash's SGLang ids are capture
+        point - 1 for every family, derived from vLLM's (= the capture points)."""
+        return export.serving_config(cfg, vllm_layer_ids, bos_token_id, eos_token_id, dtype)
+
+    def validate_export(self, export_dir: Path) -> None:
+        export.validate_export(export_dir)
+
+    def load_export(self, export_dir: Path, embed_weight: torch.Tensor, lm_head: torch.Tensor | None = None) -> DFlashDraft:
+        return export.load_export(export_dir, embed_weight, lm_head)
+
+    # ------------------------------------------------------------------ serve
+    def sglang_draft_args(self, *, num_steps: int = 1, topk: int = 1, draft_tokens: int = DEFAULT_BLOCK_SIZE) -> dict:
+        """DFLASH: the block size is speculative_num_draft_tokens; SGLang forces steps 1 / topk 1."""
+        return {"speculative_algorithm": self.sglang_algorithm, "speculative_num_steps": 1,
+                "speculative_eagle_topk": 1, "speculative_num_draft_tokens": draft_tokens}
