@@ -30,16 +30,15 @@ def print_overview(job: JobConfig, setup: RunSetup, schedule: list[BatchItem], s
         f"target      {job.target.name}: {setup.info.architecture}, {setup.info.num_layers} layers, hidden {H}, "
         f"vocab {setup.info.vocab_size} ({setup.model_path})",
         f"engine      SGLang in its own process, device {job.hw.device}, TP {job.hw.target_tp}, {job.hw.target_dtype}",
-        f"aux layers  inputs of layers {setup.capture_points} (SGLang eagle3 ids {setup.eagle_layer_ids})",
-        f"draft       1 layer, H {H}, heads {setup.draft_cfg.num_attention_heads}/{setup.draft_cfg.num_key_value_heads}, "
-        f"I {setup.draft_cfg.intermediate_size}, Vd {setup.draft_cfg.draft_vocab_size}; {_fmt_params(trainable)} trainable "
-        f"(+{_fmt_params(draft.embed_tokens.weight.numel())} frozen embedding)",
+        f"aux layers  inputs of layers {setup.capture_points} (SGLang's ids {setup.eagle_layer_ids})",
+        f"draft       {setup.method.name}: {setup.method.describe(setup.draft_cfg)}; {_fmt_params(trainable)} "
+        f"trainable (+{_fmt_params(draft.embed_tokens.weight.numel())} frozen embedding)",
         f"data        {len(setup.data.train)} train / {len(setup.data.heldout)} held-out samples, max_length "
         f"{job.data.max_length}; skipped {dict(setup.data.skipped) or 'none'}",
         f"schedule    {steps} optimizer steps = {len(train_items)} micro-batches of {job.train.batch_size} "
         f"x accum {job.train.grad_accum}, {train_tokens} tokens; TTT K={job.train.ttt_length}; lr {job.train.lr}",
         f"stream      {job.train.stream_slots} shared-memory slots of up to "
-        f"{job.train.batch_size * job.data.max_length} tokens x {4 * H} floats",
+        f"{job.train.batch_size * job.data.max_length} tokens x {(setup.method.num_aux(setup.draft_cfg) + 1) * H} floats",
         f"outputs     {run_dir}",
     ]
     if world > 1 and job.hw.trainer_layout == "colocated":

@@ -22,6 +22,7 @@ from specforge_k25.stream.ring import EndOfStream, SlotMessage
 from specforge_k25.target_engine.hf_config import read_target_info
 from specforge_k25.train.distributed import Ranks
 from specforge_k25.draft.registry import get_method, method_of
+from specforge_k25.export.serving import load_exported_draft
 from specforge_k25.train.step import DraftLearner
 from specforge_k25.train.feed import take_batches
 from specforge_k25.train.trainer import Trainer, build_learner
@@ -194,11 +195,17 @@ def _run(job, setup, fail_at=None):
     return trainer, served
 
 
-def test_resume_continues_from_the_step_boundary_exactly(tiny_setup, tmp_path):
+@pytest.mark.parametrize("method", ["eagle3", "eagle3_mla"])
+def test_resume_continues_from_the_step_boundary_exactly(tiny_setup, tmp_path, method):
     """12 samples, batch 2, accumulation 2: 3 optimizer steps, plus a held-out batch at the start
     and the end. The target dies in the middle of step 3's accumulation; the resumed run must ask
     the target for exactly the rest of the uninterrupted run's batches, from step 3's first
-    micro-batch on, and end with the same weights, bit for bit, and the same counters."""
+    micro-batch on, and end with the same weights, bit for bit, and the same counters. For every
+    draft method: the loop names none, and each one's export loads back as the trained model."""
+    if method != tiny_setup.method.name:
+        spec = dataclasses.replace(JobConfig().draft, vocab_size=48, method=method)
+        tiny_setup = dataclasses.replace(tiny_setup, method=get_method(method),
+                                         draft_cfg=resolve_draft(spec, facts_from_folder(tiny_setup.model_path)))
     full, full_batches = _run(_job(tmp_path / "full"), tiny_setup)
     assert full.progress.step == 3 and len(full_batches) == 8  # eval, 6 train micro-batches, eval
     # batch 6 is step 3's second micro-batch: step 2 ended after batch 4, its checkpoint says "resume at item 5"
@@ -210,6 +217,16 @@ def test_resume_continues_from_the_step_boundary_exactly(tiny_setup, tmp_path):
     for (name, a), b in zip(full.learner.draft.state_dict().items(), resumed.learner.draft.state_dict().values()):
         assert torch.equal(a, b), name
     assert resumed.evals["end"] == full.evals["end"]
+    (export,) = (tmp_path / "full").rglob("export/config.json")
+    embed = full.learner.draft.embed_tokens.weight
+    back = load_exported_draft(export.parent, embed)
+    assert type(back) is type(full.learner.draft)
+    for name, t in full.learner.draft.state_dict().items():
+        assert torch.equal(back.state_dict()[name], t.float()), name
+    ids, aux = torch.randint(0, V, (1, 6)), torch.randn(1, 6, 3 * H)  # the config too: same first step
+    pos = torch.arange(6)[None]
+    outs = [m.logits(m.step(ids, m.project(aux), pos, [])[0]) for m in (full.learner.draft, back)]
+    assert torch.equal(*outs)
 
 
 def test_the_export_ends_a_served_turn_at_the_runs_end_of_turn_token(tiny_setup, tmp_path):
