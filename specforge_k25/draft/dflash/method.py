@@ -45,6 +45,7 @@ class DFlashMethod(DraftMethod):
     served_architecture = export.ARCHITECTURE
     sglang_algorithm = "DFLASH"
     model_class = DFlashDraft
+    config_class = DFlashConfig  # what resolve_config returns (registry.method_of_config)
     plan = plan
 
     def resolve_config(self, spec, target, num_aux: int = 5) -> DFlashConfig:
