@@ -43,6 +43,7 @@ class DraftMethod:
     served_architecture: str = ""  # `architectures[0]` of the exported config.json
     sglang_algorithm: str = ""  # SGLang `speculative_algorithm` that serves the export
     model_class: type = nn.Module  # what `build` returns (registry.method_of finds a model's method by it)
+    config_class: type = object  # what `resolve_config` returns (registry.method_of_config)
 
     # ------------------------------------------------------------------ shape
     def resolve_config(self, spec, target, num_aux: int = 3) -> Any:
@@ -81,7 +82,7 @@ class DraftMethod:
     # `plan`: a module of the method's folder with the arithmetic the memory and throughput plans
     # (plan/) read, each taking the method's config:
     #   param_counts(cfg) -> {module: parameters}, '(frozen)' names not trained
-    #   ttt_step_bytes(cfg, batch, seq_len, k, bf16) -> (bytes per token, mask bytes) step k keeps
+    #   ttt_step_bytes(cfg, batch, seq_len, k, bf16) -> (bytes of the B*T tokens, mask bytes) step k keeps
     #   ttt_saved_bytes(cfg, batch, seq_len, depth, bf16, checkpoint=False) -> {..., "total": bytes}
     #   ttt_backward_working_bytes(cfg, batch, seq_len, depth, bf16) -> bytes
     #   draft_step_flops(cfg, batch, seq_len, depth, checkpoint=False) -> {"teacher", ..., "total"}

@@ -30,6 +30,14 @@ def method_of(model: nn.Module) -> DraftMethod:
     raise TypeError(f"{type(model).__name__} is not the model of any draft method")
 
 
+def method_of_config(cfg) -> DraftMethod:
+    """The method whose model `cfg` configures (callers that hold only a config: the plan)."""
+    for method in METHODS.values():
+        if type(cfg) is method.config_class:
+            return method
+    raise TypeError(f"{type(cfg).__name__} is the config of no draft method")
+
+
 def method_of_export(export_dir: str | Path) -> DraftMethod:
     """The method that wrote an export folder, by the architecture its config.json names."""
     path = Path(export_dir) / "config.json"

@@ -12,13 +12,12 @@ from __future__ import annotations
 
 import json
 import math
-import typing
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, Optional
 
 from ..draft.method import DraftMethod, trainable_count
-from ..draft.registry import METHODS, get_method
+from ..draft.registry import get_method, method_of_config
 from ..target_engine.layers import default_capture_points
 
 GiB = 1 << 30
@@ -219,15 +218,6 @@ def draft_of(job, facts: TargetFacts, spec=None) -> tuple[DraftMethod, Any]:
     `spec` replaces job.draft (the fit search and the method comparison vary it)."""
     spec = job.draft if spec is None else spec
     return get_method(spec.method), resolve_draft(spec, facts, num_capture_points(job, facts))
-
-
-def method_of_config(cfg) -> DraftMethod:
-    """The method whose model `cfg` builds: the config class its model's constructor takes. For
-    callers holding only a config (the plan's functions take `method=` to skip the lookup)."""
-    for method in METHODS.values():
-        if type(cfg) is typing.get_type_hints(method.model_class.__init__).get("cfg"):
-            return method
-    raise TypeError(f"{type(cfg).__name__} is the config of no draft method")
 
 
 def draft_param_counts(cfg, method: DraftMethod | None = None) -> dict[str, int]:

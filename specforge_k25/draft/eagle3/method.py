@@ -18,6 +18,7 @@ class Eagle3Method(DraftMethod):
     served_architecture = "LlamaForCausalLMEagle3"
     sglang_algorithm = "EAGLE3"
     model_class = Eagle3Draft
+    config_class = DraftConfig
     plan = plan
     _units = ("fc_norm", "fc", "midlayer", "norm", "lm_head")  # fc_norm exists only with the option on
 

@@ -19,6 +19,7 @@ class Eagle3MLAMethod(Eagle3Method):
     served_architecture = export.ARCHITECTURE
     sglang_algorithm = "EAGLE3"
     model_class = Eagle3MLADraft
+    config_class = MLADraftConfig
     plan = plan
     _units = ("fc", "midlayer", "norm", "lm_head")
 
