@@ -165,7 +165,7 @@ def test_export_layout_config_and_round_trip(tmp_path):
     draft, out = _export(tmp_path)
     config = json.loads((out / "config.json").read_text())
     cfg = draft.cfg
-    assert config["architectures"] == ["Eagle3DeepseekV2ForCausalLM"] and config["model_type"] == "deepseek_v3"
+    assert config["architectures"] == ["Eagle3DeepseekV2ForCausalLM"] and config["model_type"] == "kimi_k2"
     assert config["num_hidden_layers"] == 1 and config["tie_word_embeddings"] is False
     assert config["eagle_config"]["eagle_aux_hidden_state_layer_ids"] == POINTS  # SGLang (DeepSeek rule)
     assert config["eagle_aux_hidden_state_layer_ids"] == config["eagle_config"]["layer_ids"] == POINTS  # vLLM
@@ -174,7 +174,7 @@ def test_export_layout_config_and_round_trip(tmp_path):
         assert config[key] == getattr(cfg, key), key
     assert config["rope_scaling"] == YARN
     tensors = load_file(out / "model.safetensors")
-    assert set(tensors) == set(expected_shapes(cfg))
+    assert set(tensors) == set(expected_shapes(cfg)) | {"d2t", "t2d"}  # a reduced draft vocab: both maps
     assert not any(n.startswith("midlayer.") or n.startswith("embed_tokens") for n in tensors)
     assert tensors[LAYER_PREFIX + "self_attn.kv_b_proj.weight"].shape == (2 * (6 + 5), 10)
 
@@ -184,14 +184,15 @@ def test_export_layout_config_and_round_trip(tmp_path):
         assert torch.equal(back.state_dict()[name], t), name
 
 
-def test_transformers_reads_the_config_as_sglang_does(tmp_path):
-    """SGLang 0.5.23 (transformers 5) reads `rope_parameters`, which transformers builds from our
-    rope_theta + rope_scaling (kimi_k25_eagle3.py reads rope_theta and the YaRN fields from it)."""
-    from transformers import AutoConfig
+def test_sglang_reads_the_config_as_a_deepseek_v3_config(tmp_path):
+    """SGLang 0.5.23 reads model_type kimi_k2 (written for vLLM, which refuses deepseek_v3 drafts) as
+    DeepseekV3Config, and its `rope_parameters` (transformers 5) from our rope_theta + rope_scaling
+    (kimi_k25_eagle3.py reads rope_theta and the YaRN fields from it)."""
+    from sglang.srt.utils.hf_transformers.config import get_config
 
     draft, out = _export(tmp_path)
-    hf = AutoConfig.from_pretrained(out)
-    assert type(hf).__name__ == "DeepseekV3Config" and hf.q_lora_rank == draft.cfg.q_lora_rank
+    hf = get_config(str(out), trust_remote_code=False)
+    assert "DeepseekV3Config" in [c.__name__ for c in type(hf).__mro__] and hf.q_lora_rank == draft.cfg.q_lora_rank
     rope = hf.rope_parameters
     assert rope["rope_type"] == "yarn" and rope["rope_theta"] == draft.cfg.rope_theta
     assert {k: rope[k] for k in YARN if k != "type"} == {k: v for k, v in YARN.items() if k != "type"}

@@ -27,6 +27,7 @@ from safetensors.torch import load_file
 
 from ..method import draft_state
 from ..model import NUM_AUX, DraftConfig, Eagle3Draft
+from ..vocab import VOCAB_MAPS, vocab_map_problems, with_identity_maps, without_identity_maps
 
 # EAGLE-3.1 config keys, top level, read as booleans by SGLang and vLLM (absent = off). SGLang
 # also takes `use_aux_norm` for fc_norm; vLLM does not, so an export never relies on it.
@@ -72,7 +73,8 @@ def serving_config(cfg: DraftConfig, eagle_layer_ids: list[int], vllm_ids: list[
 
 def serving_tensors(draft: Eagle3Draft, dtype: torch.dtype = torch.float32) -> dict[str, torch.Tensor]:
     """Our state (no embedding) under the checkpoint's names, which are ours; floats in `dtype`."""
-    return {k: (v.to(dtype) if v.is_floating_point() else v) for k, v in draft_state(draft).items()}
+    state = without_identity_maps(draft_state(draft), draft.cfg.draft_vocab_size, draft.cfg.vocab_size)
+    return {k: (v.to(dtype) if v.is_floating_point() else v) for k, v in state.items()}
 
 
 _REQUIRED_FIELDS = ("hidden_size", "intermediate_size", "num_attention_heads", "num_key_value_heads", "head_dim",
@@ -126,7 +128,7 @@ def validate_export(export_dir: str | Path) -> None:
         "midlayer.self_attn.v_proj.weight": (nkv * hd, 2 * H), "midlayer.self_attn.o_proj.weight": (H, nh * hd),
         "midlayer.post_attention_layernorm.weight": (H,), "midlayer.mlp.gate_proj.weight": (I, H),
         "midlayer.mlp.up_proj.weight": (I, H), "midlayer.mlp.down_proj.weight": (H, I), "norm.weight": (H,),
-        "lm_head.weight": (cfg.draft_vocab_size, H), "d2t": (cfg.draft_vocab_size,), "t2d": (cfg.vocab_size,),
+        "lm_head.weight": (cfg.draft_vocab_size, H),
     }
     if cfg.fc_norm:
         expected |= {f"fc_norm.{i}.weight": (Ht,) for i in range(NUM_AUX)}
@@ -136,20 +138,11 @@ def validate_export(export_dir: str | Path) -> None:
             problems.append(f"missing tensor {name}")
         elif tuple(tensors[name].shape) != shape:
             problems.append(f"{name} has shape {tuple(tensors[name].shape)}, expected {shape}")
-    for name in sorted(set(tensors) - set(expected)):
+    for name in sorted(set(tensors) - set(expected) - set(VOCAB_MAPS)):
         why = ("config.fc_norm is off: the servers would not apply it" if name.startswith("fc_norm.")
                else "the embedding must not be exported")
         problems.append(f"unexpected tensor {name} ({why})")
-    if tensors.get("d2t") is not None and tensors["d2t"].dtype != torch.int64:
-        problems.append(f"d2t has dtype {tensors['d2t'].dtype}, expected int64")
-    if tensors.get("t2d") is not None and tensors["t2d"].dtype != torch.bool:
-        problems.append(f"t2d has dtype {tensors['t2d'].dtype}, expected bool")
-    if not problems:  # vocab map semantics only once shapes and dtypes are right
-        used = torch.arange(cfg.draft_vocab_size) + tensors["d2t"]
-        if used.min() < 0 or used.max() >= cfg.vocab_size or not bool(torch.all(used[1:] > used[:-1])):
-            problems.append("d2t does not map draft ids to strictly increasing target ids")
-        elif not torch.equal(tensors["t2d"].nonzero().flatten(), used):
-            problems.append("t2d disagrees with d2t")
+    problems += vocab_map_problems(tensors, cfg.draft_vocab_size, cfg.vocab_size)
     if problems:
         raise ValueError(f"invalid export {d}:\n  " + "\n  ".join(problems))
 
@@ -176,8 +169,9 @@ def load_export(export_dir: str | Path, embed_weight: torch.Tensor) -> Eagle3Dra
     """Rebuild our draft from an export folder plus the target's embedding [V, H]."""
     d = Path(export_dir)
     validate_export(d)
-    draft = Eagle3Draft(config_to_draft(json.loads((d / "config.json").read_text())))
-    state = load_file(d / "model.safetensors")
+    cfg = config_to_draft(json.loads((d / "config.json").read_text()))
+    draft = Eagle3Draft(cfg)
+    state = with_identity_maps(load_file(d / "model.safetensors"), cfg.draft_vocab_size, cfg.vocab_size)
     state["embed_tokens.weight"] = embed_weight
     draft.load_state_dict({k: v.float() if v.is_floating_point() else v for k, v in state.items()})
     return draft

@@ -25,9 +25,11 @@ import torch
 from safetensors.torch import load_file
 
 from ..method import draft_state
+from ..vocab import VOCAB_MAPS, vocab_map_problems, with_identity_maps, without_identity_maps
 from .model import YARN_KEYS, Eagle3MLADraft, MLADraftConfig, _yarn
 
 ARCHITECTURE = "Eagle3DeepseekV2ForCausalLM"
+MODEL_TYPE = "kimi_k2"
 LAYER_PREFIX = "layers.0."  # the checkpoint's name of our `midlayer.`
 _MIDLAYER = "midlayer."
 # the YaRN fields of a DeepSeek-V3 config, written even when they hold the default
@@ -37,7 +39,7 @@ YARN_WRITTEN = ("factor", "original_max_position_embeddings", "beta_fast", "beta
 def serving_tensors(draft: Eagle3MLADraft, dtype: torch.dtype = torch.float32) -> dict[str, torch.Tensor]:
     """Our state (no embedding) under the checkpoint's names; floats in `dtype`, d2t int64, t2d bool."""
     out = {}
-    for name, t in draft_state(draft).items():
+    for name, t in without_identity_maps(draft_state(draft), draft.cfg.draft_vocab_size, draft.cfg.vocab_size).items():
         if name.startswith(_MIDLAYER):
             name = LAYER_PREFIX + name[len(_MIDLAYER):]
         out[name] = t.to(dtype) if t.is_floating_point() else t
@@ -56,7 +58,10 @@ def serving_config(cfg: MLADraftConfig, eagle_layer_ids: list[int], vllm_layer_i
     rope_scaling = {"type": "yarn", **{k: y[k] for k in YARN_KEYS if k in given or k in YARN_WRITTEN}}
     config = {
         "architectures": [ARCHITECTURE],
-        "model_type": "deepseek_v3",
+        # kimi_k2, not deepseek_v3: vLLM (0.18-0.33) rewrites a deepseek_v3 draft config into its MTP
+        # layer and refuses it; both servers read kimi_k2 as DeepseekV3Config (SGLang 0.5.23 registers
+        # the alias for this very class)
+        "model_type": MODEL_TYPE,
         "num_hidden_layers": 1,
         "hidden_size": cfg.hidden_size,
         "intermediate_size": cfg.intermediate_size,
@@ -105,7 +110,6 @@ def expected_shapes(cfg: MLADraftConfig) -> dict[str, tuple]:
         LAYER_PREFIX + "post_attention_layernorm.weight": (H,), LAYER_PREFIX + "mlp.gate_proj.weight": (I, H),
         LAYER_PREFIX + "mlp.up_proj.weight": (I, H), LAYER_PREFIX + "mlp.down_proj.weight": (H, I),
         "norm.weight": (H,), "lm_head.weight": (cfg.draft_vocab_size, H),
-        "d2t": (cfg.draft_vocab_size,), "t2d": (cfg.vocab_size,),
     }
 
 
@@ -130,7 +134,7 @@ def validate_export(export_dir: str | Path) -> None:
     d = Path(export_dir)
     config = json.loads((d / "config.json").read_text())
     problems = [f"config.{key}={config.get(key)!r}, expected {want!r}"
-                for key, want in (("architectures", [ARCHITECTURE]), ("model_type", "deepseek_v3"),
+                for key, want in (("architectures", [ARCHITECTURE]), ("model_type", MODEL_TYPE),
                                   ("num_hidden_layers", 1), ("tie_word_embeddings", False))
                 if config.get(key) != want]
     cfg = config_to_draft(config)
@@ -146,16 +150,8 @@ def validate_export(export_dir: str | Path) -> None:
         elif tuple(tensors[name].shape) != shape:
             problems.append(f"{name} has shape {tuple(tensors[name].shape)}, expected {shape}")
     problems += [f"unexpected tensor {n} (vLLM skips unknown names silently)"
-                 for n in sorted(set(tensors) - set(expected))]
-    for name, dtype in (("d2t", torch.int64), ("t2d", torch.bool)):
-        if name in tensors and tensors[name].dtype != dtype:
-            problems.append(f"{name} has dtype {tensors[name].dtype}, expected {dtype}")
-    if not problems:  # the vocab maps' meaning, once shapes and dtypes are right
-        used = torch.arange(cfg.draft_vocab_size) + tensors["d2t"]
-        if used.min() < 0 or used.max() >= cfg.vocab_size or not bool(torch.all(used[1:] > used[:-1])):
-            problems.append("d2t does not map draft ids to strictly increasing target ids")
-        elif not torch.equal(tensors["t2d"].nonzero().flatten(), used):
-            problems.append("t2d disagrees with d2t")
+                 for n in sorted(set(tensors) - set(expected) - set(VOCAB_MAPS))]
+    problems += vocab_map_problems(tensors, cfg.draft_vocab_size, cfg.vocab_size)
     if problems:
         raise ValueError(f"invalid MLA draft export {d}:\n  " + "\n  ".join(problems))
 
@@ -164,9 +160,11 @@ def load_export(export_dir: str | Path, embed_weight: torch.Tensor) -> Eagle3MLA
     """Rebuild the draft from an export folder plus the target's embedding [V, H]."""
     d = Path(export_dir)
     validate_export(d)
-    draft = Eagle3MLADraft(config_to_draft(json.loads((d / "config.json").read_text())))
+    cfg = config_to_draft(json.loads((d / "config.json").read_text()))
+    draft = Eagle3MLADraft(cfg)
     state = {}
-    for name, t in load_file(d / "model.safetensors").items():
+    tensors = with_identity_maps(load_file(d / "model.safetensors"), cfg.draft_vocab_size, cfg.vocab_size)
+    for name, t in tensors.items():
         if name.startswith(LAYER_PREFIX):
             name = _MIDLAYER + name[len(LAYER_PREFIX):]
         state[name] = t.float() if t.is_floating_point() else t
