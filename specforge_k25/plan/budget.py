@@ -83,30 +83,81 @@ class MemoryPlan:
 LAYOUTS = ("dedicated", "colocated")
 
 
-def colocated(hw) -> bool:
-    """hw.trainer_layout: dedicated (trainer ranks on hw.trainer_gpus) or colocated (one trainer
-    rank beside every TP rank of the node)."""
+@dataclass(frozen=True)
+class NodeLayout:
+    """Where a node's target TP ranks and trainer ranks sit (hw.trainer_layout), worked out once from
+    the hw profile by `node_layout`: the plan, the launch checks (setup/layout.py), the CLI's torchrun
+    relaunch and the trainer ranks (train/distributed.py) all read this value.
+
+    dedicated: one trainer rank per target replica, on hw.trainer_gpus (null: [hw.trainer_gpu]); a
+    rank reads the replica whose first GPU it sits on, else replica number local_rank (b300x8:
+    trainer_gpus [0, 4], TP 4 -> rank 0 reads GPUs 0-3, rank 1 GPUs 4-7).
+    colocated: one trainer rank beside every TP rank, rank order = GPU order; rank r reads replica
+    r // tp (its TP rank r % tp).
+    A target spanning nodes (hw.target_nnodes) holds tp = target_tp / target_nnodes ranks per node;
+    this is node 0's layout (the trainer's node).
+    """
+
+    colocated: bool
+    tp: int  # TP ranks of one replica on this node
+    groups: tuple[tuple[int, ...], ...]  # each replica's TP GPUs on this node (replica r from target_gpu + r * tp)
+    trainer_gpus: tuple[int, ...]  # each trainer rank's GPU, by local rank (dedicated: as the profile lists them)
+    reads: tuple[Optional[int], ...]  # the replica each trainer rank reads (None: a rank beyond the replicas)
+
+    @property
+    def replicas(self) -> int:
+        return len(self.groups)
+
+    @property
+    def per_replica(self) -> int:
+        """Trainer ranks that read one replica: its TP ranks (colocated), one (dedicated)."""
+        return self.tp if self.colocated else 1
+
+    @property
+    def ranks_per_node(self) -> int:
+        """Trainer ranks torchrun starts on a node. (Dedicated on CPU with hw.trainer_gpus null may
+        have more ranks than `trainer_gpus`: a CPU rank has no GPU.)"""
+        return self.replicas * self.per_replica
+
+    def rank_gpus(self, local_rank: int) -> tuple[int, int]:
+        """(trainer GPU, first GPU of the replica it reads) of a rank on its node."""
+        return self.trainer_gpus[local_rank], self.groups[self.reads[local_rank]][0]
+
+
+def node_layout(hw) -> NodeLayout:
+    """The node's `NodeLayout` from the hw profile; PlanError for an unknown hw.trainer_layout. Sizes
+    are not judged here: the plan lists what does not fit the node (`_layout_problems`) and
+    setup/layout.py `check_layout` refuses a launch that does not match."""
     if hw.trainer_layout not in LAYOUTS:
         raise PlanError(f"hw.trainer_layout={hw.trainer_layout!r}: expected one of {', '.join(LAYOUTS)}")
-    return hw.trainer_layout == "colocated"
+    coloc = hw.trainer_layout == "colocated"
+    tp, replicas = hw.target_tp // hw.target_nnodes, hw.target_replicas
+    firsts = [hw.target_gpu + r * tp for r in range(replicas)]
+    groups = tuple(tuple(first + i for i in range(tp)) for first in firsts)
+    if coloc:
+        trainers = tuple(g for group in groups for g in group)
+        reads = tuple(rank // tp for rank in range(len(trainers)))
+    else:
+        trainers = tuple(hw.trainer_gpu_ids())
+        reads = tuple(firsts.index(gpu) if gpu in firsts else (rank if rank < replicas else None)
+                      for rank, gpu in enumerate(trainers))
+    return NodeLayout(coloc, tp, groups, trainers, reads)
+
+
+# plan/throughput.py's spellings of node_layout(hw).colocated and (.groups, .trainer_gpus)
+def colocated(hw) -> bool:
+    return node_layout(hw).colocated
 
 
 def gpu_layout(hw) -> tuple[list[list[int]], list[int]]:
-    """(the TP groups of the node's replicas, the GPU of each trainer rank)."""
-    # a target spanning nodes (hw.target_nnodes) holds target_tp / target_nnodes ranks per node; this plans node 0
-    tp, replicas = hw.target_tp // hw.target_nnodes, hw.target_replicas
-    groups = [[hw.target_gpu + r * tp + i for i in range(tp)] for r in range(replicas)]
-    if colocated(hw):  # rank order = GPU order; replica r's ranks read replica r's TP ranks
-        return groups, [g for group in groups for g in group]
-    trainers = list(hw.trainer_gpus) if hw.trainer_gpus else [hw.trainer_gpu]
-    return groups, trainers
+    layout = node_layout(hw)
+    return [list(group) for group in layout.groups], list(layout.trainer_gpus)
 
 
 def target_batch_tokens(hw, batch_size: int, max_length: int) -> int:
     """Tokens of one target batch (at most): a dedicated trainer rank's micro-batch, or under
     colocated one micro-batch for each trainer rank of the replica (whole sequences shared out)."""
-    ranks_per_replica = hw.target_tp // hw.target_nnodes if colocated(hw) else 1
-    return batch_size * max_length * ranks_per_replica
+    return batch_size * max_length * node_layout(hw).per_replica
 
 
 def kv_pool_tokens(hw, batch_size: int, max_length: int) -> int:
@@ -124,7 +175,7 @@ def optimizer_device(value: Optional[str], device: str, trainer_gpus: list[int])
     if not value.startswith("cuda:") or not value[5:].isdigit():
         raise PlanError(f"train.optimizer_device={value!r}: expected null, cpu or cuda:N")
     gpu = int(value[5:])
-    return None if trainer_gpus == [gpu] else gpu
+    return None if list(trainer_gpus) == [gpu] else gpu
 
 
 def plan_memory(job, facts: TargetFacts, *, max_length: int | None = None, batch_size: int | None = None,
@@ -138,8 +189,9 @@ def plan_memory(job, facts: TargetFacts, *, max_length: int | None = None, batch
     method, cfg = draft_of(job, facts, spec)
     num_aux = method.num_aux(cfg)  # target states captured per token: the ring and the batch carry them
     bf16 = hw.autocast == "bf16"
-    groups, trainers = gpu_layout(hw)
-    ranks, coloc = len(trainers), colocated(hw)
+    layout = node_layout(hw)
+    groups, trainers = layout.groups, list(layout.trainer_gpus)
+    ranks, coloc = len(trainers), layout.colocated
     tokens_per_step = B * L * tr.grad_accum * ranks
     batch_tokens = target_batch_tokens(hw, B, L)
     kv_tokens = kv_pool_tokens(hw, B, L)
@@ -163,11 +215,11 @@ def plan_memory(job, facts: TargetFacts, *, max_length: int | None = None, batch
         return MemoryPlan(facts, cfg, [g], kv_tokens, tokens_per_step, None, None,
                           length_problems(facts, L), notes, method=method)
 
-    problems = _layout_problems(hw, facts, groups, trainers, opt_dev)
+    problems = _layout_problems(hw, facts, layout, opt_dev)
     target_items = _target_items(hw, facts, batch_tokens, kv_tokens, ctx, num_aux)
     ring = Item("stream ring slots (aux + final)", tr.stream_slots * B * L * (num_aux + 1) * facts.hidden_size * elem,
                 owner="stream", note=f"{tr.stream_slots} x {B * L} tokens x {num_aux + 1}Ht x {elem} B")
-    budgets, preloaded = _place_items(hw, ring, groups, trainers, target_items, t_items, opt_dev, P, ctx)
+    budgets, preloaded = _place_items(hw, ring, layout, target_items, t_items, opt_dev, P, ctx)
     capacity = hw.gpu_memory_mib * MiB
     frac = frac_min = free_before_load = None
     capacity_ok = capacity > 0 and facts.weight_bytes > 0
@@ -224,11 +276,12 @@ def _host_optimizer_note(P: int, ranks: int) -> str:
             f"train.grad_accum to amortise it, or put it on a GPU with room (train.optimizer_device=cuda:N)")
 
 
-def _layout_problems(hw, facts: TargetFacts, groups, trainers, opt_dev) -> list[str]:
+def _layout_problems(hw, facts: TargetFacts, layout: NodeLayout, opt_dev) -> list[str]:
     """What no size override can fix: unknown sizes, GPUs that do not exist or overlap."""
     problems = []
+    groups, trainers = layout.groups, list(layout.trainer_gpus)
     ranks = len(trainers)
-    if colocated(hw) and hw.target_nnodes > 1:
+    if layout.colocated and hw.target_nnodes > 1:
         problems.append("hw.trainer_layout=colocated is planned for one node only (hw.target_nnodes=1)")
     if hw.gpu_memory_mib <= 0:
         problems.append("hw.gpu_memory_mib is not set: the plan needs the GPU size (MiB, as nvidia-smi shows)")
@@ -242,7 +295,7 @@ def _layout_problems(hw, facts: TargetFacts, groups, trainers, opt_dev) -> list[
             problems.append(f"trainer GPU {t} is not one of the {hw.num_gpus} GPUs")
     if isinstance(opt_dev, int) and not 0 <= opt_dev < hw.num_gpus:
         problems.append(f"train.optimizer_device=cuda:{opt_dev} is not one of the {hw.num_gpus} GPUs")
-    if colocated(hw):  # hw.trainer_gpu(s) do not apply: every TP rank's GPU has a trainer rank
+    if layout.colocated:  # hw.trainer_gpu(s) do not apply: every TP rank's GPU has a trainer rank
         return problems
     if len(set(trainers)) != ranks:
         problems.append(f"hw.trainer_gpus={trainers}: one trainer rank per GPU")
@@ -277,7 +330,7 @@ def _target_items(hw, facts: TargetFacts, batch_tokens: int, kv_tokens: int, ctx
     return items
 
 
-def _place_items(hw, ring: Item, groups, trainers, target: list[Item], t_items: list[Item], opt_dev,
+def _place_items(hw, ring: Item, layout: NodeLayout, target: list[Item], t_items: list[Item], opt_dev,
                  P: int, ctx: int) -> tuple[list[GpuBudget], dict[int, int]]:
     """Every GPU's items (target TP ranks, stream rings, trainer ranks, AdamW elsewhere), sorted by
     GPU, and the bytes other processes hold on each GPU when SGLang measures its free memory."""
@@ -290,19 +343,20 @@ def _place_items(hw, ring: Item, groups, trainers, target: list[Item], t_items: 
         roles.setdefault(gpu, []).append(role)
         preloaded[gpu] = preloaded.get(gpu, 0) + before_engine
 
-    coloc = colocated(hw)
-    for r, group in enumerate(groups):
+    coloc = layout.colocated
+    for group in layout.groups:
         for gpu in group:
             add(gpu, ROLE_TARGET, list(target))
             if coloc:  # every TP rank fills its own trainer rank's ring on the same GPU
                 add(gpu, "stream ring", [ring], ring.bytes)
-        if coloc:
-            continue
-        ring_gpu = group[0]  # TargetStream puts the slots on cuda:{target_gpu}, allocated by the trainer process
-        add(ring_gpu, "stream ring", [ring], ring.bytes)
-        if r < len(trainers) and trainers[r] != ring_gpu:  # the trainer process also opens a context there
-            add(ring_gpu, "stream ring", [Item("CUDA context (trainer process, for the ring)", ctx, owner="stream")], ctx)
-    for gpu in trainers:
+        if not coloc:  # TargetStream puts the slots on cuda:{target_gpu}, allocated by the trainer process
+            add(group[0], "stream ring", [ring], ring.bytes)
+    for rank, gpu in enumerate(layout.trainer_gpus):
+        replica = None if coloc else layout.reads[rank]
+        if replica is not None and gpu != layout.groups[replica][0]:  # the trainer process also opens a context
+            ring_ctx = Item("CUDA context (trainer process, for the ring)", ctx, owner="stream")  # on its ring's GPU
+            add(layout.groups[replica][0], "stream ring", [ring_ctx], ctx)
+    for gpu in layout.trainer_gpus:
         # allocated by build_learner before the target process starts
         add(gpu, "trainer rank", list(t_items), sum(i.bytes for i in t_items if i.phase is None
                                                     and not i.name.startswith(("draft grads", "AdamW"))))
@@ -378,7 +432,8 @@ def suggest_override(job, facts: TargetFacts) -> Optional[str]:
     switches = []
     if not tr.activation_checkpointing:
         switches.append(("train.activation_checkpointing=true", {"activation_checkpointing": True}))
-    if not colocated(job.hw) and optimizer_device(tr.optimizer_device, job.hw.device, gpu_layout(job.hw)[1]) is None:
+    layout = node_layout(job.hw)
+    if not layout.colocated and optimizer_device(tr.optimizer_device, job.hw.device, layout.trainer_gpus) is None:
         switches.append(("train.optimizer_device=cpu", {"optimizer_device": "cpu"}))
     for n in range(1, len(switches) + 1):
         names = " ".join(name for name, _ in switches[:n])
@@ -417,7 +472,7 @@ def check_fits(job, target_facts: TargetFacts | None = None) -> MemoryPlan:
                 f"trainer {gib(sum(i.bytes for i in worst.items if i.owner == 'trainer' and i.phase is None))}"
                 f"), so no data.max_length, batch size or draft.intermediate_size >= 256 fits, even with "
                 + ("train.activation_checkpointing=true; the co-located trainer ranks do not fit beside the TP "
-                   "ranks: use hw.trainer_layout=dedicated" if colocated(job.hw) else
+                   "ranks: use hw.trainer_layout=dedicated" if node_layout(job.hw).colocated else
                    "train.activation_checkpointing=true train.optimizer_device=cpu; the trainer must move to a GPU "
                    "of its own (hw.trainer_gpu) or the target to more GPUs")
                 + " (see `python -m specforge_k25.plan`)")

@@ -1,12 +1,12 @@
-"""Which trainer ranks and target replicas a launch has on a node, checked against the hw profile
-before any process starts (torchrun: hw.trainer_layout=dedicated, one trainer rank per target
-replica; colocated, one trainer rank per TP rank of every replica)."""
+"""Which trainer ranks a launch has on a node (torchrun's `World`), checked against the node's layout
+(plan/budget.py `node_layout`: hw.trainer_layout=dedicated, one trainer rank per target replica;
+colocated, one trainer rank per TP rank of every replica) before any process starts."""
 from __future__ import annotations
 
 import os
 from dataclasses import dataclass
 
-from ..plan.budget import colocated
+from ..plan.budget import node_layout
 
 
 @dataclass(frozen=True)
@@ -26,46 +26,35 @@ class World:
                    local_size=int(env.get("LOCAL_WORLD_SIZE", size)))
 
 
+# tests/train/test_colocated.py's spellings of node_layout(hw).ranks_per_node and .rank_gpus(local_rank)
 def ranks_per_node(hw) -> int:
-    """Trainer ranks torchrun starts on a node."""
-    return hw.target_replicas * hw.target_tp if colocated(hw) else hw.target_replicas
+    return node_layout(hw).ranks_per_node
 
 
 def rank_gpus(hw, local_rank: int) -> tuple[int, int]:
-    """(trainer GPU, first GPU of the target replica) of a rank on its node.
-
-    colocated: rank r sits on GPU target_gpu + r, beside TP rank r % target_tp of replica
-    r // target_tp.
-
-    The trainer GPU is hw.trainer_gpus[local_rank]; its replica is the one whose first GPU that is
-    (b300x8: trainer_gpus [0, 4], TP 4 -> rank 0 reads GPUs 0-3, rank 1 GPUs 4-7), else replica
-    number local_rank (a trainer on a GPU of its own).
-    """
-    firsts = [hw.target_gpu + r * hw.target_tp for r in range(hw.target_replicas)]
-    if colocated(hw):
-        return hw.target_gpu + local_rank, firsts[local_rank // hw.target_tp]
-    gpu = hw.trainer_gpu_ids()[local_rank]
-    return gpu, (gpu if gpu in firsts else firsts[local_rank])
+    return node_layout(hw).rank_gpus(local_rank)
 
 
 def check_layout(hw, world: World) -> None:
     """Refuse a launch whose ranks do not match the hw profile, before any process starts.
 
-    The profile describes one node: hw.target_replicas replicas, one trainer rank each (on GPU,
-    hw.trainer_gpus lists their GPUs). torchrun must start exactly that many ranks per node.
+    The profile describes one node: hw.target_replicas replicas with one trainer rank each (on GPU,
+    hw.trainer_gpus lists their GPUs), or colocated one beside each TP rank. torchrun must start
+    exactly `node_layout(hw).ranks_per_node` ranks per node.
     """
     replicas = hw.target_replicas
     if replicas < 1:
         raise ValueError(f"hw.target_replicas={replicas}: need at least one target replica")
-    if colocated(hw):
+    layout = node_layout(hw)  # PlanError (a ValueError) for an unknown hw.trainer_layout
+    if layout.colocated:
         if hw.target_nnodes > 1:
             raise ValueError("hw.trainer_layout=colocated runs a target on one node (hw.target_nnodes=1): "
                              "use hw.trainer_layout=dedicated for a target spanning nodes")
-        wanted = ranks_per_node(hw)
+        wanted = layout.ranks_per_node
         if world.local_size != wanted:
             raise ValueError(f"{world.local_size} trainer rank(s) were started on this node but the hw profile "
                              f"{hw.name!r} with hw.trainer_layout=colocated has {replicas} replica(s) x TP "
-                             f"{hw.target_tp} = {wanted} trainer ranks, one beside each TP rank: start "
+                             f"{layout.tp} = {wanted} trainer ranks, one beside each TP rank: start "
                              f"`torchrun --nproc-per-node {wanted} -m specforge_k25.train ...` or set "
                              f"hw.trainer_layout=dedicated")
         if world.size % world.local_size:
@@ -85,7 +74,7 @@ def check_layout(hw, world: World) -> None:
     if world.size % world.local_size:
         raise ValueError(f"WORLD_SIZE={world.size} is not a multiple of the {world.local_size} ranks per node")
     if hw.device == "cuda":
-        targets = [rank_gpus(hw, r)[1] for r in range(replicas)]
+        targets = [layout.rank_gpus(r)[1] for r in range(replicas)]
         if len(set(targets)) != replicas:
-            raise ValueError(f"hw.trainer_gpus={hw.trainer_gpu_ids()}: two trainer ranks would read the same target "
-                             f"replica (first GPUs {targets}); put each rank on its replica's first GPU")
+            raise ValueError(f"hw.trainer_gpus={list(layout.trainer_gpus)}: two trainer ranks would read the same "
+                             f"target replica (first GPUs {targets}); put each rank on its replica's first GPU")

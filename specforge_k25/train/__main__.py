@@ -58,16 +58,17 @@ def print_summary(summary: dict, ttt_length: int) -> None:
 def relaunch_under_torchrun(job: JobConfig, argv: list[str]) -> None:
     """Plain `python -m specforge_k25.train` on a profile with several trainer ranks per node:
     replace this process by torch's own launcher starting them (one node; never returns)."""
-    from ..setup.layout import ranks_per_node
+    from ..plan.budget import node_layout
 
-    ranks = ranks_per_node(job.hw)
+    layout = node_layout(job.hw)
+    ranks = layout.ranks_per_node
     if ranks == 1 or "LOCAL_RANK" in os.environ or job.hw.target_nnodes > 1:
         return
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={ranks}",
            "-m", "specforge_k25.train", *argv]
-    layout = (f"one beside each of the {job.hw.target_tp} TP ranks of {job.hw.target_replicas} replica(s)"
-              if job.hw.trainer_layout == "colocated" else "one per target replica")
-    print(f"hw={job.hw.name}: {ranks} trainer ranks ({layout}); starting them with torchrun:\n  "
+    how = (f"one beside each of the {layout.tp} TP ranks of {layout.replicas} replica(s)"
+           if layout.colocated else "one per target replica")
+    print(f"hw={job.hw.name}: {ranks} trainer ranks ({how}); starting them with torchrun:\n  "
           f"{' '.join(['python', *cmd[1:]])}", flush=True)
     os.execv(sys.executable, cmd)
 

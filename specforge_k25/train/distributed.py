@@ -23,7 +23,8 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from ..setup.layout import World, rank_gpus
+from ..plan.budget import node_layout
+from ..setup.layout import World
 
 
 class RankFailed(RuntimeError):
@@ -42,6 +43,7 @@ class Ranks:
     world: int = 1
     local_rank: int = 0
     per_replica: int = 1  # trainer ranks that read one target replica (colocated: its TP size)
+    colocated: bool = False  # hw.trainer_layout=colocated: the draft state sharded over the ranks (FSDP2)
 
     @property
     def main(self) -> bool:
@@ -159,19 +161,19 @@ def start_ranks(job, world: World | None = None):
     ranks also the process group (gloo on CPU, nccl on CUDA; collectives time out after
     train.dist_timeout_s). Returns (job, ranks)."""
     world = world or World.from_env()
-    per_replica = job.hw.target_tp // job.hw.target_nnodes if job.hw.trainer_layout == "colocated" else 1
     if world.size == 1:
         return job, Ranks()
+    layout = node_layout(job.hw)
     timeout = datetime.timedelta(seconds=job.train.dist_timeout_s)
     if job.hw.device == "cuda":
-        trainer_gpu, target_gpu = rank_gpus(job.hw, world.local_rank)
+        trainer_gpu, target_gpu = layout.rank_gpus(world.local_rank)
         job = dataclasses.replace(job, hw=dataclasses.replace(job.hw, trainer_gpu=trainer_gpu, target_gpu=target_gpu))
         torch.cuda.set_device(trainer_gpu)
         dist.init_process_group("nccl", timeout=timeout, device_id=torch.device("cuda", trainer_gpu))
     else:
         dist.init_process_group("gloo", timeout=timeout)
     return job, Ranks(rank=dist.get_rank(), world=dist.get_world_size(), local_rank=world.local_rank,
-                      per_replica=per_replica)
+                      per_replica=layout.per_replica, colocated=layout.colocated)
 
 
 # What torchrun puts in a rank's environment (TORCHELASTIC_* too).

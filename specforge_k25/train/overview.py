@@ -4,6 +4,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from ..config import JobConfig
+from ..plan.budget import node_layout
 from ..setup.run import RunSetup
 from .schedule import BatchItem
 
@@ -41,8 +42,9 @@ def print_overview(job: JobConfig, setup: RunSetup, schedule: list[BatchItem], s
         f"{job.train.batch_size * job.data.max_length} tokens x {(setup.method.num_aux(setup.draft_cfg) + 1) * H} floats",
         f"outputs     {run_dir}",
     ]
-    if world > 1 and job.hw.trainer_layout == "colocated":
-        tp = job.hw.target_tp
+    layout = node_layout(job.hw)
+    if world > 1 and layout.colocated:
+        tp = layout.tp
         lines.insert(-2, f"ranks       {world} co-located trainer ranks, one beside each TP rank of {world // tp} "
                          f"replica(s); global batch {world} x {job.train.batch_size} samples, each replica's "
                          f"{tp * job.train.batch_size} shared out balanced by tokens; draft sharded {world} ways (FSDP2)")

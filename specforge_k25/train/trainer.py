@@ -61,7 +61,7 @@ def build_learner(job: JobConfig, setup: RunSetup, steps: int, device: torch.dev
     draft.embed_tokens.to(frozen)
     draft.to(device)
     opt_device = tr.optimizer_device
-    if job.hw.trainer_layout == "colocated" and ranks is not None and ranks.distributed:
+    if ranks is not None and ranks.colocated and ranks.distributed:
         shard_draft(draft, setup.method.fsdp_units(draft), bf16=job.hw.autocast == "bf16")
         opt_device = None
     optimizer = build_optimizer(draft.trainable_parameters(), tr.lr, tr.betas, tr.weight_decay, opt_device)

@@ -110,5 +110,6 @@ def test_refusals_name_the_switch_that_fits():
     # a GPU too small for a TP rank and a trainer rank's resident state: the dedicated layout is named
     with pytest.raises(PlanError, match="hw.trainer_layout=dedicated"):
         check_fits(_job("rtxpro6000x8", COLOC, "hw.max_total_tokens=16384", "hw.gpu_memory_mib=78000"), KIMI_K25)
-    with pytest.raises(PlanError, match="trainer_layout"):
+    # a layout that is neither is refused by name (plan/budget.py node_layout, which every user reads)
+    with pytest.raises(PlanError, match="hw.trainer_layout='shared': expected one of dedicated, colocated"):
         plan_memory(_job("rtxpro6000x8", "hw.trainer_layout=shared"), KIMI_K25)

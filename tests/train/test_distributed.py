@@ -15,9 +15,10 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from specforge_k25.config import HwConfig
+from specforge_k25.config import compose_job
 from specforge_k25.draft.loss import Teacher, loss_positions, ttt_loss
-from specforge_k25.setup.layout import World, check_layout, rank_gpus
+from specforge_k25.setup.layout import World
+from specforge_k25.train import distributed
 from specforge_k25.train.distributed import Ranks
 
 from rank_runs import assert_same_evals, max_rel_diff, rank_env, run_side_by_side
@@ -184,34 +185,30 @@ def test_run_training_compares_the_prepared_data_before_training(monkeypatch, tm
     assert ranks.seen == [data.sha1()]
 
 
-# ------------------------------------------------------------------ layout vs the hw profile
-def _b300(**kw) -> HwConfig:
-    base = dict(name="b300x8", device="cuda", num_gpus=8, target_tp=4, target_replicas=2, target_gpu=0,
-                trainer_gpu=0, trainer_gpus=[0, 4])
-    return HwConfig(**{**base, **kw})
-
-
-def test_rank_gpus_follow_the_profile():
-    hw = _b300()
-    assert [rank_gpus(hw, r) for r in range(2)] == [(0, 0), (4, 4)]  # (trainer GPU, replica's first GPU)
-    check_layout(hw, World(rank=1, size=2, local_rank=1, local_size=2))
-    check_layout(hw, World(rank=3, size=4, local_rank=1, local_size=2))  # two nodes
-    alone = _b300(target_replicas=1, trainer_gpus=[4], trainer_gpu=4)  # trainer on a GPU of its own
-    assert rank_gpus(alone, 0) == (4, 0)
-    check_layout(HwConfig(target_replicas=2), World(size=2, local_size=2))  # CPU: no GPU list needed
-
-
-@pytest.mark.parametrize("hw,world,message", [
-    (_b300(), World(size=1, local_size=1), "1 trainer rank(s) were started on this node but the hw profile"),
-    (_b300(), World(size=3, local_size=3), "torchrun --nproc-per-node 2"),
-    (HwConfig(), World(size=2, local_size=2), "has 1 target replica"),
-    (_b300(trainer_gpus=[0]), World(size=2, local_size=2), "lists 1 trainer rank(s) but hw.target_replicas=2"),
-    (_b300(trainer_gpus=None), World(size=2, local_size=2), "set hw.trainer_gpus"),
-    (_b300(trainer_gpus=[4, 1]), World(size=2, local_size=2), "read the same target replica"),
+# ------------------------------------------------------------------ this rank's place in the node layout
+# (the layout of every profile and the launch checks: tests/setup/test_layout.py)
+@pytest.mark.parametrize("layout,ranks_per_node,local_rank,gpus,per_replica", [
+    ("colocated", 8, 5, (5, 4), 4),  # beside TP rank 1 of the replica on GPUs 4-7
+    ("dedicated", 2, 1, (4, 4), 1),  # hw.trainer_gpus [0, 4]: on the first GPU of the replica on 4-7
 ])
-def test_layout_mismatch_is_refused(hw, world, message):
-    with pytest.raises(ValueError, match=message.replace("(", r"\(").replace(")", r"\)")):
-        check_layout(hw, world)
+def test_start_ranks_takes_the_node_layout(monkeypatch, layout, ranks_per_node, local_rank, gpus, per_replica):
+    """A rank of b300x8 (process group and device stood in): its trainer GPU and its replica's
+    first GPU go into its job, and its Ranks read one replica's share (colocated: sharded)."""
+    world = World(rank=local_rank, size=ranks_per_node, local_rank=local_rank, local_size=ranks_per_node)
+    calls = []
+    monkeypatch.setattr(distributed.torch.cuda, "set_device", lambda gpu: calls.append(("set_device", gpu)))
+    monkeypatch.setattr(distributed.dist, "init_process_group", lambda backend, **kw: calls.append(backend))
+    monkeypatch.setattr(distributed.dist, "get_rank", lambda: world.rank)
+    monkeypatch.setattr(distributed.dist, "get_world_size", lambda: world.size)
+    job = compose_job(["+hw=b300x8", f"hw.trainer_layout={layout}"])
+    job, ranks = distributed.start_ranks(job, world)
+    assert (job.hw.trainer_gpu, job.hw.target_gpu) == gpus
+    assert calls == [("set_device", gpus[0]), "nccl"]
+    assert ranks == Ranks(rank=local_rank, world=ranks_per_node, local_rank=local_rank, per_replica=per_replica,
+                          colocated=layout == "colocated")
+    assert ranks.replica == local_rank // per_replica
+    # one rank: no process group, a plain Ranks() whatever the layout
+    assert distributed.start_ranks(compose_job(["+hw=b300x8"]), World()) == (compose_job(["+hw=b300x8"]), Ranks())
 
 
 def _torchrun(nproc: int, *args: str) -> list[str]:
