@@ -6,9 +6,10 @@ differently and read different keys (target_engine/layers.py computes both; expo
 passes them):
   * SGLang 0.5.23 reads `eagle_config.eagle_aux_hidden_state_layer_ids` (its per-model rule;
     the top-level key only counts how many there are);
-  * vLLM reads the top-level `eagle_aux_hidden_state_layer_ids` first (0.16-0.18: only there;
-    later releases fall back to `eagle_config.layer_ids`, and one of their runners to SGLang's
-    nested key, which would be off by one for a Llama target), in its numbering = capture points.
+  * vLLM reads the top-level `eagle_aux_hidden_state_layer_ids` first (from 0.11.1; fallbacks to
+    `eagle_config.layer_ids` from 0.22.0, and in one runner to SGLang's nested key from 0.27.0,
+    which would be off by one for a Llama target), in its numbering = capture points
+    (docs/EAGLE3.md §7).
 Without the vLLM keys vLLM silently uses its default layers, right only when the capture points
 happen to be its default [2, L//2, L-3].
 
