@@ -144,16 +144,6 @@ def node_layout(hw) -> NodeLayout:
     return NodeLayout(coloc, tp, groups, trainers, reads)
 
 
-# plan/throughput.py's spellings of node_layout(hw).colocated and (.groups, .trainer_gpus)
-def colocated(hw) -> bool:
-    return node_layout(hw).colocated
-
-
-def gpu_layout(hw) -> tuple[list[list[int]], list[int]]:
-    layout = node_layout(hw)
-    return [list(group) for group in layout.groups], list(layout.trainer_gpus)
-
-
 def target_batch_tokens(hw, batch_size: int, max_length: int) -> int:
     """Tokens of one target batch (at most): a dedicated trainer rank's micro-batch, or under
     colocated one micro-batch for each trainer rank of the replica (whole sequences shared out)."""

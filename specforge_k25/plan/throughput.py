@@ -22,7 +22,7 @@ from typing import Optional
 
 from ..draft.method import DraftMethod
 from ..draft.registry import METHODS
-from .budget import (LAYOUTS, colocated, gpu_layout, longest_fitting_length, optimizer_device, plan_memory,
+from .budget import (LAYOUTS, longest_fitting_length, node_layout, optimizer_device, plan_memory,
                      target_batch_tokens)
 from .facts import PlanError, TargetFacts, draft_of, method_of_config, trainable_params
 
@@ -157,11 +157,12 @@ def predict(job, facts: TargetFacts, layout: str | None = None) -> Throughput:
         raise PlanError(f"no throughput plan for hw={hw.name}: set " + ", ".join(f"hw.{k}" for k in missing))
     if hw.target_nnodes != 1:
         raise PlanError("the throughput plan covers a target on one node (hw.target_nnodes=1)")
-    tr, coloc = job.train, colocated(hw)
+    layout = node_layout(hw)
+    tr, coloc = job.train, layout.colocated
     B, L, K, accum = tr.batch_size, job.data.max_length, tr.ttt_length, tr.grad_accum
     method, cfg = draft_of(job, facts)
-    groups, trainers = gpu_layout(hw)
-    tp, ranks = len(groups[0]), len(trainers)
+    groups, trainers = layout.groups, layout.trainer_gpus
+    tp, ranks = layout.tp, len(trainers)
     P = trainable_params(cfg, method)
     elem = 2 if hw.target_dtype in ("bfloat16", "float16") else 4
     a = 2 if hw.autocast == "bf16" else 4  # the trainer's compute dtype: FSDP2 gathers its params in it

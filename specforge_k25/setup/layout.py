@@ -26,15 +26,6 @@ class World:
                    local_size=int(env.get("LOCAL_WORLD_SIZE", size)))
 
 
-# tests/train/test_colocated.py's spellings of node_layout(hw).ranks_per_node and .rank_gpus(local_rank)
-def ranks_per_node(hw) -> int:
-    return node_layout(hw).ranks_per_node
-
-
-def rank_gpus(hw, local_rank: int) -> tuple[int, int]:
-    return node_layout(hw).rank_gpus(local_rank)
-
-
 def check_layout(hw, world: World) -> None:
     """Refuse a launch whose ranks do not match the hw profile, before any process starts.
 

@@ -18,7 +18,8 @@ import torch
 from safetensors.torch import load_file
 
 from specforge_k25.config import HwConfig
-from specforge_k25.setup.layout import World, check_layout, rank_gpus, ranks_per_node
+from specforge_k25.plan.budget import node_layout
+from specforge_k25.setup.layout import World, check_layout
 from specforge_k25.train.distributed import Ranks, balanced_shares
 
 from rank_runs import assert_same_evals, max_rel_diff, rank_env, run_side_by_side
@@ -46,8 +47,8 @@ def test_colocated_shares_cover_the_replica_batch_once_and_balance_tokens():
 
 def test_colocated_layout_rules():
     hw = HwConfig(name="b300x8", device="cuda", num_gpus=8, target_tp=4, target_replicas=2, trainer_layout="colocated")
-    assert ranks_per_node(hw) == 8
-    assert [rank_gpus(hw, r) for r in (0, 3, 4, 7)] == [(0, 0), (3, 0), (4, 4), (7, 4)]
+    assert node_layout(hw).ranks_per_node == 8
+    assert [node_layout(hw).rank_gpus(r) for r in (0, 3, 4, 7)] == [(0, 0), (3, 0), (4, 4), (7, 4)]
     check_layout(hw, World(rank=5, size=8, local_rank=5, local_size=8))
     with pytest.raises(ValueError, match="2 replica\\(s\\) x TP 4 = 8 trainer ranks.*--nproc-per-node 8"):
         check_layout(hw, World(size=2, local_size=2))
