@@ -101,7 +101,7 @@ class DataConfig:
 
 @dataclass
 class DraftConfigSpec:
-    method: str = doc("eagle3", "draft method (specforge_k25/draft/registry.py): eagle3 (Llama attention, LlamaForCausalLMEagle3) | eagle3_mla (DeepSeek MLA attention, Eagle3DeepseekV2ForCausalLM)")
+    method: str = doc("eagle3", "draft method (specforge_k25/draft/registry.py): eagle3 (Llama attention, LlamaForCausalLMEagle3) | eagle3_mla (DeepSeek MLA attention, Eagle3DeepseekV2ForCausalLM) | dflash (block drafter, DFlashDraftModel; train it with data.regenerate=true)")
     vocab_size: int = doc(32000, "draft vocabulary size Vd (most frequent supervised target tokens)")
     intermediate_size: Optional[int] = doc(None, "MLP width; null = the target's")
     num_attention_heads: Optional[int] = doc(None, "null = the target's (text) attention heads")
@@ -116,6 +116,12 @@ class DraftConfigSpec:
     qk_nope_head_dim: Optional[int] = doc(None, "eagle3_mla: per-head query/key width without RoPE; null = an MLA target's (128), else head dim")
     qk_rope_head_dim: Optional[int] = doc(None, "eagle3_mla: per-head RoPE width (one shared key part); null = an MLA target's (64), else head dim / 2")
     v_head_dim: Optional[int] = doc(None, "eagle3_mla: per-head value width; null = an MLA target's (128), else head dim")
+    block_size: int = doc(8, "dflash: tokens per drafted block (the last accepted token + block_size-1 drafts; SGLang's speculative_num_draft_tokens); the loss counts positions 1..block_size-1 (train.ttt_length does not apply)")
+    num_layers: Optional[int] = doc(None, "dflash: draft decoder layers; null = one per capture point (K = len(target.aux_layers))")
+    num_anchors: int = doc(512, "dflash: training blocks per sequence, anchored at random supervised positions drawn per batch (fewer when a sequence has fewer)")
+    loss_gamma: Optional[float] = doc(None, "dflash: block position j's CE weighs exp(-(j-1)/gamma) (train.loss_decay does not apply); null = 7 for blocks >= 16, 5 for >= 10, else 4")
+    mask_token_id: Optional[int] = doc(None, "dflash: token id of the block's MASK slots, < the target vocab and absent from real input (a run whose data holds it is refused); null = vocab - 1")
+    logits_chunk: int = doc(2048, "dflash: block positions per chunk of [chunk, V] logits in the loss (each chunk recomputed in backward)")
 
 
 @dataclass

@@ -29,7 +29,9 @@ class DraftBatch:
     loss_mask: torch.Tensor  # [B, T] bool
     lengths: torch.Tensor  # [B]
     aux_hidden: torch.Tensor  # [B, T, K*Ht] fp32, K aux states as the stream carries them
-    teacher: Any  # draft/loss.py Teacher: the target's distribution where the loss needs it
+    teacher: Any  # draft/loss.py Teacher: the target's distribution where the loss needs it; None for
+    # a method that does not read it (`DraftMethod.needs_teacher` False)
+    draws: Any = None  # what the method's `prepare_batch` drew at random for this batch (DFlash: its anchors)
 
     @property
     def num_tokens(self) -> int:
@@ -37,13 +39,14 @@ class DraftBatch:
 
 
 class DraftMethod:
-    """Base of every draft method (docs/DRAFT_METHODS.md)."""
+    """Base of every draft method (docs/EAGLE3.md §7.1)."""
 
     name: str = ""  # registry key = draft.method
     served_architecture: str = ""  # `architectures[0]` of the exported config.json
     sglang_algorithm: str = ""  # SGLang `speculative_algorithm` that serves the export
     model_class: type = nn.Module  # what `build` returns (registry.method_of finds a model's method by it)
     config_class: type = object  # what `resolve_config` returns (registry.method_of_config)
+    needs_teacher: bool = True  # the loss reads DraftBatch.teacher (the trainer computes it from the final states)
 
     # ------------------------------------------------------------------ shape
     def resolve_config(self, spec, target, num_aux: int = 3) -> Any:
@@ -60,6 +63,16 @@ class DraftMethod:
     def build(self, cfg) -> nn.Module:
         raise NotImplementedError
 
+    def attach_target(self, model: nn.Module, lm_head: torch.Tensor) -> None:
+        """Hand `model` the target's frozen lm_head [V, Ht] when it computes with it (never trained,
+        checkpointed or exported). Called on every model a caller computes with: after `build`
+        (train: the lm_head on the trainer's device, in the target's dtype), a resume, `load_export`
+        and an unsharded copy. Default: nothing (the EAGLE-3 heads have their own lm_head)."""
+
+    def reserved_token_ids(self, cfg) -> list[int]:
+        """Token ids real input must never contain (DFlash: its mask token); setup refuses data with them."""
+        return []
+
     def fsdp_units(self, model: nn.Module) -> list[str]:
         """Names of the trainable submodules, each sharded on its own (train/sharding.py)."""
         raise NotImplementedError
@@ -69,6 +82,17 @@ class DraftMethod:
         raise NotImplementedError
 
     # --------------------------------------------------------------- training
+    def depth(self, cfg, ttt_length: int) -> int:
+        """How many positions per token the loss counts: the length of its TTTResult counters
+        (acc_0..depth-1, the data-parallel normalizer). EAGLE-3: the TTT unroll, train.ttt_length."""
+        return ttt_length
+
+    def prepare_batch(self, cfg, batch: DraftBatch, generator: torch.Generator) -> DraftBatch:
+        """Draw what the loss draws at random (into `batch.draws`) from the trainer's CPU generator,
+        once per batch before `loss_positions` and `loss`; the trainer seeds the generator per
+        schedule item, so a resume draws the same. Default: nothing to draw."""
+        return batch
+
     def loss(self, model: nn.Module, batch: DraftBatch, *, depth: int, decay: float,
              normalizer: torch.Tensor | None, checkpoint: bool):
         """-> draft/loss.py TTTResult (per-depth counters; train/metrics.py sums them)."""

@@ -76,8 +76,47 @@ def prepare(job: JobConfig) -> RunSetup:
     if top >= info.vocab_size:  # the engine would index past its embedding
         raise ValueError(f"the tokenizer produced token id {top}, outside the target's vocab ({info.vocab_size}): "
                          f"tokenizer and target weights in {model_path} do not match")
-    return RunSetup(model_path, info, points, eagle_ids, tokenizer, data, method,
-                    resolve_draft(job.draft, facts, len(points)), regeneration(job, tokenizer), end_of_turn_id)
+    draft_cfg = resolve_draft(job.draft, facts, len(points))
+    check_reserved_tokens(method, draft_cfg, data, tokenizer, job.data.regenerate)
+    if not method.needs_teacher and not job.data.regenerate:
+        print(f"note: draft.method={method.name} learns the sequences' own next tokens (no teacher logits) and "
+              f"data.regenerate=false: it learns the dataset's answers, not the target's; data.regenerate=true "
+              f"trains it on the target's own answers (the method's recipe)", flush=True)
+    return RunSetup(model_path, info, points, eagle_ids, tokenizer, data, method, draft_cfg,
+                    regeneration(job, tokenizer), end_of_turn_id)
+
+
+def check_reserved_tokens(method: DraftMethod, draft_cfg, data: TokenizedData, tokenizer, regenerate: bool) -> None:
+    """Refuse data that holds a token id the draft method reserves (DFlash: its mask token, which
+    real input must never contain); note an id the tokenizer writes as ordinary text (a target's
+    answer, data.regenerate, could still produce it)."""
+    reserved = sorted(set(method.reserved_token_ids(draft_cfg)))
+    if not reserved:
+        return
+    held = torch.tensor(reserved)
+    found = {}
+    for split, samples in (("train", data.train), ("held-out", data.heldout)):
+        for i, s in enumerate(samples):
+            hits = torch.isin(held, s.input_ids)
+            for tok in held[hits].tolist():
+                found.setdefault(tok, f"{split} sample {i}")
+    specials = {int(i) for i, tok in getattr(tokenizer, "added_tokens_decoder", {}).items()
+                if getattr(tok, "special", False)}
+    if found:
+        used = {int(t) for s in [*data.train, *data.heldout] for t in s.input_ids.unique().tolist()}
+        free = sorted(specials - used - {tokenizer.bos_token_id, tokenizer.eos_token_id, tokenizer.pad_token_id})[-3:]
+        hint = (f"choose an id the data does not hold, e.g. a special token it never uses: draft.mask_token_id="
+                f"{free[-1]} ({', '.join(repr(tokenizer.convert_ids_to_tokens(t)) for t in free)})" if free else
+                "choose an id the data does not hold (draft.mask_token_id)")
+        raise ValueError(f"draft.method={method.name} reserves token id(s) {reserved} (never in real input), but the "
+                         f"data holds " + ", ".join(f"{t} ({tokenizer.convert_ids_to_tokens(t)!r}, first in the {where})"
+                                                      for t, where in sorted(found.items())) + f": {hint}")
+    ordinary = [t for t in reserved if t not in specials]
+    if ordinary and specials and regenerate:
+        print(f"note: draft.method={method.name} reserves token id(s) {ordinary} "
+              f"({', '.join(repr(tokenizer.convert_ids_to_tokens(t)) for t in ordinary)}), ordinary text to this "
+              f"tokenizer: none is in the dataset, but a regenerated answer could hold one (draft.mask_token_id "
+              f"picks another)", flush=True)
 
 
 def capture_points(job: JobConfig, info: TargetInfo) -> list[int]:
@@ -143,7 +182,8 @@ def prompt_renderer(job: JobConfig, tokenizer):
 
 def fresh_draft(setup: RunSetup, seed: int) -> tuple[torch.nn.Module, torch.Tensor]:
     """An untrained draft of the run's method (seeded init, the target's embedding, vocab maps
-    from the training split only) and the target's lm_head [V, Ht]."""
+    from the training split only, the target's lm_head attached where the method computes with
+    it) and the target's lm_head [V, Ht]."""
     torch.manual_seed(seed)
     d2t, t2d = build_vocab_maps(count_tokens(setup.data.train, setup.info.vocab_size), setup.draft_cfg.draft_vocab_size)
     embed, lm_head = load_embedding_and_head(setup.model_path)
@@ -152,6 +192,7 @@ def fresh_draft(setup: RunSetup, seed: int) -> tuple[torch.nn.Module, torch.Tens
         draft.embed_tokens.weight.copy_(embed.float())
         draft.d2t.copy_(d2t)
         draft.t2d.copy_(t2d)
+    setup.method.attach_target(draft, lm_head)  # a method whose model computes with the target's lm_head
     return draft, lm_head
 
 

@@ -1,11 +1,17 @@
 """Metric names, aggregation of TTT statistics, and the wandb / no-op logger behind one interface.
 
-Metric glossary (also the wandb panel names):
-  train/loss        Σ_k 0.8^k ploss_k of the last optimizer step
-  train/ploss_k     soft cross-entropy of TTT step k vs the target (draft vocab, renormalised)
-  train/acc_k       fraction of supervised positions where the draft's top-1 at step k equals the target's
+Metric glossary (also the wandb panel names). k counts the draft method's depth (DraftMethod.depth):
+EAGLE-3's TTT steps 0..train.ttt_length-1, DFlash's block positions 1..block_size-1 (k = position - 1).
+  train/loss        the method's loss of the last micro-batch (EAGLE-3: Σ_k decay^k ploss_k;
+                    DFlash: the exp(-k/gamma)-weighted mean of ploss_k)
+  train/ploss_k     EAGLE-3: soft cross-entropy of TTT step k vs the target (draft vocab, renormalised);
+                    DFlash: cross-entropy of block position k+1 vs the sequence's token
+  train/acc_k       fraction of supervised positions where the draft's top-1 at step k equals the
+                    target's (DFlash: the sequence's token)
   eval/acc_k        the same on the held-out split;  eval/alpha_k  Σ_v min(p_target, q_draft)
-  eval/tau_sim      1 + Σ_k Π_{j<=k} acc_j: simulated acceptance length of a chain of K drafts
+                    (DFlash: q_draft of the sequence's token)
+  eval/tau_sim      1 + Σ_k Π_{j<=k} acc_j: simulated acceptance length of a chain of K drafts (DFlash: of
+                    one block, each position's accuracy given the true prefix, as if independent)
   perf/tokens_per_s trained tokens (prompt + answer) per second, wall clock
   stream/depth      target batches waiting for the trainer (0 = trainer-bound is good: target waits)
   stream/wait_frac  fraction of trainer wall time spent waiting for the target
@@ -35,10 +41,11 @@ class TTTStats:
             for name, v in zip(("correct", "scored", "alpha", "ploss_weighted", "counted"), vals):
                 setattr(self, name, getattr(self, name) + v)
 
-    def all_reduce(self, ranks, ttt_length: int, device) -> None:
-        """In place: sum the counters over data-parallel ranks (a rank that added nothing sends zeros)."""
+    def all_reduce(self, ranks, depth: int, device) -> None:
+        """In place: sum the counters over data-parallel ranks (a rank that added nothing sends zeros
+        of the method's `depth`)."""
         names = ("correct", "scored", "alpha", "ploss_weighted", "counted")
-        zeros = torch.zeros(ttt_length, dtype=torch.float64, device=device)
+        zeros = torch.zeros(depth, dtype=torch.float64, device=device)
         packed = torch.stack([zeros if getattr(self, n) is None else getattr(self, n) for n in names])  # [5, K]
         ranks.sum(packed)
         for name, row in zip(names, packed):

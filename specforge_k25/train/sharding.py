@@ -78,8 +78,11 @@ def load_full_state(draft: nn.Module, optimizer, model: dict, optim: dict | None
         set_optimizer_state_dict(draft, optimizer, optim, options=StateDictOptions(full_state_dict=True))
 
 
-def unsharded_copy(method: DraftMethod, draft: nn.Module, model: dict) -> nn.Module:
-    """A plain (unsharded, host) draft holding the full state `model` (rank 0's, from full_state)."""
+def unsharded_copy(method: DraftMethod, draft: nn.Module, model: dict, lm_head: torch.Tensor | None = None) -> nn.Module:
+    """A plain (unsharded, host) draft holding the full state `model` (rank 0's, from full_state);
+    `lm_head`: the target's, attached as the method's model needs it (DraftMethod.attach_target)."""
     plain = method.build(draft.cfg)
     plain.load_state_dict(model)
+    if lm_head is not None:
+        method.attach_target(plain, lm_head)
     return plain

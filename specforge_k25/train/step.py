@@ -1,6 +1,8 @@
 """One micro-batch of draft training or evaluation, from packed target hidden states."""
 from __future__ import annotations
 
+import hashlib
+
 import torch
 
 from ..draft.loss import TTTResult, compute_teacher
@@ -20,8 +22,22 @@ def pad_packed(packed: torch.Tensor, lengths: list[int]) -> torch.Tensor:
     return out
 
 
+def batch_seed(*key) -> int:
+    """The seed of a batch's random draws (DraftMethod.prepare_batch: DFlash's anchors) from a key
+    naming the batch (train/trainer.py: train.seed, the schedule item, its samples): the draws
+    depend on nothing else, so a resume from the data cursor draws what an uninterrupted run did
+    without any generator state in the checkpoint."""
+    return int.from_bytes(hashlib.sha256(repr(key).encode()).digest()[:8], "little") & (2 ** 63 - 1)
+
+
 class DraftLearner:
     """Owns the draft, the frozen target lm_head (in the target's dtype), the optimizer and the schedule.
+
+    The method decides what a batch holds and how many positions its loss counts per token
+    (`depth`: EAGLE-3's TTT unroll train.ttt_length, DFlash's block size - 1): the teacher only
+    when the method reads it (`needs_teacher`), its random draws from the learner's generator
+    (`prepare_batch`, seeded per batch by the caller: `batch_seed`), and the target's lm_head when
+    the model computes with it (`attach_target`).
 
     With data-parallel `ranks` (train/distributed.py) each rank trains on its slice of every
     micro-batch: the loss is divided by the micro-batch's loss positions summed over all ranks and
@@ -33,10 +49,13 @@ class DraftLearner:
 
     def __init__(self, method: DraftMethod, draft: torch.nn.Module, lm_head: torch.Tensor, optimizer, scheduler, *, ttt_length: int,
                  loss_decay: float, grad_accum: int, grad_clip: float, teacher_chunk: int, autocast_bf16: bool,
-                 activation_checkpointing: bool = False, ranks: Ranks | None = None):
+                 activation_checkpointing: bool = False, ranks: Ranks | None = None, seed: int = 0):
         self.method, self.draft, self.lm_head, self.optimizer, self.scheduler = method, draft, lm_head, optimizer, scheduler
         self.ranks = ranks or Ranks()
-        self.ttt_length, self.loss_decay, self.grad_accum = ttt_length, loss_decay, grad_accum
+        self.depth = method.depth(draft.cfg, ttt_length)  # positions the loss counts per token (TTTResult's length)
+        self.loss_decay, self.grad_accum = loss_decay, grad_accum
+        self.generator = torch.Generator().manual_seed(seed)  # the batches' random draws (CPU)
+        method.attach_target(draft, lm_head)
         self.grad_clip, self.teacher_chunk = grad_clip, teacher_chunk
         self.activation_checkpointing = activation_checkpointing
         self.device = lm_head.device
@@ -44,9 +63,20 @@ class DraftLearner:
         self.aux_width = method.num_aux(draft.cfg) * draft.cfg.target_hidden_size  # K*Ht
         self.autocast = lambda: torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=autocast_bf16)
 
-    def make_batch(self, samples, lengths: list[int], aux_packed: torch.Tensor, final_packed: torch.Tensor) -> DraftBatch:
+    @property
+    def ttt_length(self) -> int:
+        """The loss's depth under its EAGLE-3 name (benchmarks set it to vary the TTT unroll)."""
+        return self.depth
+
+    @ttt_length.setter
+    def ttt_length(self, value: int) -> None:
+        self.depth = self.method.depth(self.draft.cfg, value)
+
+    def make_batch(self, samples, lengths: list[int], aux_packed: torch.Tensor, final_packed: torch.Tensor,
+                   seed: int | None = None) -> DraftBatch:
         """samples: the `Sample`s of the batch, in stream order; the packed tensors may be views
-        into shared memory: everything kept is copied, so the slot can be released afterwards."""
+        into shared memory: everything kept is copied, so the slot can be released afterwards.
+        seed: reseeds the generator the method draws from (`batch_seed`); None draws on from its state."""
         dev = self.device
         if aux_packed.shape[-1] != self.aux_width:
             raise ValueError(f"the stream's aux states are {aux_packed.shape[-1]} wide, the draft reads "
@@ -55,25 +85,33 @@ class DraftLearner:
         input_ids = pad([s.input_ids for s in samples], batch_first=True, padding_value=0).to(dev)
         loss_mask = pad([s.loss_mask for s in samples], batch_first=True, padding_value=False).to(dev)
         aux = pad_packed(aux_packed, lengths).to(dev, torch.float32)
-        final = pad_packed(final_packed, lengths).to(dev, torch.float32)
-        teacher = compute_teacher(final, self.lm_head, self.draft.d2t, self.teacher_chunk)
+        teacher = None
+        if self.method.needs_teacher:
+            final = pad_packed(final_packed, lengths).to(dev, torch.float32)
+            teacher = compute_teacher(final, self.lm_head, self.draft.d2t, self.teacher_chunk)
         if aux_packed.is_cuda:  # CUDA copies are asynchronous: finish them before the caller hands the slot back
             torch.cuda.current_stream(aux_packed.device).synchronize()
             torch.cuda.current_stream(dev).synchronize()
-        return DraftBatch(input_ids, loss_mask, torch.tensor(lengths, device=dev), aux, teacher)
+        if seed is not None:
+            self.generator.manual_seed(seed)
+        batch = DraftBatch(input_ids, loss_mask, torch.tensor(lengths, device=dev), aux, teacher)
+        return self.method.prepare_batch(self.draft.cfg, batch, self.generator)
 
     def empty_batch(self) -> DraftBatch:
         """One position, no loss position: a sharded rank's stand-in for a batch it has no share of."""
         dev, ht = self.device, self.draft.cfg.target_hidden_size
         final = torch.zeros(1, 1, ht, device=dev)
         aux = torch.zeros(1, 1, self.aux_width, device=dev)  # what the stream brings
-        return DraftBatch(torch.zeros(1, 1, dtype=torch.int64, device=dev), torch.zeros(1, 1, dtype=torch.bool, device=dev),
-                          torch.ones(1, dtype=torch.int64, device=dev), aux,
-                          compute_teacher(final, self.lm_head, self.draft.d2t, self.teacher_chunk))
+        teacher = (compute_teacher(final, self.lm_head, self.draft.d2t, self.teacher_chunk)
+                   if self.method.needs_teacher else None)
+        batch = DraftBatch(torch.zeros(1, 1, dtype=torch.int64, device=dev),
+                           torch.zeros(1, 1, dtype=torch.bool, device=dev), torch.ones(1, dtype=torch.int64, device=dev),
+                           aux, teacher)
+        return self.method.prepare_batch(self.draft.cfg, batch, torch.Generator().manual_seed(0))  # draws nothing counted
 
     def _loss(self, batch: DraftBatch, normalizer: torch.Tensor | None = None) -> TTTResult:
         with self.autocast():
-            return self.method.loss(self.draft, batch, depth=self.ttt_length, decay=self.loss_decay,
+            return self.method.loss(self.draft, batch, depth=self.depth, decay=self.loss_decay,
                                     normalizer=normalizer, checkpoint=self.activation_checkpointing)
 
     def train_micro(self, batch: DraftBatch | None) -> TTTResult | None:
@@ -81,8 +119,8 @@ class DraftLearner:
         it (a short last batch); it still takes part in the count all-reduce."""
         normalizer = None
         if self.ranks.distributed:
-            local = (self.method.loss_positions(batch, self.ttt_length) if batch is not None
-                     else torch.zeros(self.ttt_length, dtype=torch.int64, device=self.device))
+            local = (self.method.loss_positions(batch, self.depth) if batch is not None
+                     else torch.zeros(self.depth, dtype=torch.int64, device=self.device))
             normalizer = self.ranks.sum(local)  # [K] loss positions of the whole global micro-batch
         if batch is None and not self.sharded:
             return None
@@ -102,7 +140,7 @@ class DraftLearner:
     def sum_stats(self, stats: TTTStats) -> TTTStats:
         """In place: the counters of all ranks (a no-op with one rank)."""
         if self.ranks.distributed:
-            stats.all_reduce(self.ranks, self.ttt_length, self.device)
+            stats.all_reduce(self.ranks, self.depth, self.device)
         return stats
 
     def optimizer_step(self) -> float:
@@ -138,10 +176,11 @@ class DraftLearner:
         else:
             self.draft.load_state_dict(tensors, strict=False)
             self.optimizer.load_state_dict(optim)
+        self.method.attach_target(self.draft, self.lm_head)  # not in a checkpoint: the target's own
 
     def plain_draft(self) -> torch.nn.Module | None:
         """The trained draft as a plain module on the host (sharded: a collective; None off rank 0)."""
         if not self.sharded:
             return self.draft.cpu()
         model = full_model_state(self.draft)
-        return unsharded_copy(self.method, self.draft, model) if self.ranks.main else None
+        return unsharded_copy(self.method, self.draft, model, self.lm_head.cpu()) if self.ranks.main else None

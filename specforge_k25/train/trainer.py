@@ -34,7 +34,7 @@ from .optim import build_optimizer, build_scheduler
 from .overview import eval_line, print_overview
 from .schedule import BatchItem, build_schedule
 from .sharding import shard_draft
-from .step import DraftLearner
+from .step import DraftLearner, batch_seed
 from .stop import StopOnSignal, TrainingInterrupted
 
 
@@ -58,6 +58,8 @@ def build_learner(job: JobConfig, setup: RunSetup, steps: int, device: torch.dev
     tr = job.train
     draft, lm_head = fresh_draft(setup, tr.seed)
     frozen = getattr(torch, job.hw.target_dtype)  # the frozen embedding / lm_head keep the target's dtype
+    lm_head = lm_head.to(device, frozen)
+    setup.method.attach_target(draft, lm_head)  # before draft.to: a draft that holds it moves no copy of it
     draft.embed_tokens.to(frozen)
     draft.to(device)
     opt_device = tr.optimizer_device
@@ -66,10 +68,10 @@ def build_learner(job: JobConfig, setup: RunSetup, steps: int, device: torch.dev
         opt_device = None
     optimizer = build_optimizer(draft.trainable_parameters(), tr.lr, tr.betas, tr.weight_decay, opt_device)
     scheduler = build_scheduler(optimizer, steps, tr.warmup_ratio)
-    return DraftLearner(setup.method, draft, lm_head.to(device, frozen), optimizer, scheduler, ttt_length=tr.ttt_length,
+    return DraftLearner(setup.method, draft, lm_head, optimizer, scheduler, ttt_length=tr.ttt_length,
                         loss_decay=tr.loss_decay, grad_accum=tr.grad_accum, grad_clip=tr.grad_clip,
                         teacher_chunk=tr.teacher_chunk, autocast_bf16=job.hw.autocast == "bf16",
-                        activation_checkpointing=tr.activation_checkpointing, ranks=ranks)
+                        activation_checkpointing=tr.activation_checkpointing, ranks=ranks, seed=tr.seed)
 
 
 def find_resume_checkpoint(resume: str, run_dir: Path) -> Path | None:
@@ -211,7 +213,7 @@ class Trainer:
         self.evals[tag] = {k.split("/", 1)[1]: v for k, v in self.learner.sum_stats(stats).summary("eval").items()}
         self.logger.log({f"eval/{k}": v for k, v in self.evals[tag].items()}, self.progress.step)
         if self.ranks.main:
-            self.bar.write(f"eval[{tag}] " + eval_line(self.evals[tag], self.job.train.ttt_length))
+            self.bar.write(f"eval[{tag}] " + eval_line(self.evals[tag], self.learner.depth))
 
     def save(self, done: bool = False) -> Path | None:
         """Checkpoint at the last optimizer-step boundary, written by rank 0 (replicated ranks hold
@@ -291,7 +293,12 @@ class Trainer:
     def _walk(self, start: int, shares: list[list[int]]) -> None:
         regen = self.setup.regeneration
         rebuild = rebuild_regenerated(regen, self.job.data.regen_cut) if regen is not None else None
-        batches = take_batches(self.stream, shares, self.samples, self.learner.make_batch, rebuild)
+        # each batch's random draws (DFlash's anchors) seeded by the run's seed, the item and its samples:
+        # a resume draws the same; an evaluation draws the same for its samples at every eval item
+        seeds = iter([batch_seed(self.job.train.seed, *(("eval",) if self.schedule[i].kind == "eval" else ("train", i)),
+                                 tuple(share)) for i, share in enumerate(shares, start) if share])
+        batches = take_batches(self.stream, shares, self.samples,
+                               lambda *args: self.learner.make_batch(*args, seed=next(seeds)), rebuild)
         for index, (share, batch, regenerated) in enumerate(batches, start):
             item = self.schedule[index]
             tokens = self._item_tokens(item, batch, share, regenerated)

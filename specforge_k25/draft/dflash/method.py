@@ -2,7 +2,7 @@
 (draft/dflash/loss.py), served as `DFlashDraftModel` (SGLang speculative_algorithm DFLASH, vLLM
 method `dflash`).
 
-Config fields it reads from `draft.*` (with getattr defaults until config.py has them):
+Config fields (config.py DraftConfigSpec; read with getattr defaults, so a bare namespace works):
   block_size (8), num_layers (null = K, one draft layer per capture point, SGLang's and z-lab's
   default pairing), num_anchors (512 per sequence), loss_gamma (null: 7 for blocks >= 16, 5 for
   >= 10, else 4), mask_token_id (null = V-1), logits_chunk (2048); and the shared sizes
@@ -12,17 +12,19 @@ Config fields it reads from `draft.*` (with getattr defaults until config.py has
 
 Mask token rule: an id below the target vocab (SGLang refuses another) that real input never
 contains. The default V-1 is the last embedding row: for Kimi-K2.5 a reserved special token, for
-padded vocabularies a padding row. Setup must check it against the tokenizer and the data (a
-sample containing it would look masked), which draft/ cannot see.
+padded vocabularies a padding row. Setup (setup/run.py) refuses data containing it: it asks every
+method for its `reserved_token_ids`.
 
-Anchors are drawn per batch from a torch.Generator the trainer owns (`prepare_batch`); a batch
-without them (a trainer that does not call prepare_batch yet) gets anchors from a generator seeded
-by the batch's token ids, which is deterministic (a resume replays it) but repeats a sequence's
-anchors across epochs.
+What the trainer asks of it beyond the EAGLE-3 methods (draft/method.py):
+  needs_teacher = False  the loss is CE against the sequence's own tokens: no teacher logits
+  depth                  block_size - 1 (block positions 1..B-1), whatever train.ttt_length says;
+                         train.loss_decay is not used (cfg.loss_gamma weights the positions)
+  prepare_batch          the anchors, from the trainer's generator (seeded per schedule item, so a
+                         resume draws the same), into `batch.draws`; loss and loss_positions need them
+  attach_target          the target's lm_head (the logits are computed with it)
 """
 from __future__ import annotations
 
-import zlib
 from pathlib import Path
 
 import torch
@@ -47,6 +49,7 @@ class DFlashMethod(DraftMethod):
     model_class = DFlashDraft
     config_class = DFlashConfig  # what resolve_config returns (registry.method_of_config)
     plan = plan
+    needs_teacher = False  # CE against the sequence's own tokens
 
     def resolve_config(self, spec, target, num_aux: int = 5) -> DFlashConfig:
         if num_aux < 1:
@@ -79,6 +82,12 @@ class DFlashMethod(DraftMethod):
     def build(self, cfg: DFlashConfig) -> DFlashDraft:
         return DFlashDraft(cfg)
 
+    def attach_target(self, model: DFlashDraft, lm_head: torch.Tensor) -> None:
+        model.attach_lm_head(lm_head)
+
+    def reserved_token_ids(self, cfg: DFlashConfig) -> list[int]:
+        return [cfg.mask_token_id]
+
     def fsdp_units(self, model) -> list[str]:
         return ["fc", "hidden_norm", *[f"layers.{i}" for i in range(len(model.layers))], "norm"]
 
@@ -88,35 +97,37 @@ class DFlashMethod(DraftMethod):
                 f"block {cfg.block_size}, mask id {cfg.mask_token_id}, {cfg.num_anchors} anchors, gamma {cfg.loss_gamma:g}")
 
     # --------------------------------------------------------------- training
+    def depth(self, cfg: DFlashConfig, ttt_length: int) -> int:
+        """Block positions 1..B-1: train.ttt_length does not apply."""
+        return cfg.block_size - 1
+
     def prepare_batch(self, cfg: DFlashConfig, batch: DraftBatch, generator: torch.Generator) -> DraftBatch:
         """Draw the batch's anchors from the trainer's generator (before loss_positions and loss)."""
-        batch.anchors = block_loss.sample_anchors(batch.loss_mask, batch.lengths, cfg.num_anchors, generator)
+        batch.draws = block_loss.sample_anchors(batch.loss_mask, batch.lengths, cfg.num_anchors, generator)
         return batch
 
-    def _anchors(self, cfg: DFlashConfig, batch: DraftBatch):
-        if getattr(batch, "anchors", None) is None:
-            seed = zlib.crc32(batch.input_ids.cpu().numpy().tobytes()) ^ zlib.crc32(batch.lengths.cpu().numpy().tobytes())
-            self.prepare_batch(cfg, batch, torch.Generator().manual_seed(seed))
-        return batch.anchors
+    @staticmethod
+    def _anchors(batch: DraftBatch):
+        if batch is None or batch.draws is None:
+            raise ValueError("DFlash draws its anchors per batch: call method.prepare_batch(cfg, batch, generator) "
+                             "before loss_positions and loss")
+        return batch.draws
 
     def _check_depth(self, cfg: DFlashConfig, depth: int) -> None:
         if depth != cfg.block_size - 1:
-            raise ValueError(f"DFlash counts block positions 1..{cfg.block_size - 1}: depth (train.ttt_length) must be "
-                             f"block_size - 1 = {cfg.block_size - 1}, got {depth}")
+            raise ValueError(f"DFlash counts block positions 1..{cfg.block_size - 1}: depth must be "
+                             f"block_size - 1 = {cfg.block_size - 1} (method.depth), got {depth}")
 
     def loss(self, model, batch: DraftBatch, *, depth: int, decay: float = 0.0, normalizer=None, checkpoint: bool = False):
         """`decay` is EAGLE's; DFlash weights block positions by cfg.loss_gamma."""
         cfg = model.cfg
         self._check_depth(cfg, depth)
-        anchors, valid = self._anchors(cfg, batch)
+        anchors, valid = self._anchors(batch)
         return block_loss.dflash_loss(model, batch.aux_hidden, batch.input_ids, batch.loss_mask, batch.lengths,
                                       anchors, valid, normalizer=normalizer, checkpoint=checkpoint)
 
     def loss_positions(self, batch: DraftBatch, depth: int) -> torch.Tensor:
-        if getattr(batch, "anchors", None) is None:
-            raise ValueError("DFlash loss positions depend on the batch's anchors: call "
-                             "method.prepare_batch(cfg, batch, generator) first")
-        anchors, valid = batch.anchors
+        anchors, valid = self._anchors(batch)
         return block_loss.loss_positions(batch.loss_mask, batch.lengths, anchors, valid, depth + 1)
 
     # ----------------------------------------------------------------- export
