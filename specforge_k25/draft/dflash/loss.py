@@ -157,5 +157,5 @@ def dflash_loss(model, aux_hidden: torch.Tensor, input_ids: torch.Tensor, loss_m
     loss = (w * ce_sum / denom).sum() / w.sum()
     if h.shape[0] == 0:
         loss = loss + 0 * hidden.sum()  # keep the graph (a rank without counted positions still backpropagates)
-    return TTTResult(loss, (ce_sum / counted.clamp(min=1)).detach(), counted, correct_sum, counted.clone(), alpha_sum)
+    return TTTResult(loss, ce_sum.detach() / counted.clamp(min=1), counted, correct_sum, counted.clone(), alpha_sum)
 
