@@ -189,7 +189,8 @@ def plan_memory(job, facts: TargetFacts, *, max_length: int | None = None, batch
     elem = 2 if hw.target_dtype in ("bfloat16", "float16") else 4  # the target's dtype: ring, frozen tensors
     # colocated: AdamW lives sharded on the GPUs (the layout's point), so train.optimizer_device does not apply
     opt_dev = None if coloc else optimizer_device(tr.optimizer_device, hw.device, trainers)
-    t_items = trainer_items(cfg, batch=B, seq_len=L, ttt_length=tr.ttt_length, teacher_chunk=tr.teacher_chunk,
+    depth = method.depth(cfg, tr.ttt_length)  # TTT steps, or a block's positions
+    t_items = trainer_items(cfg, batch=B, seq_len=L, ttt_length=depth, teacher_chunk=tr.teacher_chunk,
                             bf16=bf16, data_parallel=ranks > 1, context_bytes=ctx, frozen_bytes=elem,
                             checkpoint=tr.activation_checkpointing, optimizer_offloaded=opt_dev is not None,
                             shards=ranks if coloc else 1, method=method)
@@ -239,7 +240,7 @@ def plan_memory(job, facts: TargetFacts, *, max_length: int | None = None, batch
                 problems.append(f"GPU {b.gpu} ({b.role}) needs {gib(b.total())} of {gib(capacity)} "
                                 f"(peak phase: {b.peak_phase() or '-'})")
     problems += length_problems(facts, L)
-    notes.append(activation_note(cfg, B, L, tr.ttt_length, bf16, tr.activation_checkpointing, method))
+    notes.append(activation_note(cfg, B, L, depth, bf16, tr.activation_checkpointing, method))
     notes += kernel_notes(hw, facts)
     if not coloc and (ranks > 1 or hw.target_replicas > 1):
         notes.append(f"data-parallel: launch with torchrun --nproc-per-node {hw.target_replicas} (one trainer rank "

@@ -101,11 +101,12 @@ def trainer_items(cfg, *, batch: int, seq_len: int, ttt_length: int, teacher_chu
     if data_parallel:
         items.append(Item("DP gradient buckets fp32 (DDP, assumed)", 4 * P,
                           note="upper bound: train/step.py all-reduces each grad in place"))
-    items += _teacher_items(cfg, K, batch * seq_len, teacher_chunk, frozen_bytes)
-    items += [_batch_item(cfg, K, batch * seq_len, PHASE_TTT),
+    teacher = method.needs_teacher
+    items += _teacher_items(cfg, K, batch * seq_len, teacher_chunk, frozen_bytes) if teacher else []
+    items += [_batch_item(cfg, K, batch * seq_len, PHASE_TTT, teacher),
               Item("bf16 autocast weight copies", 2 * P if bf16 else 0, PHASE_TTT)]
     items += _ttt_items(cfg, method, batch, seq_len, ttt_length, bf16, checkpoint)
-    items.append(_batch_item(cfg, K, batch * seq_len, PHASE_OPT))
+    items.append(_batch_item(cfg, K, batch * seq_len, PHASE_OPT, teacher))
     if not optimizer_offloaded:
         items.append(Item("AdamW foreach temporaries fp32", 4 * P, PHASE_OPT))
     return [i for i in items if i.bytes]
@@ -135,25 +136,27 @@ def _sharded_trainer_items(cfg, method: DraftMethod, shards: int, *, batch: int,
         Item(f"AdamW m, v fp32 (shard 1/{shards})", 8 * shard),
     ]
     items += _frozen_items(cfg, frozen_bytes)
-    items += _teacher_items(cfg, K, batch * seq_len, teacher_chunk, frozen_bytes)
-    items += [_batch_item(cfg, K, batch * seq_len, PHASE_TTT),
+    teacher = method.needs_teacher
+    items += _teacher_items(cfg, K, batch * seq_len, teacher_chunk, frozen_bytes) if teacher else []
+    items += [_batch_item(cfg, K, batch * seq_len, PHASE_TTT, teacher),
               Item(f"all-gathered draft params {'bf16' if bf16 else 'fp32'} (FSDP2)", a * P, PHASE_TTT,
                    note="whole unit, kept from forward through backward"),
               Item("unsharded grads fp32 before reduce-scatter", 4 * P, PHASE_TTT, note="upper bound: one unit")]
     items += _ttt_items(cfg, method, batch, seq_len, ttt_length, bf16, checkpoint)
-    items += [_batch_item(cfg, K, batch * seq_len, PHASE_OPT),
+    items += [_batch_item(cfg, K, batch * seq_len, PHASE_OPT, teacher),
               Item(f"AdamW foreach temporaries fp32 (shard 1/{shards})", 4 * shard, PHASE_OPT)]
     return [i for i in items if i.bytes]
 
 
-def _batch_bytes(cfg, num_aux: int, tokens: int) -> int:
-    # DraftBatch: aux fp32 [N, K*Ht], input_ids int64, loss_mask bool, teacher: draft logits fp32
-    # [N, Vd], logsumexp fp32, argmax int64; plus lengths (negligible)
-    return tokens * (4 * num_aux * cfg.target_hidden_size + 8 + 1 + 4 * cfg.draft_vocab_size + 4 + 8)
+def _batch_bytes(cfg, num_aux: int, tokens: int, teacher: bool = True) -> int:
+    # DraftBatch: aux fp32 [N, K*Ht], input_ids int64, loss_mask bool; with a teacher (a method that
+    # reads one): draft logits fp32 [N, Vd], logsumexp fp32, argmax int64; plus lengths (negligible)
+    return tokens * (4 * num_aux * cfg.target_hidden_size + 8 + 1 + ((4 * cfg.draft_vocab_size + 4 + 8) if teacher else 0))
 
 
-def _batch_item(cfg, num_aux: int, tokens: int, phase: str) -> Item:
-    return Item(f"batch: aux fp32 [B,T,{num_aux}Ht] + teacher [B,T,Vd] fp32", _batch_bytes(cfg, num_aux, tokens), phase)
+def _batch_item(cfg, num_aux: int, tokens: int, phase: str, teacher: bool = True) -> Item:
+    return Item(f"batch: aux fp32 [B,T,{num_aux}Ht]" + (" + teacher [B,T,Vd] fp32" if teacher else ""),
+                _batch_bytes(cfg, num_aux, tokens, teacher), phase)
 
 
 def _frozen_items(cfg, frozen_bytes: int) -> list[Item]:

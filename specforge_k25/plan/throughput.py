@@ -159,8 +159,8 @@ def predict(job, facts: TargetFacts, layout: str | None = None) -> Throughput:
         raise PlanError("the throughput plan covers a target on one node (hw.target_nnodes=1)")
     layout = node_layout(hw)
     tr, coloc = job.train, layout.colocated
-    B, L, K, accum = tr.batch_size, job.data.max_length, tr.ttt_length, tr.grad_accum
     method, cfg = draft_of(job, facts)
+    B, L, K, accum = tr.batch_size, job.data.max_length, method.depth(cfg, tr.ttt_length), tr.grad_accum
     groups, trainers = layout.groups, layout.trainer_gpus
     tp, ranks = layout.tp, len(trainers)
     P = trainable_params(cfg, method)
@@ -292,7 +292,8 @@ def compare_methods(job, facts: TargetFacts, names: list[str] | None = None) -> 
         B, L = job.train.batch_size, job.data.max_length
         row.describe = method.describe(cfg)
         row.trainable_params = trainable_params(cfg, method)
-        flops = method.plan.draft_step_flops(cfg, B, L, job.train.ttt_length, job.train.activation_checkpointing)
+        flops = method.plan.draft_step_flops(cfg, B, L, method.depth(cfg, job.train.ttt_length),
+                                             job.train.activation_checkpointing)
         row.trainer_flops_per_token = flops["total"] / (B * L)
         plan = plan_memory(variant, facts)
         fullest = max(plan.gpus, key=lambda g: g.total())

@@ -21,7 +21,7 @@ from ..config import CONF_DIR, JobConfig, describe, register_schemas
 register_schemas()
 
 
-def print_summary(summary: dict, ttt_length: int) -> None:
+def print_summary(summary: dict) -> None:
     from rich.console import Console
     from rich.table import Table
 
@@ -39,9 +39,10 @@ def print_summary(summary: dict, ttt_length: int) -> None:
         ev = summary["eval"].get(tag)
         if ev:
             label = "untrained head" if tag == "start" else "trained head"
+            depth = sum(1 for key in ev if key.startswith("acc_"))  # the method's TTT steps or block positions
             table.add_row(f"held-out tau_sim ({label})", f"{ev['tau_sim']:.3f}")
-            table.add_row(f"held-out acc_0..{ttt_length - 1} ({label})",
-                          " ".join(f"{ev[f'acc_{k}']:.3f}" for k in range(ttt_length)))
+            table.add_row(f"held-out acc_0..{depth - 1} ({label})",
+                          " ".join(f"{ev[f'acc_{k}']:.3f}" for k in range(depth)))
     disk = summary["disk"]
     table.add_row("hidden-state bytes written to disk (target process, measured)", str(disk["hidden_state_bytes_on_disk"]))
     table.add_row("  hidden-state bytes streamed in memory", str(disk["hidden_state_bytes_streamed_in_memory"]))
@@ -107,7 +108,7 @@ def main(cfg) -> None:
         print(f"\nerror: {err}", file=sys.stderr)
         leave(2)
     if World.from_env().rank == 0:
-        print_summary(summary, job.train.ttt_length)
+        print_summary(summary)
     leave(0)
 
 

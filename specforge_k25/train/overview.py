@@ -37,7 +37,7 @@ def print_overview(job: JobConfig, setup: RunSetup, schedule: list[BatchItem], s
         f"data        {len(setup.data.train)} train / {len(setup.data.heldout)} held-out samples, max_length "
         f"{job.data.max_length}; skipped {dict(setup.data.skipped) or 'none'}",
         f"schedule    {steps} optimizer steps = {len(train_items)} micro-batches of {job.train.batch_size} "
-        f"x accum {job.train.grad_accum}, {train_tokens} tokens; TTT K={job.train.ttt_length}; lr {job.train.lr}",
+        f"x accum {job.train.grad_accum}, {train_tokens} tokens; depth {setup.method.depth(setup.draft_cfg, job.train.ttt_length)}; lr {job.train.lr}",
         f"stream      {job.train.stream_slots} shared-memory slots of up to "
         f"{job.train.batch_size * job.data.max_length} tokens x {(setup.method.num_aux(setup.draft_cfg) + 1) * H} floats",
         f"outputs     {run_dir}",
