@@ -168,18 +168,19 @@ class JobConfig:
 
 @dataclass
 class EvalConfig:
-    """`python -m specforge_k25.eval`: acceptance length measured by SGLang's own EAGLE-3 decoding."""
+    """`python -m specforge_k25.eval`: acceptance length measured by SGLang's own speculative decoding."""
 
     prompt_sets: list = doc(["mtbench", "humaneval", "heldout"], "prompt sets: mtbench | humaneval | heldout (the training data's held-out split)")
     num_prompts: int = doc(8, "prompts per set (the first n; MT-bench: first turns)")
     max_new_tokens: int = doc(64, "greedy tokens generated per prompt")
     chains: list = doc([[3, 1, 4], [7, 1, 8]], "speculative settings as [num_steps, eagle_topk, num_draft_tokens]; topk must be 1 on CPU")
-    methods: list = doc(["nospec", "ngram", "untrained", "trained"], "rows of the table: nospec | ngram | untrained | trained")
+    methods: list = doc(["nospec", "ngram", "untrained", "trained"], "rows of the table: nospec | ngram | untrained (a fresh head of draft.method) | trained (export_dir, any method)")
+    heads: dict = doc({}, "more exported heads (any draft method) evaluated beside export_dir on the same greedy outputs, one row each: +eval.heads.NAME=FOLDER")
     ngram_max: int = doc(3, "prompt-lookup baseline: longest n-gram matched")
     ngram_min: int = doc(1, "prompt-lookup baseline: shortest n-gram matched")
     max_running_requests: int = doc(8, "SGLang batch size (requests decoded together)")
     untrained_seed: int = doc(0, "seed of the untrained head's random init")
-    draft_attention_backend: Optional[str] = doc(None, "SGLang speculative_draft_attention_backend (GPU; Kimi's MLA backend does not fit the GQA draft: e.g. fa3); null = SGLang's choice")
+    draft_attention_backend: Optional[str] = doc(None, "SGLang speculative_draft_attention_backend (GPU; a GQA draft behind Kimi, whose MLA backend does not fit it: e.g. fa3); null = SGLang's choice")
     output: Optional[str] = doc(None, "folder for eval.json / eval.md; null = the Hydra run folder")
 
 

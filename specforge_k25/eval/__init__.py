@@ -1,1 +1,1 @@
-"""Acceptance length of an exported EAGLE-3 head, measured by SGLang's own speculative decoding."""
+"""Acceptance length of exported draft heads (any draft method), measured by SGLang's own speculative decoding."""

@@ -51,18 +51,29 @@ def prompt_lookup_proposer(sequence: list[int], num_tokens: int, ngram_max: int 
     return propose
 
 
+CHAIN_SURFACE = ("project", "step", "logits", "d2t")  # what draft_predictions calls
+
+
+def can_replay(draft) -> bool:
+    """Whether `draft_predictions` can run the model: a chain drafter with the TTT surface of the
+    EAGLE-3 heads (draft/model.py, draft/eagle3_mla/model.py)."""
+    return all(hasattr(draft, name) for name in CHAIN_SURFACE)
+
+
 @torch.no_grad()
 def draft_predictions(draft, aux_hidden: torch.Tensor, input_ids: torch.Tensor, steps: int) -> torch.Tensor:
     """The draft's chain proposals at every position, teacher-forced as in training (TTT).
 
-    aux_hidden [T, 3Ht], input_ids [T] -> target token ids [steps, T]: row k, column t is what
+    aux_hidden [T, K*Ht], input_ids [T] -> target token ids [steps, T]: row k, column t is what
     draft step k proposes for x[t+k+2] when x[..t+1] is committed (x[t+1] the root). Under
     greedy verification the inputs of an accepted chain ARE the output tokens, so these are
     exactly the proposals SGLang's draft makes at a verify step whose root is x[t+1].
+    `step`'s cache entries (K/V, or MLA's latent and roped key) are kept for the later steps, as in training.
     """
     ids = input_ids[None]  # [1, T]
     positions = torch.arange(ids.shape[1])[None]
-    hidden = draft.project(aux_hidden[None].to(draft.fc.weight.dtype))  # [1, T, H]
+    dtype = next(p.dtype for p in draft.parameters() if p.is_floating_point())
+    hidden = draft.project(aux_hidden[None].to(dtype))  # [1, T, H]
     cache: list = []
     to_target = draft_to_target(draft.d2t)
     rows = []

@@ -3,8 +3,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
-NOTE = ("AL = Σ completion tokens / Σ verify steps, temperature 0, measured by SGLang's EAGLE-3 "
-        "decoding (the prefill's token counts as a completion token, as in SGLang). "
+NOTE = ("AL = Σ completion tokens / Σ verify steps, temperature 0, measured by SGLang's speculative "
+        "decoding with each head (the prefill's token counts as a completion token, as in SGLang). "
         "r = the same AL replayed from our draft's own proposals on the greedy outputs; "
         "τ = τ_sim from acc_k on those outputs (as training logs it); "
         "ngram = prompt lookup replayed on the greedy outputs (greedy verification makes that exact); "
@@ -78,7 +78,7 @@ def plot(results: dict, path: str | Path) -> None:
     ax.set_xticks([i + 0.4 - width / 2 for i in range(len(labels))], labels, rotation=30, ha="right", fontsize=8)
     ax.axhline(1.0, color="grey", lw=0.8)
     ax.set_ylabel("acceptance length")
-    ax.set_title("SGLang EAGLE-3 acceptance length (temperature 0)")
+    ax.set_title("SGLang speculative decoding: acceptance length (temperature 0)")
     ax.legend(fontsize=8)
     fig.tight_layout()
     fig.savefig(path, dpi=110)

@@ -2,10 +2,16 @@
 and our own replay of each head on the same outputs.
 
     prompts -> SGLang greedy (no speculation) -> reference outputs
-            -> SGLang EAGLE-3, per head x chain -> AL = Σ completion / Σ verify steps (+ same output?)
+            -> SGLang speculative decoding, per head x chain (the head's draft method gives the
+               engine arguments) -> AL = Σ completion / Σ verify steps (+ same output?)
             -> prompt lookup replayed on the reference outputs -> n-gram AL
             -> target hidden states of prompt+output (the training stream) -> our draft's proposals
                -> replayed AL, acc_k and τ_sim on the same prompts
+
+Heads: the trained one (`export_dir`, of whichever method wrote it), any further exports
+(`eval.heads`), and an untrained head of the run's own method (`draft.method`), built as a
+training run starts it. The engines run with the training stream's target settings
+(setup/run.py `target_spec`: the same KV pool, memory fraction, threads, attention backend).
 """
 from __future__ import annotations
 
@@ -19,12 +25,15 @@ import torch
 from tqdm import tqdm
 
 from ..config import EvalJobConfig
+from ..draft.registry import method_of_export
 from ..export.serving import export_draft, load_exported_draft
+from ..setup.run import RunSetup, fresh_draft, make_target_stream, prepare, prompt_renderer, target_spec
 from ..target_engine.hf_config import load_embedding_and_head
-from ..setup.run import RunSetup, fresh_draft, make_target_stream, prepare, prompt_renderer
-from .acceptance import draft_predictions, draft_proposer, prompt_lookup_proposer, replay, step_counts, tau_sim
+from ..target_engine.sglang_spec import Chain, engine_kwargs, generate
+from .acceptance import can_replay, draft_predictions, draft_proposer, prompt_lookup_proposer, replay, step_counts, tau_sim
 from .prompts import load_prompt_set
-from ..target_engine.sglang_spec import Chain, generate
+
+BASELINES = ("nospec", "ngram")
 
 
 @dataclass
@@ -54,39 +63,26 @@ class Cell:
         return out
 
 
-def _engine_kwargs(job: EvalJobConfig) -> dict:
-    hw = job.hw
-    return dict(max_new_tokens=job.eval.max_new_tokens, device=hw.device, dtype=hw.target_dtype,
-                max_running_requests=job.eval.max_running_requests, mem_fraction_static=hw.mem_fraction_static,
-                max_total_tokens=hw.max_total_tokens, num_threads=hw.target_threads, gpu_id=hw.target_gpu,
-                tp_size=hw.target_tp, trust_remote_code=job.target.trust_remote_code,
-                attention_backend=hw.target_attention_backend,
-                draft_attention_backend=job.eval.draft_attention_backend)
-
-
 def _heads(job: EvalJobConfig, setup: RunSetup, out_dir: Path) -> dict[str, Path]:
-    """name -> exported head folder. The untrained head shares the trained one's config and vocab."""
+    """Row name -> exported head folder: `trained` (export_dir), the `eval.heads` exports, and
+    `untrained`, a fresh head of the run's method exported here."""
     heads = {}
     wanted = set(job.eval.methods)
     trained = Path(job.export_dir) if job.export_dir else None
     if "trained" in wanted and trained is None:
         print("eval: export_dir is unset, so there is no trained head row (pass export_dir=<train run>/export)")
     elif "trained" in wanted:
-        if not (trained / "config.json").is_file():
-            raise FileNotFoundError(f"export_dir={trained}: no config.json (expected a `train` run's export/ folder)")
         heads["trained"] = trained
+    for name, path in (job.eval.heads or {}).items():
+        if name in (*BASELINES, "trained", "untrained"):
+            raise ValueError(f"eval.heads.{name}: the row name {name!r} is taken; pick another")
+        heads[str(name)] = Path(path)
+    for name, path in heads.items():
+        if not (path / "config.json").is_file():
+            raise FileNotFoundError(f"{name} head {path}: no config.json (expected a `train` run's export/ folder)")
+        method_of_export(path)  # an export of no draft method fails here, before any engine starts
     if "untrained" in wanted:
-        embed, _ = load_embedding_and_head(setup.model_path)
-        if trained is not None:
-            reference = load_exported_draft(trained, embed)
-            torch.manual_seed(job.eval.untrained_seed)
-            draft = type(reference)(reference.cfg)
-            with torch.no_grad():
-                draft.embed_tokens.weight.copy_(embed.float())
-                draft.d2t.copy_(reference.d2t)
-                draft.t2d.copy_(reference.t2d)
-        else:
-            draft, _ = fresh_draft(setup, job.eval.untrained_seed)
+        draft, _ = fresh_draft(setup, job.eval.untrained_seed)  # as a training run of this config starts
         bos, eos = setup.tokenizer.bos_token_id, setup.tokenizer.eos_token_id
         heads["untrained"] = export_draft(draft, out_dir / "untrained_head", setup.eagle_layer_ids, bos, eos,
                                           capture_points=setup.capture_points, end_of_turn_id=setup.end_of_turn_id)
@@ -94,7 +90,7 @@ def _heads(job: EvalJobConfig, setup: RunSetup, out_dir: Path) -> dict[str, Path
 
 
 def _target_hidden(job: EvalJobConfig, setup: RunSetup, sequences: list[list[int]]):
-    """Yields (index, aux [T, 3Ht]) for each sequence, from the same target process training uses."""
+    """Yields (index, aux [T, K*Ht]) for each sequence, from the same target process training uses."""
     samples = [SimpleNamespace(input_ids=torch.tensor(s)) for s in sequences]
     stream = make_target_stream(job, setup, samples, [[i] for i in range(len(samples))])
     with stream:
@@ -116,7 +112,9 @@ def run_eval(job: EvalJobConfig, out_dir: str | Path) -> dict:
     sets = {name: load_prompt_set(name, ev.num_prompts, render_prompt, setup.data.heldout) for name in ev.prompt_sets}
     prompts = [p for name in sets for p in sets[name]]
     owner = [name for name in sets for _ in sets[name]]
-    engine = _engine_kwargs(job)
+    engine = dict(engine_kwargs(target_spec(job, tokenizer=setup.tokenizer)), max_new_tokens=ev.max_new_tokens,
+                  max_running_requests=ev.max_running_requests, draft_attention_backend=ev.draft_attention_backend)
+    methods = {head: method_of_export(path) for head, path in heads.items()}
     print(f"eval: {len(prompts)} prompts ({', '.join(f'{k} {len(v)}' for k, v in sets.items())}), "
           f"{ev.max_new_tokens} new tokens each; chains {[c.label() for c in chains]}; heads {list(heads)}; "
           f"{1 + len(heads) * len(chains)} SGLang engine runs, then one target pass for the replay", flush=True)
@@ -150,6 +148,9 @@ def run_eval(job: EvalJobConfig, out_dir: str | Path) -> dict:
     if heads:
         embed, _ = load_embedding_and_head(setup.model_path)
         drafts = {head: load_exported_draft(path, embed).eval() for head, path in heads.items()}
+        for head in [h for h, d in drafts.items() if not can_replay(d)]:
+            print(f"eval: the {head} head ({methods[head].name}) has no chain proposals to replay; SGLang's AL only")
+            del drafts[head]
         depth = max(c.steps for c in chains)
         print("eval: target hidden states of prompt + greedy output, our heads replayed on them", flush=True)
         for i, aux in tqdm(_target_hidden(job, setup, sequences), total=len(sequences), desc="replay",
@@ -165,8 +166,10 @@ def run_eval(job: EvalJobConfig, out_dir: str | Path) -> dict:
 
     for head, path in heads.items():
         for chain in chains:
-            print(f"eval: SGLang EAGLE-3 with the {head} head, chain {chain.label()}", flush=True)
-            spec = generate(setup.model_path, prompts, draft_path=str(path), chain=chain, **engine)
+            draft_args = chain.draft_args(methods[head])
+            print(f"eval: SGLang {draft_args['speculative_algorithm']} with the {head} head ({methods[head].name}), "
+                  f"chain {chain.label()}", flush=True)
+            spec = generate(setup.model_path, prompts, draft_path=str(path), draft_args=draft_args, **engine)
             timings[f"{head} {chain.label()}"] = {"start_s": spec.start_s, "generate_s": spec.generate_s,
                                                   "tokens_per_s": sum(spec.completion_tokens) / spec.generate_s}
             verify_steps.setdefault(f"{head} {chain.label()}", {})["sglang"] = spec.verify_steps
@@ -176,6 +179,7 @@ def run_eval(job: EvalJobConfig, out_dir: str | Path) -> dict:
 
     results = {
         "target": setup.model_path, "export_dir": job.export_dir, "prompt_sets": {k: len(v) for k, v in sets.items()},
+        "heads": {head: {"path": str(path), "method": methods[head].name} for head, path in heads.items()},
         "max_new_tokens": ev.max_new_tokens, "chains": [c.label() for c in chains], "timings": timings,
         "verify_steps_per_prompt": verify_steps,
         "rows": [{"method": m, "chain": ch, "prompt_set": s, **c.as_dict()} for (m, ch, s), c in cells.items()],

@@ -2,7 +2,7 @@
 a CUDA machine that lacks the `sgl_kernel` wheel (workaround 5, `apply_gpu`).
 
 Applies to **sglang==0.5.23** with torch 2.13.0 (CPU build), `attention_backend="torch_native"`.
-Workarounds 1-4 are never used on GPU machines. Each workaround states why it exists; the test
+Workarounds 1-4 and 6 are never used on GPU machines. Each workaround states why it exists; the test
 `tests/target_engine/test_sglang_cpu_compat.py` fails if one stops being needed or stops working, so a
 version bump forces a review of this file.
 
@@ -50,12 +50,19 @@ version bump forces a review of this file.
       weak_ref_tensor.py), which no stand-in can provide. The default becomes "disabled", as
       `disable_prefill_cuda_graph`; decode graphs and an explicit prefill backend are unaffected.
 
+6. The MLA draft (`Eagle3DeepseekV2ForCausalLM`, srt/models/kimi_k25_eagle3.py): its `set_embed`
+   and `set_embed_and_head`, through which the EAGLE worker hands the draft the target's
+   embedding, end with torch.cuda.empty_cache(); torch.cuda.synchronize(), and the second
+   raises on a CPU build of torch. Both run with those two calls as no-ops (`cuda_sync_on_cpu`).
+
 Call `apply()` (CPU) or `apply_gpu()` (CUDA) in every process that builds an SGLang model,
 before importing sglang.
 """
 from __future__ import annotations
 
+import contextlib
 import ctypes
+import functools
 import importlib.abc
 import importlib.util
 import importlib.machinery
@@ -184,6 +191,7 @@ def apply(mla_fix: bool = True, spec_patches: bool = True) -> None:
     if spec_patches:
         patch_when_imported("sglang.srt.speculative.draft_utils", _patch_draft_backends)
         patch_when_imported("sglang.srt.layers.attention.torch_native_backend", _patch_target_verify)
+    patch_when_imported(MLA_DRAFT_MODULE, _mla_draft_without_cuda_sync)  # workaround 6
     _applied = True
 
 
@@ -500,3 +508,36 @@ def _patch_target_verify(torch_native_backend) -> None:
             forward_batch.seq_lens, forward_batch.extend_prefix_lens, forward_batch.extend_seq_lens = saved
 
     backend.forward_extend = forward_extend
+
+
+# ---------------------------------------------------------------------------------------------
+# 6. The MLA draft's embedding hand-over on CPU
+# ---------------------------------------------------------------------------------------------
+MLA_DRAFT_MODULE = "sglang.srt.models.kimi_k25_eagle3"
+
+
+@contextlib.contextmanager
+def cuda_sync_on_cpu():
+    """torch.cuda.synchronize / empty_cache as no-ops where torch has no CUDA (a CPU build raises)."""
+    saved = torch.cuda.synchronize, torch.cuda.empty_cache
+    if not torch.cuda.is_available():
+        torch.cuda.synchronize = torch.cuda.empty_cache = lambda *args, **kwargs: None
+    try:
+        yield
+    finally:
+        torch.cuda.synchronize, torch.cuda.empty_cache = saved
+
+
+def _mla_draft_without_cuda_sync(module) -> None:
+    """`set_embed` and `set_embed_and_head` of the MLA draft inside `cuda_sync_on_cpu`
+    (SGLang's own method stays reachable as `__wrapped__`)."""
+    cls = module.Eagle3DeepseekV2ForCausalLM
+    for name in ("set_embed", "set_embed_and_head"):
+        original = getattr(cls, name)
+
+        @functools.wraps(original)
+        def without_cuda_sync(self, *args, _original=original, **kwargs):
+            with cuda_sync_on_cpu():
+                return _original(self, *args, **kwargs)
+
+        setattr(cls, name, without_cuda_sync)

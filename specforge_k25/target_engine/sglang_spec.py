@@ -1,4 +1,5 @@
-"""Greedy generation in a real SGLang engine, with or without EAGLE-3 chain speculation.
+"""Greedy generation in a real SGLang engine, with or without speculative decoding by an exported
+draft (the draft method's SGLang arguments, `DraftMethod.sglang_draft_args`, passed in as a dict).
 
 Each engine runs in its own worker process, `python -m specforge_k25.target_engine.sglang_spec`, for
 three reasons: its memory is returned when it ends, a hung engine (SGLang can hang when its
@@ -51,6 +52,11 @@ class Chain:
     def label(self) -> str:
         return f"{self.steps}/{self.topk}/{self.draft_tokens}"
 
+    def draft_args(self, method) -> dict:
+        """The engine arguments that serve an export of `method` (a draft/method.py DraftMethod)
+        with this chain."""
+        return method.sglang_draft_args(num_steps=self.steps, topk=self.topk, draft_tokens=self.draft_tokens)
+
 
 @dataclass
 class Generation:
@@ -61,22 +67,45 @@ class Generation:
     generate_s: float
 
 
+def engine_kwargs(spec) -> dict:
+    """`generate`'s engine keywords from a target_engine/factory.py TargetSpec: the engine settings
+    the training stream's target runs with (setup/run.py target_spec builds both)."""
+    if spec.nnodes > 1:
+        raise ValueError(f"an sglang.Engine here runs on one node (the target spans {spec.nnodes})")
+    return dict(device=spec.device, dtype=spec.dtype, tp_size=spec.tp_size, gpu_id=spec.gpu_id,
+                mem_fraction_static=spec.mem_fraction_static, max_total_tokens=spec.max_total_tokens,
+                attention_backend=spec.attention_backend, num_threads=spec.num_threads,
+                trust_remote_code=spec.trust_remote_code, load_threads=spec.load_threads,
+                dist_timeout=spec.dist_timeout)
+
+
 def generate(model_path: str, prompts: list[list[int]], *, max_new_tokens: int, device: str = "cpu",
-             dtype: str = "float32", draft_path: str | None = None, chain: Chain | None = None,
+             dtype: str = "float32", draft_path: str | None = None, draft_args: dict | None = None,
              max_running_requests: int = 8, mem_fraction_static: float = 0.05, max_total_tokens: int = 16384,
              num_threads: int = 1, gpu_id: int = 0, tp_size: int = 1, trust_remote_code: bool = False,
              attention_backend: str | None = None, draft_attention_backend: str | None = None,
+             load_threads: int | None = None, dist_timeout: int | None = None,
              timeout_s: float = 1800, cuda_graph: bool | None = None) -> Generation:
     """Runs one engine over `prompts` (token ids) at temperature 0 in a worker process.
-    `cuda_graph`: None = SGLang's default on GPU (on), off on CPU."""
-    if (draft_path is None) != (chain is None):
-        raise ValueError("speculation needs both a draft folder and a chain")
-    if device == "cpu" and chain is not None and chain.topk != 1:
-        raise ValueError(f"chain {chain.label()}: on CPU only chain drafts (topk=1) run (sglang_cpu_compat)")
+    Speculative with `draft_path` (an export folder) and `draft_args` (the sglang.Engine arguments
+    of its draft method, `Chain.draft_args`), greedy without. `cuda_graph`: None = SGLang's default
+    on GPU (on), off on CPU."""
+    if (draft_path is None) != (draft_args is None):
+        raise ValueError("speculation needs both a draft folder and the draft method's engine arguments")
+    speculative = draft_args is not None
+    what = (", ".join(f"{k.removeprefix('speculative_')}={v}" for k, v in draft_args.items())
+            if speculative else "no speculation")
+    if device == "cpu" and speculative and draft_args.get("speculative_eagle_topk", 1) != 1:
+        raise ValueError(f"{what}: on CPU only chain drafts (topk=1) run (sglang_cpu_compat)")
     engine_args = dict(model_path=str(model_path), device=device, dtype=dtype, tp_size=tp_size, base_gpu_id=gpu_id,
                        mem_fraction_static=mem_fraction_static, max_total_tokens=max_total_tokens,
                        max_running_requests=max_running_requests, skip_server_warmup=True, log_level="error",
                        random_seed=0, trust_remote_code=trust_remote_code)
+    if load_threads:  # as the training stream's engine loads (target_engine/sglang_engine.py)
+        engine_args["model_loader_extra_config"] = json.dumps({"enable_multithread_load": True,
+                                                               "num_threads": load_threads})
+    if dist_timeout is not None:
+        engine_args["dist_timeout"] = dist_timeout
     if device == "cpu":
         engine_args.update(attention_backend="torch_native", disable_cuda_graph=True, disable_overlap_schedule=True)
     else:
@@ -84,10 +113,8 @@ def generate(model_path: str, prompts: list[list[int]], *, max_new_tokens: int, 
             engine_args["attention_backend"] = attention_backend
         if cuda_graph is not None:
             engine_args["disable_cuda_graph"] = not cuda_graph
-    if chain is not None:
-        engine_args.update(speculative_algorithm="EAGLE3", speculative_draft_model_path=str(draft_path),
-                           speculative_num_steps=chain.steps, speculative_eagle_topk=chain.topk,
-                           speculative_num_draft_tokens=chain.draft_tokens)
+    if speculative:
+        engine_args.update(draft_args, speculative_draft_model_path=str(draft_path))
         if draft_attention_backend:
             engine_args["speculative_draft_attention_backend"] = draft_attention_backend
     env = dict(os.environ)
@@ -98,17 +125,15 @@ def generate(model_path: str, prompts: list[list[int]], *, max_new_tokens: int, 
     with tempfile.TemporaryDirectory(prefix="specforge-eval-") as tmp:
         request, result = Path(tmp, "request.json"), Path(tmp, "result.json")
         request.write_text(json.dumps({"engine": engine_args, "prompts": prompts, "max_new_tokens": max_new_tokens,
-                                       "speculative": chain is not None}))
+                                       "speculative": speculative}))
         try:
             proc = subprocess.run([sys.executable, "-m", "specforge_k25.target_engine.sglang_spec", str(request), str(result)],
                                   env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                                   timeout=timeout_s)
         except subprocess.TimeoutExpired:
-            raise RuntimeError(f"SGLang engine ({'chain ' + chain.label() if chain else 'no speculation'}) did not "
-                               f"finish in {timeout_s:.0f} s") from None
+            raise RuntimeError(f"SGLang engine ({what}) did not finish in {timeout_s:.0f} s") from None
         if proc.returncode != 0 or not result.is_file():
-            raise RuntimeError(f"SGLang engine ({'chain ' + chain.label() if chain else 'no speculation'}) failed "
-                               f"(exit {proc.returncode}):\n{proc.stdout[-4000:]}")
+            raise RuntimeError(f"SGLang engine ({what}) failed (exit {proc.returncode}):\n{proc.stdout[-4000:]}")
         return Generation(**json.loads(result.read_text()))
 
 

@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import math
 
+import pytest
 import torch
 
+from specforge_k25.draft.eagle3_mla.model import Eagle3MLADraft, MLADraftConfig
 from specforge_k25.draft.loss import Teacher, ttt_loss
 from specforge_k25.draft.model import DraftConfig, Eagle3Draft
 from specforge_k25.draft.vocab import build_vocab_maps, target_to_draft
@@ -60,11 +62,18 @@ def test_draft_proposer_indexing():
     assert replay(seq, prompt_len, draft_proposer(broken)) == (n, 3)
 
 
-def _tiny_draft(seed=0):
+def _tiny_draft(seed=0, mla=False):
+    """A float64 head of either draft method (eagle3: Llama attention, eagle3_mla: MLA), 3 aux states."""
     torch.manual_seed(seed)
-    cfg = DraftConfig(hidden_size=16, intermediate_size=24, num_attention_heads=4, num_key_value_heads=2,
-                      head_dim=8, vocab_size=12, draft_vocab_size=8, target_hidden_size=16)
-    draft = Eagle3Draft(cfg).double()
+    if mla:
+        cfg = MLADraftConfig(hidden_size=16, intermediate_size=24, num_attention_heads=4, q_lora_rank=12,
+                             kv_lora_rank=8, qk_nope_head_dim=4, qk_rope_head_dim=4, v_head_dim=6, vocab_size=12,
+                             draft_vocab_size=8, target_hidden_size=16)
+        draft = Eagle3MLADraft(cfg).double()
+    else:
+        cfg = DraftConfig(hidden_size=16, intermediate_size=24, num_attention_heads=4, num_key_value_heads=2,
+                          head_dim=8, vocab_size=12, draft_vocab_size=8, target_hidden_size=16)
+        draft = Eagle3Draft(cfg).double()
     with torch.no_grad():
         for name, p in draft.named_parameters():
             p.copy_(1.0 + 0.3 * torch.randn_like(p) if name.endswith("norm.weight") else 0.5 * torch.randn_like(p))
@@ -74,10 +83,12 @@ def _tiny_draft(seed=0):
     return draft
 
 
-def test_step_counts_equal_the_training_metric():
+@pytest.mark.parametrize("mla", [False, True], ids=["eagle3", "eagle3_mla"])
+def test_step_counts_equal_the_training_metric(mla):
     """On a greedy output (the target's argmax IS the next token), acc_k counted by the eval
-    equals ttt_loss's `correct` / `scored` with the completion as loss mask."""
-    draft = _tiny_draft()
+    equals ttt_loss's `correct` / `scored` with the completion as loss mask, for a head of
+    either method (the replay keeps each step's cache as training does: K/V or MLA's latent)."""
+    draft = _tiny_draft(mla=mla)
     T, prompt_len, K = 14, 5, 4
     g = torch.Generator().manual_seed(1)
     seq = torch.randint(0, 12, (T,), generator=g)
