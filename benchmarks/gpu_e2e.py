@@ -312,7 +312,8 @@ def check_spec(args, setup, trainer, export_dir: Path, size: dict) -> tuple[list
         t0 = time.perf_counter()
         try:
             greedy = generate(setup.model_path, prompts, **kw)
-            spec = generate(setup.model_path, prompts, draft_path=str(export_dir), chain=Chain(3, 1, 4), **kw)
+            spec = generate(setup.model_path, prompts, draft_path=str(export_dir),
+                            draft_args=Chain(3, 1, 4).draft_args(setup.method), **kw)
         except Exception as err:  # noqa: BLE001 - the other mode still runs
             rows.append({"cuda_graph": graphs, "ok": False, "wall_s": time.perf_counter() - t0,
                          "error": f"{type(err).__name__}: {(str(err).splitlines() or [''])[0][:300]}"})
