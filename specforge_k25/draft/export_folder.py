@@ -34,3 +34,17 @@ def publish_folder(out_dir: str | Path, tensors: dict[str, torch.Tensor], config
         shutil.rmtree(out)
     os.replace(tmp, out)
     return out
+
+
+def shape_problems(tensors: dict[str, torch.Tensor], expected: dict[str, tuple], skip=(), why_unexpected=None) -> list[str]:
+    """Each tensor of `expected` missing or of another shape, and each tensor beyond it (those in
+    `skip` aside: checked elsewhere), with `why_unexpected(name)` saying why that matters."""
+    problems = []
+    for name, shape in expected.items():
+        if name not in tensors:
+            problems.append(f"missing tensor {name}")
+        elif tuple(tensors[name].shape) != shape:
+            problems.append(f"{name} has shape {tuple(tensors[name].shape)}, expected {shape}")
+    for name in sorted(set(tensors) - set(expected) - set(skip)):
+        problems.append(f"unexpected tensor {name}" + (f" ({why_unexpected(name)})" if why_unexpected else ""))
+    return problems

@@ -30,6 +30,7 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file
 
+from ..export_folder import shape_problems
 from ..method import draft_state
 from .model import DFlashConfig, DFlashDraft, check_config
 
@@ -137,14 +138,8 @@ def validate_export(export_dir: str | Path) -> None:
     if config.get("layer_types", ["full_attention"] * cfg.num_hidden_layers) != ["full_attention"] * cfg.num_hidden_layers:
         problems.append(f"layer_types={config.get('layer_types')!r}: the draft is full (bidirectional) attention")
     tensors = load_file(d / "model.safetensors")
-    expected = expected_shapes(cfg)
-    for name, shape in expected.items():
-        if name not in tensors:
-            problems.append(f"missing tensor {name}")
-        elif tuple(tensors[name].shape) != shape:
-            problems.append(f"{name} has shape {tuple(tensors[name].shape)}, expected {shape}")
-    problems += [f"unexpected tensor {n} (the servers skip unknown names silently)"
-                 for n in sorted(set(tensors) - set(expected))]
+    problems += shape_problems(tensors, expected_shapes(cfg),
+                               why_unexpected=lambda name: "the servers skip unknown names silently")
     if problems:
         raise ValueError(f"invalid DFlash draft export {d}:\n  " + "\n  ".join(problems))
 

@@ -26,6 +26,7 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file
 
+from ..export_folder import shape_problems
 from ..method import draft_state
 from ..model import NUM_AUX, DraftConfig, Eagle3Draft
 from ..vocab import VOCAB_MAPS, vocab_map_problems, with_identity_maps, without_identity_maps
@@ -134,15 +135,9 @@ def validate_export(export_dir: str | Path) -> None:
     if cfg.fc_norm:
         expected |= {f"fc_norm.{i}.weight": (Ht,) for i in range(NUM_AUX)}
     tensors = load_file(d / "model.safetensors")
-    for name, shape in expected.items():
-        if name not in tensors:
-            problems.append(f"missing tensor {name}")
-        elif tuple(tensors[name].shape) != shape:
-            problems.append(f"{name} has shape {tuple(tensors[name].shape)}, expected {shape}")
-    for name in sorted(set(tensors) - set(expected) - set(VOCAB_MAPS)):
-        why = ("config.fc_norm is off: the servers would not apply it" if name.startswith("fc_norm.")
-               else "the embedding must not be exported")
-        problems.append(f"unexpected tensor {name} ({why})")
+    problems += shape_problems(tensors, expected, VOCAB_MAPS, lambda name: (
+        "config.fc_norm is off: the servers would not apply it" if name.startswith("fc_norm.")
+        else "the embedding must not be exported"))
     problems += vocab_map_problems(tensors, cfg.draft_vocab_size, cfg.vocab_size)
     if problems:
         raise ValueError(f"invalid export {d}:\n  " + "\n  ".join(problems))

@@ -20,6 +20,7 @@ class Eagle3Method(DraftMethod):
     model_class = Eagle3Draft
     config_class = DraftConfig
     plan = plan
+    export = export  # the serving folder's module: tensors, config, check, reload
     _units = ("fc_norm", "fc", "midlayer", "norm", "lm_head")  # fc_norm exists only with the option on
 
     def resolve_config(self, spec, target, num_aux: int = NUM_AUX) -> DraftConfig:
@@ -66,13 +67,13 @@ class Eagle3Method(DraftMethod):
         return ttt.loss_positions(batch.loss_mask, batch.lengths, batch.teacher, depth)
 
     def serving_tensors(self, model, dtype):
-        return export.serving_tensors(model, dtype)
+        return self.export.serving_tensors(model, dtype)
 
     def serving_config(self, cfg, *, sglang_layer_ids, vllm_layer_ids, bos_token_id, eos_token_id, dtype) -> dict:
-        return export.serving_config(cfg, sglang_layer_ids, vllm_layer_ids, bos_token_id, eos_token_id, dtype)
+        return self.export.serving_config(cfg, sglang_layer_ids, vllm_layer_ids, bos_token_id, eos_token_id, dtype)
 
     def validate_export(self, export_dir: Path) -> None:
-        export.validate_export(export_dir)
+        self.export.validate_export(export_dir)
 
     def load_export(self, export_dir: Path, embed_weight: torch.Tensor) -> Eagle3Draft:
-        return export.load_export(export_dir, embed_weight)
+        return self.export.load_export(export_dir, embed_weight)

@@ -24,6 +24,7 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file
 
+from ..export_folder import shape_problems
 from ..method import draft_state
 from ..vocab import VOCAB_MAPS, vocab_map_problems, with_identity_maps, without_identity_maps
 from .model import YARN_KEYS, Eagle3MLADraft, MLADraftConfig, _yarn
@@ -143,14 +144,8 @@ def validate_export(export_dir: str | Path) -> None:
         problems.append(f"vLLM ids {top!r} / eagle_config.layer_ids {nested!r}: need the same "
                         f"{cfg.num_aux_hidden_states} ints in both")
     tensors = load_file(d / "model.safetensors")
-    expected = expected_shapes(cfg)
-    for name, shape in expected.items():
-        if name not in tensors:
-            problems.append(f"missing tensor {name}")
-        elif tuple(tensors[name].shape) != shape:
-            problems.append(f"{name} has shape {tuple(tensors[name].shape)}, expected {shape}")
-    problems += [f"unexpected tensor {n} (vLLM skips unknown names silently)"
-                 for n in sorted(set(tensors) - set(expected) - set(VOCAB_MAPS))]
+    problems += shape_problems(tensors, expected_shapes(cfg), VOCAB_MAPS,
+                               lambda name: "vLLM skips unknown names silently")
     problems += vocab_map_problems(tensors, cfg.draft_vocab_size, cfg.vocab_size)
     if problems:
         raise ValueError(f"invalid MLA draft export {d}:\n  " + "\n  ".join(problems))

@@ -3,10 +3,6 @@
 `Eagle3DeepseekV2ForCausalLM` (SGLang's kimi_k25_eagle3.py, vLLM's deepseek_eagle3.py)."""
 from __future__ import annotations
 
-from pathlib import Path
-
-import torch
-
 from ..eagle3.method import Eagle3Method
 from . import export, plan
 from .model import Eagle3MLADraft, MLADraftConfig
@@ -21,6 +17,7 @@ class Eagle3MLAMethod(Eagle3Method):
     model_class = Eagle3MLADraft
     config_class = MLADraftConfig
     plan = plan
+    export = export
     _units = ("fc", "midlayer", "norm", "lm_head")
 
     def resolve_config(self, spec, target, num_aux: int = DEFAULT_NUM_AUX) -> MLADraftConfig:
@@ -61,15 +58,3 @@ class Eagle3MLAMethod(Eagle3Method):
                 f"{cfg.q_lora_rank}, kv_lora {cfg.kv_lora_rank}, nope/rope/v {cfg.qk_nope_head_dim}/"
                 f"{cfg.qk_rope_head_dim}/{cfg.v_head_dim}, I {cfg.intermediate_size}, Vd {cfg.draft_vocab_size}, "
                 f"K {cfg.num_aux_hidden_states}")
-
-    def serving_tensors(self, model, dtype):
-        return export.serving_tensors(model, dtype)
-
-    def serving_config(self, cfg, *, sglang_layer_ids, vllm_layer_ids, bos_token_id, eos_token_id, dtype) -> dict:
-        return export.serving_config(cfg, sglang_layer_ids, vllm_layer_ids, bos_token_id, eos_token_id, dtype)
-
-    def validate_export(self, export_dir: Path) -> None:
-        export.validate_export(export_dir)
-
-    def load_export(self, export_dir: Path, embed_weight: torch.Tensor) -> Eagle3MLADraft:
-        return export.load_export(export_dir, embed_weight)
