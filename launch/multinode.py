@@ -80,17 +80,17 @@ def hw_layout(overrides: list[str]) -> tuple[int, int, int, bool]:
     node starts)."""
     sys.path.insert(0, str(REPO))
     from specforge_k25.config import compose_job
-    from specforge_k25.setup.layout import ranks_per_node
+    from specforge_k25.plan.budget import node_layout
 
     try:
         job = compose_job(overrides)
     except Exception as err:  # hydra's errors (unknown key, wrong type, missing group)
         raise LaunchError(f"the overrides do not compose: {err}") from None
     try:
-        ranks = ranks_per_node(job.hw)
+        layout = node_layout(job.hw)
     except ValueError as err:
         raise LaunchError(str(err)) from None
-    return job.hw.target_tp, job.hw.target_replicas, ranks, job.hw.trainer_layout == "colocated"
+    return job.hw.target_tp, job.hw.target_replicas, layout.ranks_per_node, layout.colocated
 
 
 def check_args(args: argparse.Namespace) -> None:

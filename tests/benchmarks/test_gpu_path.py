@@ -179,8 +179,10 @@ def test_gpu_e2e_one_graphs_mode_failing_keeps_the_other(monkeypatch, tmp_path):
 
     monkeypatch.setattr(g, "generate", generate)
     monkeypatch.setattr(g, "export_draft", lambda *a, **k: None)
+    from specforge_k25.draft.registry import get_method
+
     setup = SimpleNamespace(model_path=str(tmp_path), eagle_layer_ids=[], capture_points=[], info=SimpleNamespace(
-        bos_token_id=1, eos_token_id=2, vocab_size=100))
+        bos_token_id=1, eos_token_id=2, vocab_size=100), method=get_method("eagle3"))
     args = g.parse_args(["--device", "cuda"])
     rows, errors = g.check_spec(args, setup, SimpleNamespace(draft=None), tmp_path, g.SIZES["small"])
     assert [r["cuda_graph"] for r in rows] == [False, True] and rows[0]["ok"] and rows[0]["identical"] == 4, rows

@@ -32,11 +32,12 @@ def test_attention_backend_reaches_the_engine(backend, monkeypatch, smollm2_path
 
 
 def test_eval_engines_get_the_same_attention_backend():
+    """Eval's engines are built from the training run's TargetSpec (setup/run.py target_spec)."""
     from specforge_k25.config import EvalJobConfig
-    from specforge_k25.eval.run import _engine_kwargs
+    from specforge_k25.target_engine.sglang_spec import engine_kwargs
 
     job = compose_job(["hw.target_attention_backend=triton"], config_name="eval")
-    assert isinstance(job, EvalJobConfig) and _engine_kwargs(job)["attention_backend"] == "triton"
+    assert isinstance(job, EvalJobConfig) and engine_kwargs(target_spec(job))["attention_backend"] == "triton"
 
 
 def test_the_tp_node_cli_builds_the_trainers_spec(monkeypatch, smollm2_path):

@@ -123,10 +123,10 @@ def test_sglang_kimi_hidden_states_equal_hf(tiny_kimi_path, sglang_capture):
 
 _LAYER_IDS_PROBE = """
     import json, sys, torch
-    from specforge_k25.export.serving import serving_config
+    from specforge_k25.draft.eagle3.export import serving_config
     from specforge_k25.draft.model import DraftConfig
     from specforge_k25.target_engine.hf_config import load_embedding_and_head, read_target_info
-    from specforge_k25.target_engine.layers import default_capture_points, layer_id_rule, sglang_layer_ids
+    from specforge_k25.target_engine.layers import default_capture_points, layer_id_rule, sglang_layer_ids, vllm_layer_ids
     from specforge_k25.target_engine.sglang_engine import SGLangTarget
 
     if __name__ == "__main__":
@@ -146,7 +146,7 @@ _LAYER_IDS_PROBE = """
         exported = {}
         for trained in ([2, 4, 5], [3, 5, 6], [2, 3, 7]):
             ids = sglang_layer_ids(trained, layer_id_rule(info.architecture))
-            eagle = json.loads(json.dumps(serving_config(cfg, ids, 1, 2, "float32", trained)))["eagle_config"]
+            eagle = json.loads(json.dumps(serving_config(cfg, ids, vllm_layer_ids(trained), 1, 2, "float32")))["eagle_config"]
             model.set_eagle3_layers_to_capture(eagle["eagle_aux_hidden_state_layer_ids"])
             exported[str(trained)] = list(text.layers_to_capture)
         result["exported"] = exported
