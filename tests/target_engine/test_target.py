@@ -133,8 +133,9 @@ def test_engine_output_is_checked_against_the_capture_count():
 
 
 def test_setup_refuses_a_capture_count_the_draft_cannot_take(smollm2_path):
-    """target.aux_layers of K != 3 points is refused when the run is set up (prepare and the target
-    spec of every node), naming the draft and both counts; the default and any 3 points pass."""
+    """target.aux_layers of K != 3 points is refused for the EAGLE-3 head when the run is set up
+    (prepare and the target spec of every node), naming the head and both counts; the default and
+    any 3 points pass; the MLA head takes 5."""
     from specforge_k25.config import compose_job
     from specforge_k25.setup.run import capture_points, target_spec
 
@@ -144,10 +145,13 @@ def test_setup_refuses_a_capture_count_the_draft_cannot_take(smollm2_path):
     for layers, k in (("[2,15]", 2), ("[2,8,15,22,27]", 5)):
         job = compose_job([f"target.aux_layers={layers}"])
         for check in (lambda: capture_points(job, info), lambda: target_spec(job)):
-            with pytest.raises(ValueError, match=rf"asks for {k} aux states, but the EAGLE-3 draft "
-                                                 rf"\(draft/model.py Eagle3Draft.*takes exactly 3"):
+            with pytest.raises(ValueError, match=rf"{k} capture points \(target.aux_layers\), but the EAGLE-3 head "
+                                                 rf"\(fc over 3 x Ht.*takes exactly 3"):
                 check()
     assert target_spec(compose_job([])).num_aux == 3
+    # a method that reads any number of states takes them: the count is the method's to refuse
+    mla = compose_job(["target.aux_layers=[2,8,15,22,27]", "draft.method=eagle3_mla"])
+    assert capture_points(mla, info) == [2, 8, 15, 22, 27] and target_spec(mla).num_aux == 5
 
 
 def test_capture_point_validation():
