@@ -76,9 +76,13 @@ def _start_quietly(process, env: dict[str, str] | None = None) -> None:
                 os.environ[k] = v
 
 
-def _stop(processes) -> None:
+def _stop(processes, grace_s: float = 0.0) -> None:
     """Kill target processes and anything they started (no orphans). SIGKILL: they ignore SIGTERM
-    (target_process.GROUP_SIGNALS) and hold nothing to save (the trainer owns the ring)."""
+    (target_process.GROUP_SIGNALS) and hold nothing to save (the trainer owns the ring).
+    grace_s: time to let processes that are ending on their own (after their EndOfStream) finish
+    their interpreter exit first. A kill during that exit can land between multiprocessing's unlink
+    of a semaphore the process made (tqdm's lock, in SGLang's weight loading) and its message to the
+    resource tracker, which then warns of a "leaked semaphore" at the trainer's exit."""
     children = []
     for process in processes:
         if process.is_alive():
@@ -86,6 +90,10 @@ def _stop(processes) -> None:
                 children += psutil.Process(process.pid).children(recursive=True)
             except psutil.Error:
                 pass
+    deadline = time.monotonic() + grace_s
+    for process in processes:
+        process.join(timeout=max(0.0, deadline - time.monotonic()))
+        if process.is_alive():
             process.kill()
     for process in processes:
         process.join(timeout=10)
@@ -295,6 +303,6 @@ class TargetStream:
 
     def close(self) -> None:
         """Stop the target processes (every TP rank on this node) and anything they started (no orphans)."""
-        _stop(list(self.tp_processes.values()))
+        _stop(list(self.tp_processes.values()), grace_s=30.0 if self.target_io is not None else 0.0)
         self.ring.close()
         self.rendezvous = None  # closes the store's port
