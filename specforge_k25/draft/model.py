@@ -18,6 +18,8 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from .ttt_attention import ttt_attention
+
 
 NUM_AUX = 3  # captured target states fused by fc (docs/EAGLE3.md §4)
 
@@ -88,9 +90,9 @@ class Attention(nn.Module):
         steps, each [B, nkv, T, hd]. Query i attends to step-0 keys at positions <= i (causal) and,
         for each step j in 1..k, to the key of position i only. Returns (out [B, T, H], (K_k, V_k)).
 
-        One fused SDPA call over the keys of all steps side by side, [B, nh, (k+1)T, hd], with the
-        mask [causal | eye | ... | eye] ([T, (k+1)T]): no [B, nh, T, T] probabilities are kept
-        (flash / memory-efficient kernels keep q, k, v, out and a logsumexp per query).
+        Exact TTT attention without a [T, (k+1)T] mask (draft/ttt_attention.py): one causal SDPA
+        call over step 0's keys (flash / memory-efficient kernels, no [B, nh, T, T] kept) merged with
+        the k diagonal terms, O(kT) per head.
         """
         B, T, _ = x.shape
         q = self.q_proj(x).view(B, T, self.nh, self.hd).transpose(1, 2)  # [B, nh, T, hd]
@@ -99,18 +101,8 @@ class Attention(nn.Module):
         cos, sin = rope_cos_sin(positions, self.hd, self.theta, q.dtype)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         steps = [*past, (k, v)]
-        groups = self.nh // self.nkv
-        keys = torch.cat([kj for kj, _ in steps], 2).repeat_interleave(groups, dim=1)  # [B, nh, (k+1)T, hd]
-        values = torch.cat([vj for _, vj in steps], 2).repeat_interleave(groups, dim=1)
-        mask = ttt_attention_mask(T, len(past), x.device)
-        out = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, scale=1.0 / math.sqrt(self.hd))
+        out = ttt_attention(q, [kj for kj, _ in steps], [vj for _, vj in steps], 1.0 / math.sqrt(self.hd))
         return self.o_proj(out.transpose(1, 2).reshape(B, T, self.nh * self.hd)), (k, v)
-
-
-def ttt_attention_mask(T: int, k: int, device) -> torch.Tensor:
-    """[T, (k+1)T] bool, True = visible: causal over step 0's keys, the diagonal of steps 1..k."""
-    eye = torch.eye(T, dtype=torch.bool, device=device)
-    return torch.cat([torch.ones(T, T, dtype=torch.bool, device=device).tril()] + [eye] * k, -1)
 
 
 class MLP(nn.Module):

@@ -18,7 +18,7 @@ is (qk_nope + qk_rope)^-1/2 times mscale(factor, mscale_all_dim)^2, as both serv
 Parameter names follow draft/model.py (`midlayer.*`); the export renames the layer to `layers.0.*`.
 TTT (draft/loss.py) runs over this head unchanged: a step's cache entry is (latent c, roped kpe),
 the two tensors MLA keeps per token, and attention at step k sees step 0's keys causally and the
-diagonal of steps 1..k (draft/model.py::ttt_attention_mask).
+diagonal of steps 1..k (draft/ttt_attention.py).
 
 Shapes: B batch, T positions, H hidden, Ht target hidden, K aux states, nh heads, dn/dr/dv
 nope/rope/value head dims, r kv_lora_rank, rq q_lora_rank, V target vocab, Vd draft vocab.
@@ -30,9 +30,9 @@ from dataclasses import dataclass, field
 
 import torch
 import torch.nn as nn
-import torch.nn.functional as F
 
-from ..model import DecoderLayer, RMSNorm, ttt_attention_mask
+from ..model import DecoderLayer, RMSNorm
+from ..ttt_attention import ttt_attention
 
 YARN_KEYS = ("factor", "original_max_position_embeddings", "beta_fast", "beta_slow", "mscale", "mscale_all_dim",
              "extrapolation_factor", "attn_factor")
@@ -152,9 +152,9 @@ class MLAAttention(nn.Module):
         x [B, T, 2H]; positions [B, T] (already offset by k); `past` holds (c_j [B, T, r],
         kpe_j [B, T, dr]) of the earlier steps. Returns (out [B, T, H], (c_k, kpe_k)).
 
-        Keys and values are expanded from every step's latent here (kv_b_proj over (k+1)T rows,
-        cheap next to the layer's other matmuls), so a step keeps only what MLA caches; one SDPA
-        call over [B, nh, (k+1)T, dn+dr] keys with the TTT mask.
+        Keys and values are expanded from every step's latent here (kv_b_proj over each step's T
+        rows, cheap next to the layer's other matmuls), so a step keeps only what MLA caches; then
+        the exact TTT attention of draft/ttt_attention.py (no [T, (k+1)T] mask).
         """
         cfg = self.cfg
         B, T, _ = x.shape
@@ -168,14 +168,13 @@ class MLAAttention(nn.Module):
         q = torch.cat([q[..., :dn], apply_rope_interleaved(q[..., dn:], cos, sin)], -1)
         k_pe = apply_rope_interleaved(kv_a[:, None, :, r:], cos, sin)[:, 0]  # [B, T, dr]
 
-        steps = [*past, (latent, k_pe)]
-        latents = torch.cat([c for c, _ in steps], 1)  # [B, S, r], S = (k+1)T
-        S = latents.shape[1]
-        kv = self.kv_b_proj(latents).view(B, S, nh, dn + dv).transpose(1, 2)  # [B, nh, S, dn+dv]
-        rope_keys = torch.cat([p for _, p in steps], 1)[:, None].expand(B, nh, S, dr)  # one rope key for all heads
-        keys = torch.cat([kv[..., :dn], rope_keys.to(kv.dtype)], -1)  # [B, nh, S, dn+dr]
-        mask = ttt_attention_mask(T, len(past), x.device)
-        out = F.scaled_dot_product_attention(q, keys, kv[..., dn:], attn_mask=mask, scale=self.scale)  # [B, nh, T, dv]
+        keys, values = [], []
+        for c, p in [*past, (latent, k_pe)]:
+            kv = self.kv_b_proj(c).view(B, T, nh, dn + dv).transpose(1, 2)  # [B, nh, T, dn+dv]
+            rope_key = p[:, None].expand(B, nh, T, dr).to(kv.dtype)  # one rope key for all heads
+            keys.append(torch.cat([kv[..., :dn], rope_key], -1))  # [B, nh, T, dn+dr]
+            values.append(kv[..., dn:])  # [B, nh, T, dv]
+        out = ttt_attention(q, keys, values, self.scale)  # [B, nh, T, dv]
         return self.o_proj(out.transpose(1, 2).reshape(B, T, nh * dv)), (latent, k_pe)
 
 
