@@ -71,6 +71,7 @@ def prepare(job: JobConfig) -> RunSetup:
         num_samples=job.data.num_samples, heldout_samples=job.data.heldout_samples,
         end_of_turn_id=end_of_turn_id, seed=job.data.seed,
         split=job.data.split, show_progress=job.train.progress, render=_renderer(job, tokenizer),
+        fit_long_rows=job.data.fit_long_rows,
     )
     top = max((int(s.input_ids.max()) for s in [*data.train, *data.heldout] if len(s.input_ids)), default=-1)
     if top >= info.vocab_size:  # the engine would index past its embedding
@@ -214,7 +215,7 @@ def target_spec(job: JobConfig, engine: str = "sglang", tokenizer=None) -> Targe
                       nnodes=hw.target_nnodes, node_rank=hw.target_node_rank, dist_init_addr=hw.target_dist_init_addr,
                       dist_timeout=round(hw.target_dist_timeout_s if hw.target_dist_timeout_s is not None
                                          else job.train.dist_timeout_s),
-                      load_threads=hw.target_load_threads)
+                      load_threads=hw.target_load_threads, prefill_chunk=hw.target_prefill_chunk)
     if job.data.regenerate:
         if tokenizer is None:
             from ..data.kimi_tiktoken import load_tokenizer

@@ -35,7 +35,8 @@ def print_overview(job: JobConfig, setup: RunSetup, schedule: list[BatchItem], s
         f"draft       {setup.method.name}: {setup.method.describe(setup.draft_cfg)}; {_fmt_params(trainable)} "
         f"trainable (+{_fmt_params(draft.embed_tokens.weight.numel())} frozen embedding)",
         f"data        {len(setup.data.train)} train / {len(setup.data.heldout)} held-out samples, max_length "
-        f"{job.data.max_length}; skipped {dict(setup.data.skipped) or 'none'}",
+        f"{job.data.max_length} ({setup.data.truncated} cut there, {setup.data.turns_dropped} as their later turns); "
+        f"skipped {dict(setup.data.skipped) or 'none'}",
         f"schedule    {steps} optimizer steps = {len(train_items)} micro-batches of {job.train.batch_size} "
         f"x accum {job.train.grad_accum}, {train_tokens} tokens; depth {setup.method.depth(setup.draft_cfg, job.train.ttt_length)}; lr {job.train.lr}",
         f"stream      {job.train.stream_slots} shared-memory slots of up to "

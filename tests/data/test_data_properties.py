@@ -609,3 +609,38 @@ def test_iter_jsonl_invalid_utf8_becomes_invalid_unicode_row():
     with pytest.raises(BadRow) as err:
         normalize_row(rows[0])
     assert err.value.reason == "invalid_unicode"
+
+
+def _row(*turns: tuple[str, str]) -> str:
+    return json.dumps({"messages": [{"role": r, "content": c} for r, c in turns]})
+
+
+LONG = " ".join(f"word{i}" for i in range(120))  # well over the max_length below
+
+
+@pytest.mark.parametrize("system", [False, True])
+def test_row_over_max_length_keeps_its_later_exchange(system):
+    """A first prompt that fills max_length: the cut leaves nothing to train (the row was dropped);
+    the later exchange, rendered as its own conversation (system message kept), trains instead."""
+    lead = [("system", "Be brief.")] if system else []
+    turns = [*lead, ("user", LONG), ("assistant", "ok"), ("user", "and two?"), ("assistant", "two three four five")]
+    later = [{"role": r, "content": c} for r, c in [*lead, *turns[-2:]]]
+    expected = tokenize_conversation(_tok(), later, 4096, _eot())
+    n = len(expected.input_ids)
+    data = _build([_row(*turns)] * 2, max_length=n, num_samples=2)
+    assert data.summary()["rows_kept_as_later_turns"] == 2 and not data.skipped and data.truncated == 0
+    for s in data.train:
+        assert torch.equal(s.input_ids, expected.input_ids) and torch.equal(s.loss_mask, expected.loss_mask)
+    with pytest.raises(ValueError, match="no_loss_tokens_after_truncation"):  # the cut alone: both rows dropped
+        _build([_row(*turns)] * 2, max_length=n, num_samples=2, fit_long_rows=False)
+
+
+def test_row_over_max_length_keeps_the_cut_when_it_trains_more():
+    """A long first answer cut at max_length trains more than the short later exchange: the cut stays."""
+    turns = [("user", "count"), ("assistant", LONG), ("user", "and two?"), ("assistant", "two")]
+    messages = [{"role": r, "content": c} for r, c in turns]
+    whole = tokenize_conversation(_tok(), messages, 4096, _eot())
+    data = _build([_row(*turns)] * 2, max_length=100, num_samples=2)
+    assert data.summary()["rows_kept_as_later_turns"] == 0 and data.truncated == 2
+    for s in data.train:
+        assert torch.equal(s.input_ids, whole.input_ids[:100]) and torch.equal(s.loss_mask, whole.loss_mask[:100])
