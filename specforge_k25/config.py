@@ -135,6 +135,7 @@ class TrainConfig:
     warmup_ratio: float = doc(0.015, "fraction of optimizer steps of linear warmup, then cosine to 0")
     grad_clip: float = doc(0.5, "max gradient norm")
     batch_size: int = doc(1, "sequences per micro-batch per trainer rank (global batch = batch_size x ranks)")
+    group_by_length: bool = doc(True, "micro-batches of similar lengths (each window of 32 global batches sorted by length, its batches shuffled), so less of a batch is padding; the run plan prints the padding share")
     grad_accum: int = doc(1, "micro-batches per optimizer step")
     epochs: int = doc(1, "passes over the training samples")
     max_steps: Optional[int] = doc(None, "stop after this many optimizer steps (null = epochs)")

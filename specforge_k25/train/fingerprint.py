@@ -23,7 +23,7 @@ def run_fingerprint(job: JobConfig, setup: RunSetup, n_items: int, ranks: int = 
         "regeneration": json.loads(json.dumps(dataclasses.asdict(setup.regeneration))) if setup.regeneration else None,
         "regen_cut": job.data.regen_cut if setup.regeneration else None,
         "batch_size": job.train.batch_size, "grad_accum": job.train.grad_accum, "ttt_length": job.train.ttt_length,
-        "trainer_ranks": ranks, "trainer_layout": job.hw.trainer_layout,
+        "group_by_length": job.train.group_by_length, "trainer_ranks": ranks, "trainer_layout": job.hw.trainer_layout,
     }
 
 
@@ -38,8 +38,10 @@ def fingerprint_defaults(fingerprint: dict) -> dict:
     """A saved fingerprint with the keys older checkpoints left out at the value they meant: the
     trainer ranks were recorded only when there were several (absent: one), the layout only when
     co-located, regen_cut not at all (absent while regenerating: its default, keep), the draft
-    method not at all (the one method there was), nor its fc_norm / norm_output (off)."""
-    fp = {"trainer_ranks": 1, "trainer_layout": "dedicated", "draft_method": FIRST_METHOD, **fingerprint}
+    method not at all (the one method there was), nor its fc_norm / norm_output (off), nor
+    length grouping (off)."""
+    fp = {"trainer_ranks": 1, "trainer_layout": "dedicated", "draft_method": FIRST_METHOD, "group_by_length": False,
+          **fingerprint}
     if isinstance(fp.get("draft"), dict):  # the draft's EAGLE-3.1 options (draft/model.py), off when not recorded
         fp["draft"] = {"fc_norm": False, "norm_output": False, **fp["draft"]}
     fp.setdefault("regen_cut", "keep" if fp.get("regeneration") else None)

@@ -6,7 +6,7 @@ from pathlib import Path
 from ..config import JobConfig
 from ..plan.budget import node_layout
 from ..setup.run import RunSetup
-from .schedule import BatchItem
+from .schedule import BatchItem, padding_share
 
 
 def _fmt_params(n: int) -> str:
@@ -38,7 +38,9 @@ def print_overview(job: JobConfig, setup: RunSetup, schedule: list[BatchItem], s
         f"{job.data.max_length} ({setup.data.truncated} cut there, {setup.data.turns_dropped} as their later turns); "
         f"skipped {dict(setup.data.skipped) or 'none'}",
         f"schedule    {steps} optimizer steps = {len(train_items)} micro-batches of {job.train.batch_size} "
-        f"x accum {job.train.grad_accum}, {train_tokens} tokens; depth {setup.method.depth(setup.draft_cfg, job.train.ttt_length)}; lr {job.train.lr}",
+        f"x accum {job.train.grad_accum}, {train_tokens} tokens, "
+        f"{padding_share(schedule, [len(s.input_ids) for s in setup.data.train], job.train.batch_size):.0%} padding"
+        f"{' (grouped by length)' if job.train.group_by_length and job.train.batch_size * world > 1 else ''}; depth {setup.method.depth(setup.draft_cfg, job.train.ttt_length)}; lr {job.train.lr}",
         f"stream      {job.train.stream_slots} shared-memory slots of up to "
         f"{job.train.batch_size * job.data.max_length} tokens x {(setup.method.num_aux(setup.draft_cfg) + 1) * H} floats",
         f"outputs     {run_dir}",

@@ -7,7 +7,7 @@ from collections import Counter
 import pytest
 import torch
 
-from specforge_k25.train.schedule import BatchItem, build_schedule
+from specforge_k25.train.schedule import BatchItem, build_schedule, padding_share
 from specforge_k25.train.optim import build_optimizer, build_scheduler, warmup_cosine
 
 
@@ -190,3 +190,29 @@ def test_scheduler_drives_optimizer_lr():
         sched.step()
     assert seen[:4] == pytest.approx([5e-4, 1e-3, 1.5e-3, 2e-3])
     assert opt.param_groups[0]["lr"] == pytest.approx(0.0, abs=1e-15)
+
+
+# ------------------------------------------------------------------------- length grouping
+def test_padding_share_known_answer():
+    items = [BatchItem("train", [0, 1]), BatchItem("eval", [2, 3]), BatchItem("train", [2, 3])]
+    lengths = [3, 5, 4, 4]
+    assert padding_share(items, lengths, per_rank=2) == pytest.approx(1 - 16 / 18)  # [3,5] pads to 10, [4,4] none
+    assert padding_share(items, lengths, per_rank=1) == 0.0  # each rank one sample: nothing to pad
+
+
+def test_grouping_by_length_keeps_every_sample_once_per_epoch_and_pads_less():
+    rng = torch.Generator().manual_seed(0)
+    lengths = torch.randint(8, 257, (200,), generator=rng).tolist()
+    args = dict(batch_size=4, grad_accum=1, epochs=2, max_steps=None, eval_every=None, seed=3)
+    plain, _ = build_schedule(200, 0, **args)
+    grouped, steps = build_schedule(200, 0, lengths=lengths, **args)
+    again, _ = build_schedule(200, 0, lengths=lengths, **args)
+    assert [i.sample_ids for i in grouped] == [i.sample_ids for i in again]  # a resume walks the same list
+    batches = [i.sample_ids for i in train_items(grouped)]
+    assert steps == 100 and all(len(b) == 4 for b in batches)
+    for epoch in (batches[:50], batches[50:]):
+        assert sorted(i for b in epoch for i in b) == list(range(200))
+    assert padding_share(grouped, lengths, 4) < 0.2 * padding_share(plain, lengths, 4)
+    # batches of neighbours in length, in a shuffled order of lengths
+    firsts = [min(lengths[i] for i in b) for b in batches[:32]]
+    assert firsts != sorted(firsts)
