@@ -17,7 +17,7 @@ from dataclasses import replace
 from ..config import compose_job
 from . import (PHASE_OPT, PHASE_TEACHER, PHASE_TTT, GiB, MemoryPlan, PlanError, check_fits, draft_param_counts,
                plan_memory, target_facts_for, with_hw_overrides)
-from .budget import LAYOUTS, longest_fitting_length
+from .budget import LAYOUTS, length_binding, longest_fitting_length
 from .throughput import PARTS, compare_methods, predict_layouts
 
 
@@ -119,7 +119,8 @@ def render(job, plan: MemoryPlan) -> None:
 def _memory_verdict(job, facts) -> str:
     """Whether `job`'s memory plan fits, the longest max_length that does, else the refusal's first lines."""
     longest = longest_fitting_length(job, facts)
-    more = f"; longest data.max_length that fits: {longest}" if longest else ""
+    binds = length_binding(job, facts, longest)
+    more = (f"; longest data.max_length that fits: {longest}" if longest else "") + (f" ({binds})" if binds else "")
     try:
         check_fits(job, facts)
         return "fits" + more

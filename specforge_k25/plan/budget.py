@@ -413,6 +413,29 @@ def longest_fitting_length(job, facts: TargetFacts) -> Optional[int]:
     return _largest_fitting(lambda length: _fits(job, facts, max_length=length), facts.max_position_embeddings + 1)
 
 
+def length_binding(job, facts: TargetFacts, longest: Optional[int]) -> str:
+    """What stops data.max_length at `longest` (longest_fitting_length): the target's context, or
+    the GPU that overflows one step (256) longer and the items on it that grow with the length,
+    largest first, with their size there."""
+    if longest is not None and longest + 256 > facts.max_position_embeddings:
+        return f"the target's context ({facts.max_position_embeddings}) binds"
+    over = (longest or 0) + 256
+    short, long_ = plan_memory(job, facts, max_length=over - 256 or 1), plan_memory(job, facts, max_length=over)
+    full = [g for g in long_.gpus if g.total() > g.capacity]
+    if not full:
+        problem = next(iter(long_.problems), "")
+        return f"at {over}: {problem}" if problem else ""
+    gpu = max(full, key=lambda g: g.total() - g.capacity)
+    before = next((g for g in short.gpus if g.gpu == gpu.gpu), None)
+    # items that grow with the length, taken where they count: resident, or the GPU's largest phase
+    peak = gpu.peak_phase()
+    counted = [i for i in gpu.items if i.phase in (None, peak)]
+    growth = sorted(((i.bytes - (before.get(i.name) if before else 0), i) for i in counted), key=lambda x: -x[1].bytes)
+    grows = [f"{i.name} {gib(i.bytes)}" for d, i in growth if d > 0][:3]
+    return (f"at {over}: GPU {gpu.gpu} ({gpu.role}) needs {gib(gpu.total())} of {gib(gpu.capacity)}; growing with "
+            f"the length: {'; '.join(grows)}")
+
+
 def suggest_override(job, facts: TargetFacts) -> Optional[str]:
     """One override (or one pair) that makes the plan fit, or None. Switches that keep the tokens
     per step come first (batch split into accumulation, activation checkpointing, AdamW state on

@@ -364,3 +364,19 @@ def test_cli_prints_the_plan_and_refuses():
     out = subprocess.run([*cmd, "data.max_length=16384", "hw.max_total_tokens=16384"], capture_output=True, text=True,
                          timeout=300, cwd=ROOT)
     assert out.returncode == 2 and "fits with: train.activation_checkpointing=true" in out.stderr
+
+
+def test_length_binding_names_the_gpu_that_overflows_and_what_grows_there():
+    from specforge_k25.plan.budget import length_binding, longest_fitting_length
+    job = _compose(["+hw=rtxpro6000x8", *KIMI_DRAFT])
+    longest = longest_fitting_length(job, KIMI_K25)
+    text = length_binding(job, KIMI_K25, longest)
+    over = plan_memory(job, KIMI_K25, max_length=longest + 256)
+    gpu = max(over.gpus, key=lambda g: g.total() - g.capacity)
+    assert gpu.total() > gpu.capacity and text.startswith(f"at {longest + 256}: GPU {gpu.gpu} ")
+    grows = text.split("growing with the length: ")[1].split("; ")
+    assert grows and all(g.rsplit(" ", 2)[0] in {i.name for i in gpu.items} for g in grows)
+    assert "target weights" not in text and "KV cache pool" not in text  # fixed: 16384-token pool, weights
+    # a target whose context ends first
+    short = KIMI_K25.__class__(**{**KIMI_K25.__dict__, "max_position_embeddings": 1024})
+    assert length_binding(job, short, longest_fitting_length(job, short)) == "the target's context (1024) binds"
