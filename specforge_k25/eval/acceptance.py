@@ -85,13 +85,53 @@ def draft_predictions(draft, aux_hidden: torch.Tensor, input_ids: torch.Tensor, 
 
 
 def draft_proposer(predictions: torch.Tensor) -> Proposer:
-    """Proposals of a draft chain from `draft_predictions` (steps = its row count)."""
+    """Proposals from `draft_predictions` or `block_predictions` (depth = its row count)."""
     table = predictions.tolist()
 
     def propose(root: int) -> list[int]:
         return [row[root - 1] for row in table]
 
     return propose
+
+
+def can_replay_blocks(draft) -> bool:
+    """Whether `block_predictions` can run the model: a block drafter (draft/dflash/model.py)."""
+    return hasattr(draft, "draft_block")
+
+
+@torch.no_grad()
+def block_predictions(draft, aux_hidden: torch.Tensor, input_ids: torch.Tensor, block_size: int,
+                      queries_per_chunk: int = 512) -> torch.Tensor:
+    """The block drafter's proposals at every root, as SGLang's DFLASH worker drafts them, in
+    `draft_predictions`' layout (so `draft_proposer` and `step_counts` read both).
+
+    aux_hidden [T, K*Ht], input_ids [T] -> target token ids [block_size - 1, T]: column t holds
+    what the drafter proposes for x[t+2..t+B] when x[..t+1] is committed, x[t+1] the last
+    accepted token: the block [x[t+1], MASK x (B-1)] at positions t+1..t+B over the context's
+    states x[0..t] (draft/dflash/model.py `draft_block`). Under greedy verification the
+    committed tokens ARE the output, so these are the proposals of the verify step whose root
+    is x[t+1]. All roots are drafted in one forward per chunk: each block sees the context
+    before its root and itself (no other block), which equals one `draft_block` per root.
+    The last column (no root) stays -1.
+    """
+    T, B = len(input_ids), block_size
+    dtype = next(p.dtype for p in draft.parameters() if p.is_floating_point())
+    aux = aux_hidden[None].to(dtype)
+    ctx_positions = torch.arange(T)
+    to_target = draft_to_target(draft.d2t)
+    out = torch.full((B - 1, T), -1, dtype=torch.int64)
+    for roots in torch.arange(1, T).split(max(1, queries_per_chunk // B)):
+        n = len(roots)
+        ids = torch.full((n, B), draft.cfg.mask_token_id, dtype=torch.int64)
+        ids[:, 0] = input_ids[roots]
+        positions = roots[:, None] + torch.arange(B)
+        block_of = torch.arange(n).repeat_interleave(B)  # each query's block
+        mask = torch.cat([ctx_positions[None] < roots[block_of][:, None],  # the context before its root
+                          block_of[:, None] == block_of[None]], 1)  # its own block, both directions
+        hidden = draft(aux, ctx_positions[None], ids.view(1, -1), positions.view(1, -1), mask[None])[0]
+        drafted = hidden.view(n, B, -1)[:, 1:]  # block positions 1..B-1 draft x[r+1..r+B-1]
+        out[:, roots - 1] = to_target[draft.logits(drafted).argmax(-1)].T
+    return out
 
 
 def step_counts(predictions: torch.Tensor, sequence: list[int], prompt_len: int) -> tuple[list[int], list[int]]:

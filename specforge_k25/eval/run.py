@@ -29,11 +29,38 @@ from ..draft.registry import method_of_export
 from ..export.serving import export_draft, load_exported_draft
 from ..setup.run import RunSetup, fresh_draft, make_target_stream, prepare, prompt_renderer, target_spec
 from ..target_engine.hf_config import load_embedding_and_head
-from ..target_engine.sglang_spec import Chain, engine_kwargs, generate
-from .acceptance import can_replay, draft_predictions, draft_proposer, prompt_lookup_proposer, replay, step_counts, tau_sim
+from ..target_engine.sglang_spec import Block, Chain, engine_kwargs, generate
+from .acceptance import (block_predictions, can_replay, can_replay_blocks, draft_predictions, draft_proposer,
+                         prompt_lookup_proposer, replay, step_counts, tau_sim)
 from .prompts import load_prompt_set
 
 BASELINES = ("nospec", "ngram")
+BLOCK_ALGORITHMS = ("DFLASH",)  # SGLang algorithms that draft a block per step (served at eval.dflash_blocks)
+
+
+def settings(method, chains: list[Chain], blocks: list[Block]) -> list:
+    """The speculative settings a head of `method` is served at: blocks for a block drafter, else chains."""
+    return blocks if method.sglang_algorithm in BLOCK_ALGORITHMS else chains
+
+
+def head_predictions(draft, aux: torch.Tensor, ids: torch.Tensor, served: list) -> list[torch.Tensor]:
+    """Per setting in `served`, [steps, T] proposals of `draft` at every root (acceptance.py layout).
+    A block drafter runs once per block size (its blocks attend in both directions, so a longer
+    block changes the earlier proposals); a chain once, as deep as the deepest chain."""
+    if can_replay_blocks(draft):
+        return [block_predictions(draft, aux, ids, block.size) for block in served]
+    deepest = draft_predictions(draft, aux, ids, max(chain.steps for chain in served))
+    return [deepest[: chain.steps] for chain in served]
+
+
+def aux_columns(head_points: list[int] | None, run_points: list[int], hidden: int) -> torch.Tensor | None:
+    """Columns of the stream's aux [T, K*Ht] (the run's capture points) holding a head's capture
+    points, in the head's order; None where the run does not capture them all."""
+    if head_points is None or head_points == list(run_points):
+        return torch.arange(len(run_points) * hidden)
+    if not set(head_points) <= set(run_points):
+        return None
+    return torch.cat([torch.arange(hidden) + list(run_points).index(p) * hidden for p in head_points])
 
 
 @dataclass
@@ -89,6 +116,12 @@ def _heads(job: EvalJobConfig, setup: RunSetup, out_dir: Path) -> dict[str, Path
     return heads
 
 
+def _capture_points(export: Path) -> list[int] | None:
+    """The capture points a head reads: its config's top-level vLLM ids (= capture points, every method)."""
+    ids = json.loads((export / "config.json").read_text()).get("eagle_aux_hidden_state_layer_ids")
+    return [int(i) for i in ids] if ids else None
+
+
 def _target_hidden(job: EvalJobConfig, setup: RunSetup, sequences: list[list[int]]):
     """Yields (index, aux [T, K*Ht]) for each sequence, from the same target process training uses."""
     samples = [SimpleNamespace(input_ids=torch.tensor(s)) for s in sequences]
@@ -103,7 +136,7 @@ def run_eval(job: EvalJobConfig, out_dir: str | Path) -> dict:
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     ev = job.eval
-    chains = [Chain(*c) for c in ev.chains]
+    chains, blocks = [Chain(*c) for c in ev.chains], [Block(int(b)) for b in ev.dflash_blocks]
     # the eval's own stream replays fixed prompt + output ids: the target must not answer them anew
     job = dataclasses.replace(job, data=dataclasses.replace(job.data, regenerate=False))
     setup = prepare(job)
@@ -115,14 +148,16 @@ def run_eval(job: EvalJobConfig, out_dir: str | Path) -> dict:
     engine = dict(engine_kwargs(target_spec(job, tokenizer=setup.tokenizer)), max_new_tokens=ev.max_new_tokens,
                   max_running_requests=ev.max_running_requests, draft_attention_backend=ev.draft_attention_backend)
     methods = {head: method_of_export(path) for head, path in heads.items()}
+    served = {head: settings(methods[head], chains, blocks) for head in heads}
+    baseline_settings = chains + (blocks if any(s is blocks for s in served.values()) else [])
     print(f"eval: {len(prompts)} prompts ({', '.join(f'{k} {len(v)}' for k, v in sets.items())}), "
           f"{ev.max_new_tokens} new tokens each; chains {[c.label() for c in chains]}; heads {list(heads)}; "
-          f"{1 + len(heads) * len(chains)} SGLang engine runs, then one target pass for the replay", flush=True)
+          f"{1 + sum(map(len, served.values()))} SGLang engine runs, then one target pass for the replay", flush=True)
 
     cells: dict[tuple[str, str, str], Cell] = {}
     verify_steps: dict[str, dict[str, list[int]]] = {}  # "head chain" -> {"sglang": [...], "replay": [...]} per prompt
 
-    def add(method: str, chain: Chain | None, name: str, **counts) -> None:
+    def add(method: str, chain: Chain | Block | None, name: str, **counts) -> None:
         """Adds counts to the prompt set's cell and to the 'all' cell."""
         for key in (name, "all"):
             c = cells.setdefault((method, chain.label() if chain else "-", key), Cell())
@@ -139,33 +174,38 @@ def run_eval(job: EvalJobConfig, out_dir: str | Path) -> dict:
     sequences = [p + o for p, o in zip(prompts, greedy.outputs)]
     for i, name in enumerate(owner):  # one target step per token: AL 1.0 by definition
         add("nospec", None, name, completion_tokens=greedy.completion_tokens[i], verify_steps=greedy.completion_tokens[i])
-    for chain in chains:
+    for chain in baseline_settings:
         for i, name in enumerate(owner):
             n, steps = replay(sequences[i], len(prompts[i]),
                               prompt_lookup_proposer(sequences[i], chain.draft_tokens - 1, ev.ngram_max, ev.ngram_min))
             add("ngram", chain, name, replay_tokens=n, replay_steps=steps)
 
     if heads:
-        embed, _ = load_embedding_and_head(setup.model_path)
-        drafts = {head: load_exported_draft(path, embed).eval() for head, path in heads.items()}
-        for head in [h for h, d in drafts.items() if not can_replay(d)]:
-            print(f"eval: the {head} head ({methods[head].name}) has no chain proposals to replay; SGLang's AL only")
+        embed, lm_head = load_embedding_and_head(setup.model_path)
+        drafts = {head: load_exported_draft(path, embed, lm_head).eval() for head, path in heads.items()}
+        for head in [h for h, d in drafts.items() if not (can_replay(d) or can_replay_blocks(d))]:
+            print(f"eval: the {head} head ({methods[head].name}) has no proposals to replay; SGLang's AL only")
             del drafts[head]
-        depth = max(c.steps for c in chains)
+        columns = {head: aux_columns(_capture_points(heads[head]), setup.capture_points, embed.shape[1])
+                   for head in drafts}
+        for head in [h for h, c in columns.items() if c is None]:
+            print(f"eval: the {head} head reads layers the run does not capture ({setup.capture_points}); "
+                  f"SGLang's AL only")
+            del drafts[head]
         print("eval: target hidden states of prompt + greedy output, our heads replayed on them", flush=True)
         for i, aux in tqdm(_target_hidden(job, setup, sequences), total=len(sequences), desc="replay",
                             unit="prompt", disable=not job.train.progress):
             ids = torch.tensor(sequences[i])
             for head, draft in drafts.items():
-                predictions = draft_predictions(draft, aux, ids, depth)
-                for chain in chains:
-                    n, steps = replay(sequences[i], len(prompts[i]), draft_proposer(predictions[: chain.steps]))
+                for chain, predictions in zip(served[head], head_predictions(draft, aux[:, columns[head]], ids,
+                                                                             served[head])):
+                    n, steps = replay(sequences[i], len(prompts[i]), draft_proposer(predictions))
                     verify_steps.setdefault(f"{head} {chain.label()}", {}).setdefault("replay", []).append(steps)
-                    correct, scored = step_counts(predictions[: chain.steps], sequences[i], len(prompts[i]))
+                    correct, scored = step_counts(predictions, sequences[i], len(prompts[i]))
                     add(head, chain, owner[i], replay_tokens=n, replay_steps=steps, correct=correct, scored=scored)
 
     for head, path in heads.items():
-        for chain in chains:
+        for chain in served[head]:
             draft_args = chain.draft_args(methods[head])
             print(f"eval: SGLang {draft_args['speculative_algorithm']} with the {head} head ({methods[head].name}), "
                   f"chain {chain.label()}", flush=True)
@@ -180,7 +220,7 @@ def run_eval(job: EvalJobConfig, out_dir: str | Path) -> dict:
     results = {
         "target": setup.model_path, "export_dir": job.export_dir, "prompt_sets": {k: len(v) for k, v in sets.items()},
         "heads": {head: {"path": str(path), "method": methods[head].name} for head, path in heads.items()},
-        "max_new_tokens": ev.max_new_tokens, "chains": [c.label() for c in chains], "timings": timings,
+        "max_new_tokens": ev.max_new_tokens, "chains": [c.label() for c in baseline_settings], "timings": timings,
         "verify_steps_per_prompt": verify_steps,
         "rows": [{"method": m, "chain": ch, "prompt_set": s, **c.as_dict()} for (m, ch, s), c in cells.items()],
     }

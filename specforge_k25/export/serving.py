@@ -51,6 +51,12 @@ def validate_export(export_dir: str | Path) -> None:
     method_of_export(export_dir).validate_export(Path(export_dir))
 
 
-def load_exported_draft(export_dir: str | Path, embed_weight: torch.Tensor) -> nn.Module:
-    """Rebuild the draft (of whichever method wrote the folder) plus the target's embedding [V, H]."""
-    return method_of_export(export_dir).load_export(Path(export_dir), embed_weight)
+def load_exported_draft(export_dir: str | Path, embed_weight: torch.Tensor, lm_head: torch.Tensor | None = None) -> nn.Module:
+    """Rebuild the draft (of whichever method wrote the folder) plus the target's embedding [V, H];
+    with `lm_head` [V, Ht], the method's `attach_target` gets it (DFlash computes its logits with
+    the target's lm_head; the EAGLE-3 heads have their own)."""
+    method = method_of_export(export_dir)
+    draft = method.load_export(Path(export_dir), embed_weight)
+    if lm_head is not None:
+        method.attach_target(draft, lm_head)
+    return draft

@@ -54,6 +54,15 @@ version bump forces a review of this file.
    and `set_embed_and_head`, through which the EAGLE worker hands the draft the target's
    embedding, end with torch.cuda.empty_cache(); torch.cuda.synchronize(), and the second
    raises on a CPU build of torch. Both run with those two calls as no-ops (`cuda_sync_on_cpu`).
+7. DFLASH speculative decoding (eval of DFlash heads). (a) srt/arg_groups/speculative_hook.py
+   `_handle_dflash` refuses device cpu: on CPU it sees a platform that serves DFLASH (the rest of
+   the function unchanged). (b) DRAFT_ATTENTION_BACKEND_CHOICES lacks torch_native and DFLASH's
+   draft worker falls back to flashinfer: torch_native joins the list (SGLang's own
+   `add_draft_attention_backend_choices`). (c) DFlashWorkerV2.forward_batch_generation calls
+   `record_stream` on `seq_lens`, which a CPU tensor refuses: a no-op there (one CPU stream).
+   (d) ModelRunner._extend_forward_kwargs casts `input_embeds` to bf16, but the DFlash draft
+   takes the block's embeddings as input_embeds and must stay fp32 on CPU (in bf16 it reaches a
+   Triton qk-norm-rope kernel): the embeddings keep their dtype.
 
 Call `apply()` (CPU) or `apply_gpu()` (CUDA) in every process that builds an SGLang model,
 before importing sglang.
@@ -192,6 +201,11 @@ def apply(mla_fix: bool = True, spec_patches: bool = True) -> None:
         patch_when_imported("sglang.srt.speculative.draft_utils", _patch_draft_backends)
         patch_when_imported("sglang.srt.layers.attention.torch_native_backend", _patch_target_verify)
     patch_when_imported(MLA_DRAFT_MODULE, _mla_draft_without_cuda_sync)  # workaround 6
+    if spec_patches:  # workaround 7
+        patch_when_imported("sglang.srt.arg_groups.speculative_hook", _dflash_on_cpu)
+        patch_when_imported("sglang.srt.arg_groups.choices", _torch_native_draft_choice)
+        patch_when_imported("sglang.srt.speculative.dflash_worker_v2", _dflash_worker_record_stream)
+        patch_when_imported("sglang.srt.model_executor.model_runner", _input_embeds_keep_dtype)
     _applied = True
 
 
@@ -541,3 +555,94 @@ def _mla_draft_without_cuda_sync(module) -> None:
                 return _original(self, *args, **kwargs)
 
         setattr(cls, name, without_cuda_sync)
+
+
+# ---------------------------------------------------------------------------------------------
+# 7. DFLASH on CPU
+# ---------------------------------------------------------------------------------------------
+class _DFlashServingPlatform:
+    """`current_platform` as `_handle_dflash` sees it on CPU: an out-of-tree platform that serves
+    DFLASH with the draft backends of DRAFT_ATTENTION_BACKEND_CHOICES, torch_native by default."""
+
+    def __init__(self, real, choices):
+        self._real, self._choices = real, choices
+
+    def __getattr__(self, name):
+        return getattr(self._real, name)
+
+    def is_out_of_tree(self):
+        return True
+
+    def supports_speculative_algorithm(self, algorithm):
+        return algorithm == "DFLASH"
+
+    def supports_speculative_draft_attention_backend(self, algorithm, backend):
+        return backend in self._choices
+
+    def get_default_speculative_draft_attention_backend(self, algorithm):
+        return "torch_native"
+
+
+def _dflash_on_cpu(hook) -> None:  # 7a
+    original = hook._handle_dflash
+
+    @functools.wraps(original)
+    def handle_dflash(server_args):
+        if hook.resolving_view(server_args).device != "cpu":
+            return original(server_args)
+        real = hook.current_platform
+        hook.current_platform = _DFlashServingPlatform(real, hook.DRAFT_ATTENTION_BACKEND_CHOICES)
+        try:
+            return original(server_args)
+        finally:
+            hook.current_platform = real
+
+    hook._handle_dflash = handle_dflash
+
+
+def _torch_native_draft_choice(choices) -> None:  # 7b
+    if "torch_native" not in choices.DRAFT_ATTENTION_BACKEND_CHOICES:
+        choices.add_draft_attention_backend_choices(["torch_native"])
+
+
+@contextlib.contextmanager
+def record_stream_on_cpu():
+    """Tensor.record_stream a no-op on CPU tensors (torch raises there; CPU work has one stream)."""
+    original = torch.Tensor.record_stream
+
+    def record_stream(self, stream):
+        if self.device.type != "cpu":
+            return original(self, stream)
+
+    torch.Tensor.record_stream = record_stream
+    try:
+        yield
+    finally:
+        torch.Tensor.record_stream = original
+
+
+def _dflash_worker_record_stream(worker_module) -> None:  # 7c
+    cls = worker_module.DFlashWorkerV2
+    original = cls.forward_batch_generation
+
+    @functools.wraps(original)
+    def forward_batch_generation(self, *args, **kwargs):
+        with record_stream_on_cpu():
+            return original(self, *args, **kwargs)
+
+    cls.forward_batch_generation = forward_batch_generation
+
+
+def _input_embeds_keep_dtype(model_runner) -> None:  # 7d
+    cls = model_runner.ModelRunner
+    original = cls._extend_forward_kwargs
+
+    @functools.wraps(original)
+    def extend_forward_kwargs(self, forward_batch, pp_proxy_tensors):
+        kwargs = original(self, forward_batch, pp_proxy_tensors)
+        embeds = forward_batch.input_embeds
+        if embeds is not None and forward_batch.replace_embeds is None:
+            kwargs["input_embeds"] = embeds  # SGLang's cast to bf16 undone
+        return kwargs
+
+    cls._extend_forward_kwargs = extend_forward_kwargs

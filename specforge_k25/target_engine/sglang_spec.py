@@ -59,6 +59,28 @@ class Chain:
 
 
 @dataclass
+class Block:
+    """DFlash block drafting: `size` = the last accepted token + size-1 drafted ones, one draft
+    forward per verify step (SGLang's speculative_num_draft_tokens; steps and topk are 1)."""
+
+    size: int
+
+    @property
+    def steps(self) -> int:  # proposals per verify step, as a chain's depth
+        return self.size - 1
+
+    @property
+    def draft_tokens(self) -> int:
+        return self.size
+
+    def label(self) -> str:
+        return f"block {self.size}"
+
+    def draft_args(self, method) -> dict:
+        return method.sglang_draft_args(num_steps=1, topk=1, draft_tokens=self.size)
+
+
+@dataclass
 class Generation:
     outputs: list[list[int]]  # greedy completion per prompt
     completion_tokens: list[int]
