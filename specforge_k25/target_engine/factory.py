@@ -32,6 +32,7 @@ class TargetSpec:
     dist_init_addr: str | None = None  # host:port of the TP group's rendezvous; required when nnodes > 1
     dist_timeout: int | None = None  # seconds the TP group's setup and collectives wait (SGLang dist_timeout)
     load_threads: int = 8  # shards SGLang's multithreaded loader reads at a time
+    prefill_chunk: int | None = None  # tokens per target forward; a longer batch is prefilled in chunks (None: one forward)
     regeneration: Regeneration | None = None  # data.regenerate: answer each prompt, then prefill prompt + answer
 
     @property
@@ -72,7 +73,7 @@ def build_target(spec: TargetSpec, tp_rank: int = 0) -> TargetEngine:
             max_total_tokens=spec.max_total_tokens, mem_fraction_static=spec.mem_fraction_static,
             attention_backend=spec.attention_backend, num_threads=spec.num_threads, trust_remote_code=spec.trust_remote_code,
             nnodes=spec.nnodes, node_rank=spec.node_rank, dist_init_addr=spec.dist_init_addr,
-            dist_timeout=spec.dist_timeout, load_threads=spec.load_threads,
+            dist_timeout=spec.dist_timeout, load_threads=spec.load_threads, prefill_chunk=spec.prefill_chunk,
         )
     if spec.engine == "hf":
         from .hf_reference import HFTarget

@@ -11,7 +11,10 @@ SGLang internals touched (all in this file, covered by tests/target_engine/test_
   return_aux_hidden_state_layer_ids)`: makes the model capture the aux layers;
 - a forward hook on the text model (`model.model`, or `model.language_model.model` for
   Kimi-K2.5), whose output is `(final_hidden_after_norm, aux_hidden)`;
-- `Req` fields the extend path reads;
+- `Req` fields the extend path reads; chunked prefill (`prefill_chunk`): `Req.prefix_len` /
+  `extend_end` (the span one extend computes) and the request's KV row (`Req.kv.req_pool_idx`), which
+  `ScheduleBatch.prepare_for_extend` keeps for a request that already holds one, so a later chunk
+  attends to the KV its earlier chunks wrote (as SGLang's scheduler continues its chunked request);
 - regeneration: `one_batch.decode`, `ScheduleBatch.filter_batch(keep_indices=...)` (finished
   requests leave the decode batch) and the KV allocator's `page_size`;
 - TP > 1: `ServerArgs(nnodes, node_rank, dist_init_addr)`, `SGLANG_DISTRIBUTED_INIT_METHOD_OVERRIDE`
@@ -109,10 +112,40 @@ def packed_aux(aux_hidden, final_hidden: torch.Tensor, num_aux: int) -> torch.Te
     return aux_hidden
 
 
+def prefill_rounds(lengths: list[int], chunk: int | None) -> list[list[tuple[int, int, int]]]:
+    """The target forwards that prefill a batch of sequences of `lengths`: each forward a list of
+    (sequence, start, end) token spans, at most `chunk` tokens in all (None: one forward of the
+    whole batch). The batch is walked in order and a sequence is cut where a forward's budget runs
+    out, its rest going to the next forwards: concatenated forward after forward the spans are the
+    batch's tokens in order (what the trainer receives), and each later span of a sequence extends
+    the KV its earlier spans wrote. One token budget per forward, as SGLang's chunked_prefill_size:
+    it bounds the activations of one forward (a 32k-token MoE forward) whatever the batch size."""
+    if chunk is None:
+        return [[(i, 0, n) for i, n in enumerate(lengths)]]
+    if chunk < 1:
+        raise ValueError(f"prefill chunk of {chunk} tokens: must be >= 1 (or null for one forward per batch)")
+    rounds, current, room = [], [], chunk
+    for i, n in enumerate(lengths):
+        start = 0
+        while start < n:
+            end = min(n, start + room)
+            current.append((i, start, end))
+            room -= end - start
+            start = end
+            if room == 0:
+                rounds.append(current)
+                current, room = [], chunk
+    if current:
+        rounds.append(current)
+    return rounds
+
+
 class SGLangTarget:
     """One TP rank of the frozen target. With tp_size > 1 every rank of the TP group builds one
     (each in its own process, `gpu_id` = its GPU; on CPU its index on the node) and they all run
-    the same `forward` calls in the same order; `share_batch` gives every rank TP rank 0's batch."""
+    the same `forward` calls in the same order; `share_batch` gives every rank TP rank 0's batch.
+    `prefill_chunk` tokens: a longer batch is prefilled in several forwards (`prefill_rounds`); every
+    rank cuts the same batch the same way, so the TP ranks' collectives stay in step."""
 
     def __init__(
         self,
@@ -135,6 +168,7 @@ class SGLangTarget:
         dist_init_addr: str | None = None,
         dist_timeout: int | None = None,
         load_threads: int = 8,
+        prefill_chunk: int | None = None,
     ):
         if device == "cpu":
             from . import sglang_cpu_compat
@@ -162,6 +196,8 @@ class SGLangTarget:
             os.environ["SGLANG_ENABLE_TP_MEMORY_INBALANCE_CHECK"] = "0"
         if device == "cpu" and tp_size > 1 and not os.environ.get("SGLANG_CPU_OMP_THREADS_BIND"):
             os.environ["SGLANG_CPU_OMP_THREADS_BIND"] = cpu_bind_groups(tp_size // nnodes)
+        prefill_rounds([1], prefill_chunk)  # refuse a bad chunk before the (slow) load
+        self.prefill_chunk = prefill_chunk
         self.num_aux = len(capture_points)
         self.layer_ids = sglang_layer_ids(capture_points, layer_id_rule(architecture))
         server_args = ServerArgs(**engine_server_args(
@@ -225,16 +261,45 @@ class SGLangTarget:
         if total > self.max_total_tokens:
             raise ValueError(f"batch of {total} tokens exceeds the engine's KV pool ({self.max_total_tokens})")
         reqs = self._requests(sequences)
-        self._captured = None
+        rounds = prefill_rounds([len(s) for s in sequences], self.prefill_chunk)
+        aux = final = None
+        done = 0
         try:
-            self._runner.extend(reqs)
+            for spans in rounds:
+                batch = []
+                for i, start, end in spans:
+                    req = reqs[i]
+                    # Tokens [0, start) are in the KV row this request took in an earlier forward
+                    # (prepare_for_extend reuses the row of a request that holds one): this extend
+                    # computes [start, end) at positions start.. attending to them, and writes their KV
+                    # after it. SGLang's scheduler advances its chunked request the same way
+                    # (prefix_len = the previous extend_end).
+                    req.prefix_len, req.extend_end = start, end
+                    batch.append(req)
+                self._captured = None
+                self._runner.extend(batch)
+                if not isinstance(self._captured, tuple) or len(self._captured) != 2:
+                    raise RuntimeError("SGLang did not return aux hidden states (capture hook saw no (final, aux) pair)")
+                final_hidden, aux_hidden = self._captured
+                self._captured = None
+                aux_hidden = packed_aux(aux_hidden, final_hidden, self.num_aux)
+                if len(rounds) == 1:
+                    aux, final = aux_hidden, final_hidden
+                    break
+                n = final_hidden.shape[0]
+                if n != sum(end - start for _, start, end in spans):
+                    raise RuntimeError(f"SGLang returned the states of {n} tokens for a forward of "
+                                       f"{sum(end - start for _, start, end in spans)}")
+                if aux is None:  # filled in place: the batch's states once, not once more for a cat
+                    aux = aux_hidden.new_empty((total, aux_hidden.shape[-1]))
+                    final = final_hidden.new_empty((total, final_hidden.shape[-1]))
+                # the spans are the batch's tokens in order, forward after forward (prefill_rounds)
+                aux[done:done + n].copy_(aux_hidden)
+                final[done:done + n].copy_(final_hidden)
+                done += n
         finally:
             self._runner.clear()  # free the KV cache: every batch is a fresh prefill
-        if not isinstance(self._captured, tuple) or len(self._captured) != 2:
-            raise RuntimeError("SGLang did not return aux hidden states (capture hook saw no (final, aux) pair)")
-        final_hidden, aux_hidden = self._captured
-        aux_hidden = packed_aux(aux_hidden, final_hidden, self.num_aux)
-        return TargetOutput(aux_hidden, final_hidden, [len(s) for s in sequences])
+        return TargetOutput(aux, final, [len(s) for s in sequences])
 
     @torch.no_grad()
     def generate(self, prompts: list[torch.Tensor], budgets: list[int], regen: Regeneration) -> list[list[int]]:
