@@ -59,16 +59,18 @@ def tp1_and_hf(tiny_deepseek_path, sglang_capture):
 
 @pytest.mark.engine
 def test_tp2_hidden_states_equal_tp1_and_hf(tiny_deepseek_path, sglang_capture, tp1_and_hf):
-    """Two SGLang TP ranks (gloo all-reduce on CPU), two batches through the ring: rank 0's states
-    equal the TP=1 engine's and HF's to fp32 tolerance."""
+    """Two SGLang TP ranks (gloo all-reduce on CPU), two batches through the ring, prefilled in
+    chunks of 16 tokens (hw.target_prefill_chunk; both ranks cut each batch alike): rank 0's states
+    equal the TP=1 engine's one forward per batch and HF's to fp32 tolerance. (The two-node test
+    below runs TP 2 one forward per batch.)"""
     info, points, seqs = _inputs(tiny_deepseek_path)
     t0 = time.perf_counter()
-    tp2 = _cat(sglang_capture(tiny_deepseek_path, points, seqs, tp_size=2, num_threads=1))
+    tp2 = _cat(sglang_capture(tiny_deepseek_path, points, seqs, tp_size=2, num_threads=1, prefill_chunk=16))
     print(f"TP2 stream (start + 2 batches): {time.perf_counter() - t0:.1f} s")
     (tp1, ref) = tp1_and_hf
     for name, a, b, r in zip(("aux", "final"), tp2, tp1, ref):
         assert a.shape == b.shape == r.shape
-        print(f"{name}: TP2 vs TP1 max |diff| {(a - b).abs().max():.3g}, TP2 vs HF {(a - r).abs().max():.3g}")
+        print(f"{name}: chunked TP2 vs TP1 max |diff| {(a - b).abs().max():.3g}, TP2 vs HF {(a - r).abs().max():.3g}")
         assert _worst(a, b) <= 1.0, f"{name}: TP2 differs from TP1 by {(a - b).abs().max():.3g}"
         assert _worst(a, r) <= 1.0, f"{name}: TP2 differs from HF by {(a - r).abs().max():.3g}"
     assert not torch.equal(tp2[0][:, :info.hidden_size], tp2[0][:, info.hidden_size:2 * info.hidden_size])
