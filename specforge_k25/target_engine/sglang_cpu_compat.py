@@ -176,7 +176,7 @@ def register_mla_for_torch_native(handler_module) -> None:
     handler_module.AttentionBackendRegistry.register("torch_native", lambda attn, batch: AttnForwardMethod.MLA)
 
 
-def apply(mla_fix: bool = True, spec_patches: bool = True) -> None:
+def apply(mla_fix: bool = True, spec_patches: bool = True, dflash: bool = True) -> None:
     """Install the workarounds in this process (idempotent). `False` switches are for tests."""
     global _applied
     if _applied:
@@ -201,7 +201,7 @@ def apply(mla_fix: bool = True, spec_patches: bool = True) -> None:
         patch_when_imported("sglang.srt.speculative.draft_utils", _patch_draft_backends)
         patch_when_imported("sglang.srt.layers.attention.torch_native_backend", _patch_target_verify)
     patch_when_imported(MLA_DRAFT_MODULE, _mla_draft_without_cuda_sync)  # workaround 6
-    if spec_patches:  # workaround 7
+    if dflash:  # workaround 7
         patch_when_imported("sglang.srt.arg_groups.speculative_hook", _dflash_on_cpu)
         patch_when_imported("sglang.srt.arg_groups.choices", _torch_native_draft_choice)
         patch_when_imported("sglang.srt.speculative.dflash_worker_v2", _dflash_worker_record_stream)
@@ -542,19 +542,21 @@ def cuda_sync_on_cpu():
         torch.cuda.synchronize, torch.cuda.empty_cache = saved
 
 
-def _mla_draft_without_cuda_sync(module) -> None:
-    """`set_embed` and `set_embed_and_head` of the MLA draft inside `cuda_sync_on_cpu`
-    (SGLang's own method stays reachable as `__wrapped__`)."""
-    cls = module.Eagle3DeepseekV2ForCausalLM
-    for name in ("set_embed", "set_embed_and_head"):
+def _run_inside(context, cls, *names) -> None:
+    """Each named method of `cls` runs inside `context()` (SGLang's own stays reachable as `__wrapped__`)."""
+    for name in names:
         original = getattr(cls, name)
 
         @functools.wraps(original)
-        def without_cuda_sync(self, *args, _original=original, **kwargs):
-            with cuda_sync_on_cpu():
+        def wrapped(self, *args, _original=original, **kwargs):
+            with context():
                 return _original(self, *args, **kwargs)
 
-        setattr(cls, name, without_cuda_sync)
+        setattr(cls, name, wrapped)
+
+
+def _mla_draft_without_cuda_sync(module) -> None:
+    _run_inside(cuda_sync_on_cpu, module.Eagle3DeepseekV2ForCausalLM, "set_embed", "set_embed_and_head")
 
 
 # ---------------------------------------------------------------------------------------------
@@ -570,17 +572,12 @@ class _DFlashServingPlatform:
     def __getattr__(self, name):
         return getattr(self._real, name)
 
-    def is_out_of_tree(self):
-        return True
-
-    def supports_speculative_algorithm(self, algorithm):
-        return algorithm == "DFLASH"
+    is_out_of_tree = staticmethod(lambda: True)
+    supports_speculative_algorithm = staticmethod(lambda algorithm: algorithm == "DFLASH")
+    get_default_speculative_draft_attention_backend = staticmethod(lambda algorithm: "torch_native")
 
     def supports_speculative_draft_attention_backend(self, algorithm, backend):
         return backend in self._choices
-
-    def get_default_speculative_draft_attention_backend(self, algorithm):
-        return "torch_native"
 
 
 def _dflash_on_cpu(hook) -> None:  # 7a
@@ -622,15 +619,7 @@ def record_stream_on_cpu():
 
 
 def _dflash_worker_record_stream(worker_module) -> None:  # 7c
-    cls = worker_module.DFlashWorkerV2
-    original = cls.forward_batch_generation
-
-    @functools.wraps(original)
-    def forward_batch_generation(self, *args, **kwargs):
-        with record_stream_on_cpu():
-            return original(self, *args, **kwargs)
-
-    cls.forward_batch_generation = forward_batch_generation
+    _run_inside(record_stream_on_cpu, worker_module.DFlashWorkerV2, "forward_batch_generation")
 
 
 def _input_embeds_keep_dtype(model_runner) -> None:  # 7d

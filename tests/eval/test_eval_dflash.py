@@ -73,7 +73,7 @@ def _aux(hidden_states: list[torch.Tensor], points: list[int]) -> torch.Tensor:
 
 
 @pytest.fixture(scope="module")
-def dflash_run(smollm2_path, tmp_path_factory):
+def dflash_run(smollm2_path, tmp_path_factory, one_torch_thread):
     from transformers import AutoTokenizer
 
     from specforge_k25.target_engine.hf_reference import load_text_model
@@ -93,7 +93,7 @@ def dflash_run(smollm2_path, tmp_path_factory):
                                           tmp_path_factory.mktemp("dflash") / "head")
     t1 = time.perf_counter()
     spec = generate(smollm2_path, prompts, max_new_tokens=NEW_TOKENS, draft_path=str(export),
-                    draft_args=Block(BLOCK).draft_args(DFlashMethod()), num_threads=2, timeout_s=600)
+                    draft_args=Block(BLOCK).draft_args(DFlashMethod()), num_threads=1, timeout_s=600)
     print(f"HF greedy + fit {t1 - t0:.1f} s, SGLang DFLASH engine {time.perf_counter() - t1:.1f} s")
     draft = load_exported_draft(export, embed, lm_head).eval()  # as eval/run.py loads a head
     return prompts, sequences, hidden, spec, draft
