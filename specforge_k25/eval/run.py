@@ -150,8 +150,9 @@ def run_eval(job: EvalJobConfig, out_dir: str | Path) -> dict:
     methods = {head: method_of_export(path) for head, path in heads.items()}
     served = {head: settings(methods[head], chains, blocks) for head in heads}
     baseline_settings = chains + (blocks if any(s is blocks for s in served.values()) else [])
+    at = ", ".join(f"{h} at {[c.label() for c in served[h]]}" for h in heads)
     print(f"eval: {len(prompts)} prompts ({', '.join(f'{k} {len(v)}' for k, v in sets.items())}), "
-          f"{ev.max_new_tokens} new tokens each; chains {[c.label() for c in chains]}; heads {list(heads)}; "
+          f"{ev.max_new_tokens} new tokens each; heads {at or 'none'}; "
           f"{1 + sum(map(len, served.values()))} SGLang engine runs, then one target pass for the replay", flush=True)
 
     cells: dict[tuple[str, str, str], Cell] = {}
@@ -208,7 +209,7 @@ def run_eval(job: EvalJobConfig, out_dir: str | Path) -> dict:
         for chain in served[head]:
             draft_args = chain.draft_args(methods[head])
             print(f"eval: SGLang {draft_args['speculative_algorithm']} with the {head} head ({methods[head].name}), "
-                  f"chain {chain.label()}", flush=True)
+                  f"{chain.label()}", flush=True)
             spec = generate(setup.model_path, prompts, draft_path=str(path), draft_args=draft_args, **engine)
             timings[f"{head} {chain.label()}"] = {"start_s": spec.start_s, "generate_s": spec.generate_s,
                                                   "tokens_per_s": sum(spec.completion_tokens) / spec.generate_s}
