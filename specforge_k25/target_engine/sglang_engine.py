@@ -315,7 +315,7 @@ class SGLangTarget:
 
         def step(tokens, rows):
             if tokens is None:
-                _, logits, state["batch"] = self._runner.extend(self._requests(prompts, budgets))
+                _, logits, state["batch"] = self._runner.extend(self._prefilled_but_last(prompts, budgets))
             else:
                 if len(rows) < len(state["rows"]):  # finished requests leave the batch (rows keeps their order)
                     at = {b: k for k, b in enumerate(state["rows"])}
@@ -328,6 +328,23 @@ class SGLangTarget:
             return generate_with(step, prompts, budgets, regen)
         finally:
             self._runner.clear()
+
+    def _prefilled_but_last(self, prompts: list[torch.Tensor], budgets: list[int]) -> list:
+        """The requests of `prompts`, ready for the extend that starts their decoding. With a prefill
+        chunk and prompts longer than it, everything but each prompt's last token is prefilled first,
+        in forwards of at most the chunk (`prefill_rounds`), and the requests returned extend only
+        their last token: that last extend holds every request, so it yields every prompt's
+        next-token logits and the one batch the decode steps continue."""
+        reqs = self._requests(prompts, budgets)
+        if self.prefill_chunk is None or sum(len(p) for p in prompts) <= self.prefill_chunk:
+            return reqs
+        for spans in prefill_rounds([len(p) - 1 for p in prompts], self.prefill_chunk):
+            for i, start, end in spans:
+                reqs[i].prefix_len, reqs[i].extend_end = start, end  # as in forward
+            self._runner.extend([reqs[i] for i, _, _ in spans])
+        for req, p in zip(reqs, prompts):
+            req.prefix_len, req.extend_end = len(p) - 1, len(p)
+        return reqs
 
     @property
     def kv_page_size(self) -> int:

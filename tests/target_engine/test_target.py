@@ -17,6 +17,7 @@ from specforge_k25.target_engine.layers import (
     sglang_layer_ids,
     validate_capture_points,
 )
+from specforge_k25.target_engine.sampling import Regeneration
 from specforge_k25.target_engine.sglang_engine import packed_aux
 
 
@@ -33,11 +34,13 @@ CAPTURES = {"smollm2": [2, 8, 15, 22, 27], "tiny_deepseek": [3, 6]}
 _CAPTURE_PROBE = """
     import json, sys, torch
     from specforge_k25.target_engine.hf_config import read_target_info
+    from specforge_k25.target_engine.sampling import Regeneration
     from specforge_k25.target_engine.sglang_engine import SGLangTarget
 
     if __name__ == "__main__":
         path, points, io = sys.argv[1], json.loads(sys.argv[2]), sys.argv[3]
         job = torch.load(io)
+        job["regen"] = job["regen"] and Regeneration(**job["regen"])
         target = SGLangTarget(path, read_target_info(path).architecture, points, num_threads=2,
                               mem_fraction_static=0.15)
         forwards = []  # tokens of each SGLang forward
@@ -47,16 +50,23 @@ _CAPTURE_PROBE = """
         for batch in job["batches"]:
             res = target.forward(batch)
             out["batches"].append((res.lengths, res.aux_hidden, res.final_hidden))
+        if job["regen"]:
+            out["answers"] = target.generate(job["chunked"], job["budgets"], job["regen"])
         target.prefill_chunk = job["chunk"]
         res = target.forward(job["chunked"])
         out["chunked"] = (res.lengths, res.aux_hidden, res.final_hidden)
+        if job["regen"]:
+            out["chunked_answers"] = target.generate(job["chunked"], job["budgets"], job["regen"])
         torch.save(out, io)
 """
 
 
-def _engine_capture(path, points, batches, chunked, chunk, tmp_path):
+def _engine_capture(path, points, batches, chunked, chunk, regen, budgets, tmp_path):
     """SGLang's states of `batches` (one forward each) and of the batch `chunked` prefilled `chunk`
-    tokens per forward, from one engine in its own process; and the tokens of every forward."""
+    tokens per forward, from one engine in its own process; given `regen`, the answers to the
+    prompts `chunked` with their prompts prefilled whole, then in chunks; and the tokens of every
+    extend forward."""
+    import dataclasses
     import json
     import os
     import subprocess
@@ -64,7 +74,8 @@ def _engine_capture(path, points, batches, chunked, chunk, tmp_path):
     import textwrap
 
     io, script = tmp_path / "capture.pt", tmp_path / "probe.py"
-    torch.save({"batches": batches, "chunked": chunked, "chunk": chunk}, io)
+    torch.save({"batches": batches, "chunked": chunked, "chunk": chunk, "regen": regen and dataclasses.asdict(regen),
+                "budgets": budgets}, io)
     script.write_text(textwrap.dedent(_CAPTURE_PROBE))
     run = subprocess.run([sys.executable, str(script), path, json.dumps(points), str(io)], capture_output=True,
                          text=True, timeout=600, env={**os.environ, "PYTHONWARNINGS": "ignore"})
@@ -95,9 +106,15 @@ def test_sglang_hidden_states_equal_hf(target, request, tmp_path):
     assert len(points) != 3
     if target == "smollm2":
         assert set(default_capture_points(info.num_layers)) <= set(points)
-    got = _engine_capture(path, points, [seqs[:2], seqs[2:]], [seqs[2], seqs[0]], 16, tmp_path)
-    assert got["forwards"] == [30, 41, 16, 16, 16, 16]  # two batches whole, then 64 tokens chunked
+    # regeneration (on the MLA target only: ~5 s of SGLang extend calls per target on CI's CPUs)
+    regen, budgets = (Regeneration(max_new_tokens=4, max_length=64), [4, 3]) if target == "tiny_deepseek" else (None, None)
+    got = _engine_capture(path, points, [seqs[:2], seqs[2:]], [seqs[2], seqs[0]], 16, regen, budgets, tmp_path)
+    # two batches whole; [two prompts (41 + 23) whole]; the same two sequences in forwards of 16;
+    # [the prompts but their last tokens (40 + 22) in forwards of 16, then their last tokens together]
+    assert got["forwards"] == ([30, 41, 64, 16, 16, 16, 16, 16, 16, 16, 14, 2] if regen else [30, 41, 16, 16, 16, 16])
     hf = HFTarget(path, points)
+    if regen:  # prompts prefilled in chunks: the decode steps continue them to HF's greedy answers
+        assert got["chunked_answers"] == got["answers"] == hf.generate([seqs[2], seqs[0]], budgets, regen)
     ref = hf.forward(seqs)
     aux = torch.cat([a for _, a, _ in got["batches"]])
     final = torch.cat([f for _, _, f in got["batches"]])
