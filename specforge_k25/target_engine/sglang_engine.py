@@ -170,6 +170,7 @@ class SGLangTarget:
         load_threads: int = 8,
         prefill_chunk: int | None = None,
     ):
+        prefill_rounds([1], prefill_chunk)  # refuse a bad chunk before SGLang's (slow) import and load
         if device == "cpu":
             from . import sglang_cpu_compat
 
@@ -196,7 +197,6 @@ class SGLangTarget:
             os.environ["SGLANG_ENABLE_TP_MEMORY_INBALANCE_CHECK"] = "0"
         if device == "cpu" and tp_size > 1 and not os.environ.get("SGLANG_CPU_OMP_THREADS_BIND"):
             os.environ["SGLANG_CPU_OMP_THREADS_BIND"] = cpu_bind_groups(tp_size // nnodes)
-        prefill_rounds([1], prefill_chunk)  # refuse a bad chunk before the (slow) load
         self.prefill_chunk = prefill_chunk
         self.num_aux = len(capture_points)
         self.layer_ids = sglang_layer_ids(capture_points, layer_id_rule(architecture))
