@@ -176,7 +176,7 @@ def register_mla_for_torch_native(handler_module) -> None:
     handler_module.AttentionBackendRegistry.register("torch_native", lambda attn, batch: AttnForwardMethod.MLA)
 
 
-def apply(mla_fix: bool = True, spec_patches: bool = True, dflash: bool = True) -> None:
+def apply(mla_fix: bool = True, spec_patches: bool = True, dflash_patches: bool = True) -> None:
     """Install the workarounds in this process (idempotent). `False` switches are for tests."""
     global _applied
     if _applied:
@@ -201,7 +201,7 @@ def apply(mla_fix: bool = True, spec_patches: bool = True, dflash: bool = True) 
         patch_when_imported("sglang.srt.speculative.draft_utils", _patch_draft_backends)
         patch_when_imported("sglang.srt.layers.attention.torch_native_backend", _patch_target_verify)
     patch_when_imported(MLA_DRAFT_MODULE, _mla_draft_without_cuda_sync)  # workaround 6
-    if dflash:  # workaround 7
+    if dflash_patches:  # workaround 7
         patch_when_imported("sglang.srt.arg_groups.speculative_hook", _dflash_on_cpu)
         patch_when_imported("sglang.srt.arg_groups.choices", _torch_native_draft_choice)
         patch_when_imported("sglang.srt.speculative.dflash_worker_v2", _dflash_worker_record_stream)
