@@ -8,7 +8,8 @@ NOTE = ("AL = Σ completion tokens / Σ verify steps, temperature 0, measured by
         "r = the same AL replayed from our draft's own proposals on the greedy outputs; "
         "τ = τ_sim from acc_k on those outputs (as training logs it); "
         "ngram = prompt lookup replayed on the greedy outputs (greedy verification makes that exact); "
-        "nospec = 1.0 by definition. A '≠k' marks k prompts whose speculative output differed from greedy.")
+        "nospec = 1.0 by definition; chain `block B` = a block drafter (DFlash) proposing B-1 tokens per step. "
+        "A '≠k' marks k prompts whose speculative output differed from greedy.")
 
 
 def _grid(results: dict):
