@@ -19,7 +19,7 @@ leave the resident set at once. Time: wall clock of the same call (median of 3 u
 one call above; the memory is the largest of those calls). The dense attention stops when its next
 point (4x the last: quadratic in T) would pass --dense-max-bytes or --dense-max-s.
 
-    .venv/bin/python benchmarks/ttt_attention.py           # ~6-8 min on 2 shared CPU cores
+    .venv/bin/python benchmarks/ttt_attention.py           # ~7-8 min on 2 shared CPU cores
     .venv/bin/python benchmarks/ttt_attention.py --small   # seconds (smoke test)
 """
 from __future__ import annotations
@@ -56,7 +56,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--threads", type=int, default=1, help="intra-op threads of each child")
     p.add_argument("--dense-max-bytes", type=float, default=8e9, help="stop the dense one before a point predicted "
                                                                       "to need more")
-    p.add_argument("--dense-max-s", type=float, default=100.0, help="stop the dense one before a point predicted "
+    p.add_argument("--dense-max-s", type=float, default=200.0, help="stop the dense one before a point predicted "
                                                                     "to take longer")
     p.add_argument("--out", type=Path, default=DEFAULT_OUT, help="JSON result (the .md and .png go beside it)")
     p.add_argument("--replot", action="store_true", help="measure nothing: redraw the PNG from the JSON at --out")
