@@ -31,7 +31,8 @@ tensor is ever built; extra memory is O((k+1) T nh hd).
 D_t/scale rides in q's dtype; for bf16/fp16 it is split into two columns hi + lo (the sink key is
 [1, 1] there), so the kernel's fp32 accumulation sees D_t to fp32 precision, not bf16's 8 bits.
 The feature dims are padded with zeros to a multiple of 8 (GPU flash kernels want that; zeros
-change no score).
+change no score). GQA: the sink key and value are the same for every query head, so k'/v' keep
+nkv heads and SDPA broadcasts them (enable_gqa) where a fused kernel can (`native_gqa`).
 """
 from __future__ import annotations
 
@@ -56,16 +57,13 @@ def ttt_attention(q: torch.Tensor, keys: list[torch.Tensor], values: list[torch.
     """
     B, nh, T, dq = q.shape
     nkv, dv = keys[0].shape[1], values[0].shape[-1]
-    gqa = nh != nkv
     if len(keys) == 1:  # step 0: plain causal attention
         if dq == dv:
-            return F.scaled_dot_product_attention(q, keys[0], values[0], is_causal=True, scale=scale, enable_gqa=gqa)
+            return _causal_sdpa(q, keys[0], values[0], scale)
         # MLA (dq = dn+dr > dv): SDPA's CPU flash kernel wants one head dim for q, k, v, else it
         # falls back to the math path and its [T, T] scores; zero columns cost less than that
         W = _round_up(max(dq, dv))
-        out = F.scaled_dot_product_attention(_pad_cols(q, W), _pad_cols(keys[0], W), _pad_cols(values[0], W),
-                                             is_causal=True, scale=scale, enable_gqa=gqa)
-        return out[..., :dv]
+        return _causal_sdpa(_pad_cols(q, W), _pad_cols(keys[0], W), _pad_cols(values[0], W), scale)[..., :dv]
 
     g = nh // nkv
     acc = _acc_dtype(q.dtype)
@@ -94,10 +92,31 @@ def ttt_attention(q: torch.Tensor, keys: list[torch.Tensor], values: list[torch.
     sink_v = q.new_zeros(W)
     sink_v[dv] = 1.0
     v_aug = torch.cat([sink_v.expand(B, nkv, 1, W), _pad_cols(values[0], W)], 2)
-    out = F.scaled_dot_product_attention(q_aug, k_aug, v_aug, is_causal=True, scale=scale, enable_gqa=gqa)
-    out = out[:, :, 1:].to(acc)  # [B, nh, T, W], the dummy row dropped
-    # out[..., :dv] = Z_c/Z O_c, out[..., dv] = e^D/Z: add the diagonal steps' share
-    return (out[..., :dv] + out[..., dv:dv + 1] * u).to(q.dtype)
+    out = _causal_sdpa(q_aug, k_aug, v_aug, scale)
+    out = out[:, :, 1:]  # [B, nh, T, W], the dummy row dropped
+    # out[..., :dv] = Z_c/Z O_c, out[..., dv] = e^D/Z: add the diagonal steps' share. The weight
+    # column is taken alone before the cast, so backward keeps [B, nh, T, 1] of it, not all W columns
+    share = out[..., dv:dv + 1].to(acc)
+    return (out[..., :dv].to(acc) + share * u).to(q.dtype)
+
+
+def _causal_sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
+    """is_causal SDPA, q [B, nh, L, W], k/v [B, nkv, L, W]: GQA natively where a fused kernel takes
+    it, else k/v repeated to nh heads (what the dense path always did)."""
+    nh, nkv = q.shape[1], k.shape[1]
+    if nh != nkv and not native_gqa(q):
+        k, v = k.repeat_interleave(nh // nkv, dim=1), v.repeat_interleave(nh // nkv, dim=1)
+    return F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale, enable_gqa=nh != k.shape[1])
+
+
+def native_gqa(q: torch.Tensor) -> bool:
+    """Whether SDPA's fused kernels take nkv < nh heads (enable_gqa) for this q [B, nh, L, W]. In
+    torch 2.13: the CPU flash kernel does (every dtype); on CUDA only the flash kernel does (fp16 /
+    bf16, head dim <= 256), and with enable_gqa in any other case SDPA falls back to its math path,
+    which builds the [L, L] scores this module exists to avoid."""
+    if q.device.type == "cpu":
+        return True
+    return q.dtype in (torch.float16, torch.bfloat16) and q.shape[-1] <= 256
 
 
 def _round_up(n: int) -> int:

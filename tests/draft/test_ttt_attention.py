@@ -69,6 +69,20 @@ def test_equals_the_dense_mask_attention_outputs_and_grads(k, shape, dtype):
         assert _rel(a, b) < TOL[dtype], (name, _rel(a, b))
 
 
+@pytest.mark.parametrize("k", [0, 2])
+def test_gqa_where_the_kernel_lacks_it_repeats_kv(k, monkeypatch):
+    """The branch CUDA takes in fp32 (no fused kernel takes enable_gqa there): k/v repeated to nh
+    heads, same result."""
+    import specforge_k25.draft.ttt_attention as tta
+
+    monkeypatch.setattr(tta, "native_gqa", lambda q: False)
+    nh, nkv, dq, dv = SHAPES["gqa_9_3"]
+    leaves, grad_out = _inputs(nh, nkv, dq, dv, k)
+    for a, b in zip(_run(tta.ttt_attention, leaves, grad_out, k, dq ** -0.5),
+                    _run(ttt_attention_dense_reference, leaves, grad_out, k, dq ** -0.5)):
+        assert _rel(a, b) < 1e-12
+
+
 def test_bf16_is_as_close_to_float64_as_the_dense_attention_is():
     """bf16 (what GPUs train in): the sink's score D_t/scale is split hi + lo so it loses nothing
     to bf16; the new attention's error against the float64 truth stays at the dense one's level."""
