@@ -65,6 +65,10 @@ class Block:
 
     size: int
 
+    def __post_init__(self):
+        if self.size < 2:
+            raise ValueError(f"block size {self.size}: a block holds the last token and at least one draft")
+
     @property
     def steps(self) -> int:  # proposals per verify step, as a chain's depth
         return self.size - 1

@@ -155,3 +155,5 @@ def test_eval_settings_and_aux_columns():
     assert torch.equal(aux[:, aux_columns(None, [2, 15, 27], 2)], aux)
     assert aux[:, aux_columns([27, 2], [2, 15, 27], 2)].tolist() == [[2, 2, 0, 0]]
     assert aux_columns([3, 15], [2, 15, 27], 2) is None
+    with pytest.raises(ValueError, match="block size 1"):
+        Block(1)
