@@ -2,9 +2,9 @@
 a CUDA machine that lacks the `sgl_kernel` wheel (workaround 5, `apply_gpu`).
 
 Applies to **sglang==0.5.23** with torch 2.13.0 (CPU build), `attention_backend="torch_native"`.
-Workarounds 1-4 and 6 are never used on GPU machines. Each workaround states why it exists; the test
-`tests/target_engine/test_sglang_cpu_compat.py` fails if one stops being needed or stops working, so a
-version bump forces a review of this file.
+Workarounds 1-4, 6 and 7 are never used on GPU machines. Each workaround states why it exists; the
+test `tests/target_engine/test_sglang_cpu_compat.py` fails if one stops being needed or stops working,
+so a version bump forces a review of this file.
 
 1. `sgl_kernel` stand-in. CPU mode (`SGLANG_USE_CPU_ENGINE=1`) imports `sgl_kernel`, whose
    PyPI wheels are CUDA-only. With torch_native attention and no AMX only a handful of names
