@@ -313,11 +313,13 @@ def _target_items(hw, facts: TargetFacts, batch_tokens: int, kv_tokens: int, ctx
              int(hw.target_runtime_gib * GiB) + batch_tokens * (num_aux + 1) * facts.hidden_size * 2, owner="target",
              note="estimate: hw.target_runtime_gib + captured states"),
     ]
-    if int4_moe_backend(hw, facts) == MARLIN:  # grows with the batch, unlike hw.target_runtime_gib
-        scratch = marlin_scratch_bytes(facts, batch_tokens, hw.target_tp)
+    if int4_moe_backend(hw, facts) == MARLIN:  # grows with one forward's tokens, unlike hw.target_runtime_gib
+        forward = min(batch_tokens, hw.target_prefill_chunk or batch_tokens)  # chunked prefill: one chunk
+        scratch = marlin_scratch_bytes(facts, forward, hw.target_tp)
         items.append(Item("SGLang Marlin MoE scratch (INT4 experts)", scratch, owner="target",
-                          note=f"{batch_tokens} tokens x top-{facts.num_experts_per_tok} x (max(2N, H) + N) x 2 B, "
-                               f"N = expert width / TP (fused_marlin_moe; plan/kernels.py)"))
+                          note=f"{forward} tokens x top-{facts.num_experts_per_tok} x (max(2N, H) + N) x 2 B, "
+                               f"N = expert width / TP (fused_marlin_moe; plan/kernels.py)"
+                               + (" (one prefill chunk)" if forward < batch_tokens else "")))
     return items
 
 

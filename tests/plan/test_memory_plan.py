@@ -380,3 +380,14 @@ def test_length_binding_names_the_gpu_that_overflows_and_what_grows_there():
     # a target whose context ends first
     short = KIMI_K25.__class__(**{**KIMI_K25.__dict__, "max_position_embeddings": 1024})
     assert length_binding(job, short, longest_fitting_length(job, short)) == "the target's context (1024) binds"
+
+
+def test_prefill_chunk_bounds_the_marlin_scratch_to_one_chunk():
+    job = _compose(["+hw=rtxpro6000x8", *KIMI_DRAFT])  # sm120: Marlin MoE, 2048-token target batch
+    whole = plan_memory(job, KIMI_K25).gpus[0].get("SGLang Marlin MoE scratch (INT4 experts)")
+    chunked = plan_memory(_compose(["+hw=rtxpro6000x8", *KIMI_DRAFT, "hw.target_prefill_chunk=512"]), KIMI_K25)
+    H, N = 7168, 2048 // 8  # N: the expert width (2048) per TP rank
+    assert whole == 2048 * 8 * (H + N) * 2
+    assert chunked.gpus[0].get("SGLang Marlin MoE scratch (INT4 experts)") == 512 * 8 * (H + N) * 2
+    longer = plan_memory(_compose(["+hw=rtxpro6000x8", *KIMI_DRAFT, "hw.target_prefill_chunk=4096"]), KIMI_K25)
+    assert longer.gpus[0].get("SGLang Marlin MoE scratch (INT4 experts)") == whole  # a chunk above the batch: no change
