@@ -398,8 +398,9 @@ def main(argv=None) -> dict:
                    "fp32_allow_tf32": torch.backends.cuda.matmul.allow_tf32},
         "memory_method": ("torch.cuda.max_memory_allocated over the shape (setup + warm-up + timed steps)"
                           if device.type == "cuda" else "not measured on CPU"),
-        "flop_method": ("analytic, specforge_k25.plan.throughput.draft_step_flops (fused masked SDPA per TTT step "
-                        "over (k+1)T keys, all blocks counted; backward 2.5x its forward)"),
+        "flop_method": ("analytic, specforge_k25.plan.throughput.draft_step_flops (per TTT step one causal SDPA, "
+                        "counted as full QK^T and PV, over T keys at step 0 and T+1 with the sink column after; "
+                        "backward 2.5x its forward)"),
         "frozen_dtype": str(frozen_dtype(bf16)).removeprefix("torch."), "optimizer_device": opt_device,
         "shapes": shapes, "args": vars(args), "machine": machine_info(threads=args.threads),
         "total_wall_s": time.perf_counter() - t_start,
