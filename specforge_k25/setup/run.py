@@ -79,12 +79,17 @@ def prepare(job: JobConfig) -> RunSetup:
                          f"tokenizer and target weights in {model_path} do not match")
     draft_cfg = resolve_draft(job.draft, facts, len(points))
     check_reserved_tokens(method, draft_cfg, data, tokenizer, job.data.regenerate)
-    if not method.needs_teacher and not job.data.regenerate:
-        print(f"note: draft.method={method.name} learns the sequences' own next tokens (no teacher logits) and "
-              f"data.regenerate=false: it learns the dataset's answers, not the target's; data.regenerate=true "
-              f"trains it on the target's own answers (the method's recipe)", flush=True)
     return RunSetup(model_path, info, points, eagle_ids, tokenizer, data, method, draft_cfg,
                     regeneration(job, tokenizer), end_of_turn_id)
+
+
+def regeneration_note(job: JobConfig, setup: RunSetup) -> str | None:
+    """For a training run: a method that learns the sequences' own tokens, trained on the dataset's answers."""
+    if setup.method.needs_teacher or job.data.regenerate:
+        return None
+    return (f"note: draft.method={setup.method.name} learns the sequences' own next tokens (no teacher logits) and "
+            f"data.regenerate=false: it learns the dataset's answers, not the target's; data.regenerate=true "
+            f"trains it on the target's own answers (the method's recipe)")
 
 
 def check_reserved_tokens(method: DraftMethod, draft_cfg, data: TokenizedData, tokenizer, regenerate: bool) -> None:

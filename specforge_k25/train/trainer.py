@@ -21,7 +21,7 @@ from tqdm import tqdm
 from ..config import JobConfig
 from ..data.regenerate import regeneration_prompt
 from ..export.serving import export_draft
-from ..setup.run import RunSetup, fresh_draft, make_target_stream, prepare
+from ..setup.run import RunSetup, fresh_draft, make_target_stream, prepare, regeneration_note
 from ..stream.target_stream import StreamError, StreamInterrupted, TargetStream
 from .checkpoint import (check_draft_keys, list_checkpoints, optimizer_state_for, read_checkpoint, read_state,
                          save_checkpoint)
@@ -417,6 +417,9 @@ def run_training(job: JobConfig, run_dir: str | Path, engine: str = "sglang") ->
         if job.hw.device == "cpu":
             torch.set_num_threads(job.hw.trainer_threads)
         setup = prepare(job)
+        note = regeneration_note(job, setup)
+        if note:
+            print(note, flush=True)
         job, ranks = start_ranks(job)  # torchrun: this rank's trainer GPU and target replica, the process group
         ranks.check_same_data(setup.data.sha1())
         run_dir = Path(ranks.from_main(str(run_dir)))  # Hydra's default folder is a timestamp: take rank 0's

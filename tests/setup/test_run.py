@@ -50,3 +50,13 @@ def test_the_tp_node_cli_builds_the_trainers_spec(monkeypatch, smollm2_path):
     monkeypatch.setattr(producer, "run_tp_node", lambda spec: seen.append(spec) or 0)
     assert tp_node.main(overrides) == 0
     assert seen == [target_spec(compose_job(overrides))]
+
+
+def test_regeneration_note_only_for_a_method_without_a_teacher_on_the_datasets_answers():
+    from types import SimpleNamespace as NS
+
+    from specforge_k25.draft.registry import get_method
+    from specforge_k25.setup.run import regeneration_note
+    said = {(m, r): regeneration_note(NS(data=NS(regenerate=r)), NS(method=get_method(m))) is not None
+            for m in ("eagle3", "dflash") for r in (False, True)}
+    assert said == {("eagle3", False): False, ("eagle3", True): False, ("dflash", False): True, ("dflash", True): False}
