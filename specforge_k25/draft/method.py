@@ -73,6 +73,12 @@ class DraftMethod:
         """Token ids real input must never contain (DFlash: its mask token); setup refuses data with them."""
         return []
 
+    def with_unused_special_tokens(self, spec, unused: list[int]):
+        """The draft spec with its reserved tokens, where left unset, chosen among `unused`: the
+        tokenizer's special-token ids (ascending) that the data never holds and that are not its
+        bos / eos / pad / end-of-turn. Default: the spec as given (nothing reserved)."""
+        return spec
+
     def fsdp_units(self, model: nn.Module) -> list[str]:
         """Names of the trainable submodules, each sharded on its own (train/sharding.py)."""
         raise NotImplementedError

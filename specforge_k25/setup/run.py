@@ -77,10 +77,23 @@ def prepare(job: JobConfig) -> RunSetup:
     if top >= info.vocab_size:  # the engine would index past its embedding
         raise ValueError(f"the tokenizer produced token id {top}, outside the target's vocab ({info.vocab_size}): "
                          f"tokenizer and target weights in {model_path} do not match")
-    draft_cfg = resolve_draft(job.draft, facts, len(points))
+    unused = [t for t in unused_special_ids(tokenizer, data, end_of_turn_id) if t < info.vocab_size]
+    draft_cfg = resolve_draft(method.with_unused_special_tokens(job.draft, unused), facts, len(points))
     check_reserved_tokens(method, draft_cfg, data, tokenizer, job.data.regenerate)
     return RunSetup(model_path, info, points, eagle_ids, tokenizer, data, method, draft_cfg,
                     regeneration(job, tokenizer), end_of_turn_id)
+
+
+def _special_ids(tokenizer) -> set[int]:
+    return {int(i) for i, tok in getattr(tokenizer, "added_tokens_decoder", {}).items() if getattr(tok, "special", False)}
+
+
+def unused_special_ids(tokenizer, data: TokenizedData, end_of_turn_id: int | None = None) -> list[int]:
+    """The tokenizer's special-token ids (ascending) that no sample holds, other than its bos, eos,
+    pad and end-of-turn tokens: ids a draft method may reserve (`with_unused_special_tokens`)."""
+    used = {int(t) for s in [*data.train, *data.heldout] for t in s.input_ids.unique().tolist()}
+    return sorted(_special_ids(tokenizer) - used - {tokenizer.bos_token_id, tokenizer.eos_token_id,
+                                                    tokenizer.pad_token_id, end_of_turn_id})
 
 
 def regeneration_note(job: JobConfig, setup: RunSetup) -> str | None:
@@ -106,11 +119,9 @@ def check_reserved_tokens(method: DraftMethod, draft_cfg, data: TokenizedData, t
             hits = torch.isin(held, s.input_ids)
             for tok in held[hits].tolist():
                 found.setdefault(tok, f"{split} sample {i}")
-    specials = {int(i) for i, tok in getattr(tokenizer, "added_tokens_decoder", {}).items()
-                if getattr(tok, "special", False)}
+    specials = _special_ids(tokenizer)
     if found:
-        used = {int(t) for s in [*data.train, *data.heldout] for t in s.input_ids.unique().tolist()}
-        free = sorted(specials - used - {tokenizer.bos_token_id, tokenizer.eos_token_id, tokenizer.pad_token_id})[-3:]
+        free = unused_special_ids(tokenizer, data)[-3:]
         hint = (f"choose an id the data does not hold, e.g. a special token it never uses: draft.mask_token_id="
                 f"{free[-1]} ({', '.join(repr(tokenizer.convert_ids_to_tokens(t)) for t in free)})" if free else
                 "choose an id the data does not hold (draft.mask_token_id)")

@@ -59,3 +59,19 @@ def test_setup_refuses_data_holding_the_mask_token():
         check_reserved_tokens(get_method("dflash"), CFG, data, tokenizer, regenerate=False)
     check_reserved_tokens(get_method("dflash"), CFG, TokenizedData(data.train, []), tokenizer, regenerate=False)
     check_reserved_tokens(get_method("eagle3"), None, data, tokenizer, regenerate=False)  # reserves nothing
+
+
+def test_an_unset_mask_token_is_the_highest_special_token_the_data_never_holds():
+    from specforge_k25.config import DraftConfigSpec as DraftSpec
+    from specforge_k25.setup.run import unused_special_ids
+    data = TokenizedData([Sample(torch.tensor([1, 5, 9, 6]), torch.ones(4, dtype=torch.bool))], [])
+    special = SimpleNamespace(special=True)
+    tokenizer = SimpleNamespace(added_tokens_decoder={0: special, 2: special, 3: special, 4: special, 6: special,
+                                                      7: SimpleNamespace(special=False)},
+                                bos_token_id=0, eos_token_id=2, pad_token_id=None)
+    assert unused_special_ids(tokenizer, data, end_of_turn_id=4) == [3]  # 6 is in the data, 7 not special
+    dflash, eagle3 = get_method("dflash"), get_method("eagle3")
+    assert dflash.with_unused_special_tokens(DraftSpec(), [3, 5]).mask_token_id == 5
+    assert dflash.with_unused_special_tokens(DraftSpec(mask_token_id=11), [3, 5]).mask_token_id == 11  # set: kept
+    assert dflash.with_unused_special_tokens(DraftSpec(), []).mask_token_id is None  # resolve_config: vocab - 1
+    assert eagle3.with_unused_special_tokens(DraftSpec(), [3, 5]) == DraftSpec()

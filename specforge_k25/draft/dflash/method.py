@@ -5,7 +5,7 @@ method `dflash`).
 Config fields (config.py DraftConfigSpec; read with getattr defaults, so a bare namespace works):
   block_size (8), num_layers (null = K, one draft layer per capture point, SGLang's and z-lab's
   default pairing), num_anchors (512 per sequence), loss_gamma (null: 7 for blocks >= 16, 5 for
-  >= 10, else 4), mask_token_id (null = V-1), logits_chunk (2048); and the shared sizes
+  >= 10, else 4), mask_token_id (null = the tokenizer's highest unused special token, else V-1), logits_chunk (2048); and the shared sizes
   (num_attention_heads, num_key_value_heads, head_dim, intermediate_size, rope_theta,
   max_position_embeddings). draft.vocab_size is not used: the draft proposes over the full
   target vocab with the target's lm_head.
@@ -25,6 +25,7 @@ What the trainer asks of it beyond the EAGLE-3 methods (draft/method.py):
 """
 from __future__ import annotations
 
+from dataclasses import replace
 from pathlib import Path
 
 import torch
@@ -87,6 +88,14 @@ class DFlashMethod(DraftMethod):
 
     def reserved_token_ids(self, cfg: DFlashConfig) -> list[int]:
         return [cfg.mask_token_id]
+
+    def with_unused_special_tokens(self, spec, unused: list[int]):
+        # a special token the data never holds cannot come from rendered text (rows with special-token
+        # text are skipped) and a target rarely generates it; vocab - 1 may be an ordinary word
+        # (SmolLM2's 49151 is "ectable"). The highest such id: tokenizers put reserved tokens last.
+        if getattr(spec, "mask_token_id", None) is None and unused:
+            return replace(spec, mask_token_id=unused[-1])
+        return spec
 
     def fsdp_units(self, model) -> list[str]:
         return ["fc", "hidden_norm", *[f"layers.{i}" for i in range(len(model.layers))], "norm"]
