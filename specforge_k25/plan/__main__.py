@@ -2,11 +2,12 @@
 
 Composes the same config as `python -m specforge_k25.train` (conf/ + the typed schema) and prints
 the per-GPU memory budget, the SGLang `mem_fraction_static` it implies and the tokens per
-optimizer step, then the throughput plan of both trainer layouts (when the hw profile has its
-inputs: hw.peak_tflops, hw.memory_gbps, hw.link_gbps), then every draft method (draft.method) in
-this run's place: trainable parameters, peak GPU memory, the longest data.max_length that fits and
-node tokens/s. Starts nothing. Exit status 0 when the run fits, 2 (with the override that would
-fit) when it does not.
+optimizer step, then the throughput plan of both trainer layouts and of the fastest pipeline (PP)
+shape that fits (plan/pipeline.py: predicted, not runnable yet, issue 23) with the layout it
+predicts fastest (when the hw profile has its inputs: hw.peak_tflops, hw.memory_gbps,
+hw.link_gbps), then every draft method (draft.method) in this run's place: trainable parameters,
+peak GPU memory, the longest data.max_length that fits and node tokens/s. Starts nothing. Exit
+status 0 when the run fits, 2 (with the override that would fit) when it does not.
 """
 from __future__ import annotations
 
@@ -131,14 +132,18 @@ def _memory_verdict(job, facts) -> str:
 
 
 def render_throughput(job, facts) -> None:
-    """Both layouts' per-GPU seconds per token, node tokens/s, bottleneck, idle shares and bound."""
+    """Both TP layouts' and the fastest fitting pipeline layout's per-GPU seconds per token, node
+    tokens/s, bottleneck, idle shares and bounds, and which layout the plan predicts fastest."""
     from rich.console import Console
     from rich.markup import escape
     from rich.table import Table
 
+    from .pipeline import NOT_RUNNABLE, PIPELINE_PARTS, best_pipeline, predict_pipelines
+
     console = Console(width=max(Console().width, 140))
     try:
         layouts = predict_layouts(job, facts)
+        pipelines = predict_pipelines(job, facts)
     except PlanError as err:
         console.print(f"throughput plan: {escape(str(err))}")
         return
@@ -153,31 +158,111 @@ def render_throughput(job, facts) -> None:
         source = sources[0] if len(sources) == 1 else "; ".join(f"{n}: {r[2]}" for n, r in zip(names, rows))
         inputs.add_row(rows[0][0], *[r[1] for r in rows], escape(source))
     console.print(inputs)
+    pipe = best_pipeline(job, facts, pipelines)
+    if pipe is not None:
+        pin = Table(title=f"throughput plan: {pipe.name} inputs besides the above ({NOT_RUNNABLE})")
+        for col in ("input", "value", "source"):
+            pin.add_column(col, justify="right" if col == "value" else "left", overflow="fold",
+                           max_width=70 if col == "source" else 50)
+        for row in pipe.throughput.inputs:
+            pin.add_row(*(escape(x) for x in row))
+        console.print(pin)
 
+    shown = dict(layouts)
+    if pipe is not None:
+        shown[pipe.name] = pipe.throughput
     table = Table(title="throughput plan: microseconds per replica token on each GPU (a GPU does one thing at a time)")
-    for col in ("layout", "GPUs", "role", *PARTS, "busy", "idle"):
+    for col in ("layout", "GPUs", "role", *PIPELINE_PARTS, "busy", "idle"):
         table.add_column(col, justify="left" if col in ("layout", "GPUs", "role") else "right")
-    for name, t in layouts.items():
+    for name, t in shown.items():
         merged: dict[tuple, list] = {}
         for g in t.gpus:
             merged.setdefault((g.role, tuple(round(v, 12) for v in g.parts.values())), []).append(g)
         for gs in merged.values():
             g = gs[0]
-            table.add_row(name, _ranges([x.gpu for x in gs]), g.role, *[f"{g.parts[p] * 1e6:.1f}" for p in PARTS],
+            table.add_row(name, _ranges([x.gpu for x in gs]), g.role,
+                          *[f"{g.parts.get(p, 0.0) * 1e6:.1f}" for p in PIPELINE_PARTS],
                           f"{g.busy * 1e6:.1f}", f"{100 * t.idle(g):.0f} %")
         table.add_section()
     console.print(table)
+    bound = next(iter(layouts.values())).compute_bound_tokens_per_s
+    console.print(f"compute bound: {bound:,.0f} tokens/s per node (all {job.hw.num_gpus} GPUs busy on the target's "
+                  f"and the trainer's FLOPs only, at hw.target_efficiency / hw.trainer_efficiency)")
     for name, t in layouts.items():
         g, part = t.bottleneck
         verdict = _memory_verdict(replace(job, hw=replace(job.hw, trainer_layout=name)), facts)
         console.print(f"{name}: [bold]{t.tokens_per_s:,.0f} tokens/s[/bold] per node ({t.replicas} replica(s)); "
                       f"bottleneck GPU {g.gpu} ({part}); balanced bound {t.balanced_tokens_per_s:,.0f} tokens/s, "
                       f"{t.of_bound:.2f} of it; memory: {escape(verdict)}")
+        console.print(f"  {t.of_compute_bound:.2f} of the compute bound")
         for note in t.notes:
             console.print(f"  note: {escape(note)}")
+    if pipe is not None:
+        console.print(f"{pipe.name}: {_pipeline_line(job, facts, pipe)}  [bold]{NOT_RUNNABLE}[/bold]")
+        others = [p for p in pipelines if p is not pipe]
+        if others:
+            console.print("  other pipeline shapes: " + "; ".join(
+                f"{p.name} {p.throughput.tokens_per_s:,.0f} tokens/s"
+                + ("" if p.fits or job.hw.device != "cuda" else f" (does not fit: {p.memory_problems[0]})")
+                for p in others))
     fast, slow = sorted(names, key=lambda n: -layouts[n].tokens_per_s)
     console.print(f"{fast} is faster: {layouts[fast].tokens_per_s / layouts[slow].tokens_per_s:.2f}x the {slow} "
                   f"layout's tokens/s (this run: hw.trainer_layout={job.hw.trainer_layout})")
+    console.print(escape(_fastest_line(job, layouts, pipe)))
+
+
+def _pipeline_line(job, facts, pipe) -> str:
+    """A pipeline plan's tokens/s, bottleneck stage, start/drain and memory, one line."""
+    from rich.markup import escape
+
+    from .pipeline import first_stages_partition, longest_pipeline_length, predict_pipeline
+
+    t, s = pipe.throughput, pipe.bottleneck_stage
+    g = next(x for x in t.gpus if x.gpu == s * pipe.tp)
+    part = max(g.parts, key=g.parts.get)
+    a, b = pipe.split[s]
+    line = (f"[bold]{t.tokens_per_s:,.0f} tokens/s[/bold] per node ({t.replicas} replica(s)), {t.of_compute_bound:.2f} "
+            f"of the compute bound; {pipe.setting}; bottleneck stage {s} (layers {a}-{b - 1}; largest part: {part}); "
+            f"start/drain {pipe.fill_s:.2f} s once per run")
+    if pipe.memory is not None:
+        full = max(pipe.memory, key=lambda x: x.total())
+        longest = longest_pipeline_length(job, facts, pipe.pp, pipe.tp, pipe.replicas)
+        line += (f"; memory: {'fits' if pipe.fits else 'does not fit: ' + escape('; '.join(pipe.memory_problems))}, "
+                 f"fullest GPU {full.gpu} (stage {pipe.memory.index(full)}) {_g(full.total())} of {_g(full.capacity)} "
+                 f"GiB, SGLang mem_fraction_static >= {pipe.mem_fraction_min:.2f}; longest data.max_length that "
+                 f"fits: {longest or '-'}")
+        alt = first_stages_partition(facts.num_layers, pipe.pp)
+        if alt is not None and pipe.partition is None:
+            other = predict_pipeline(job, facts, pipe.pp, pipe.tp, pipe.replicas, alt)
+            longest_alt = longest_pipeline_length(job, facts, pipe.pp, pipe.tp, pipe.replicas, alt)
+            line += (f" ({other.setting}: {other.throughput.tokens_per_s:,.0f} tokens/s, fullest GPU "
+                     f"{_g(max(g.total() for g in other.memory))} GiB, longest {longest_alt or '-'})")
+    return line
+
+
+def _fastest_line(job, layouts: dict, pipe) -> str:
+    """Which layout the plan predicts fastest and why (the part that binds the others)."""
+    rates = {n: t.tokens_per_s for n, t in layouts.items()}
+    if pipe is not None:
+        rates[pipe.name] = pipe.throughput.tokens_per_s
+    order = sorted(rates, key=lambda n: -rates[n])
+    fast = order[0]
+
+    def why(name: str) -> str:
+        t = layouts.get(name) or pipe.throughput
+        g, part = t.bottleneck
+        return (f"{name} {rates[name]:,.0f} (bound by GPU {g.gpu}'s {part}: {g.parts[part] * 1e6:.1f} of "
+                f"{g.busy * 1e6:.1f} us)")
+    head = (f"predicted fastest: {fast}, {rates[fast] / rates[order[1]]:.2f}x the next ({why(order[1])}); "
+            f"{why(fast)}")
+    if pipe is not None and fast == pipe.name:
+        s = pipe.bottleneck_stage
+        a, b = pipe.split[s]
+        head += (f": no all-reduce across the node (TP{pipe.tp} inside a stage), each GPU computes its stage's layers "
+                 f"and 1/{len(pipe.throughput.gpus) // pipe.replicas} of its replica's trainer work; the "
+                 f"{b - a}-layer stages set the rate. Profile default unchanged (hw.trainer_layout="
+                 f"{job.hw.trainer_layout}): the pipeline is predicted; not runnable yet (issue 23)")
+    return head + f"; slowest: {why(order[-1])}"
 
 
 def render_methods(job, facts) -> None:
@@ -193,20 +278,22 @@ def render_methods(job, facts) -> None:
                         f"batch {tr.batch_size} x max_length {L}, K={tr.ttt_length}, activation checkpointing "
                         f"{'on' if tr.activation_checkpointing else 'off'})")
     for col in ("method", "trainable params", "trainer GFLOP/token", "peak GPU GiB", f"fits at {L}",
-                "longest max_length", *(f"{layout} tokens/s" for layout in LAYOUTS)):
+                "longest max_length", *(f"{layout} tokens/s" for layout in LAYOUTS), "pipeline tokens/s (predicted)"):
         table.add_column(col, justify="left" if col == "method" else "right", no_wrap=col == "method")
     notes = []
     for r in rows:
         name = r.method + (" (this run)" if r.method == job.draft.method else "")
         if r.refused:
-            table.add_row(name, *["-"] * (5 + len(LAYOUTS)))
+            table.add_row(name, *["-"] * (6 + len(LAYOUTS)))
             notes.append(f"{r.method}: {r.refused}")
             continue
         peak = f"{_g(r.peak_bytes)}" + (f" / {_g(r.capacity_bytes)}" if r.capacity_bytes else "")
         table.add_row(name, f"{r.trainable_params:,}", f"{r.trainer_flops_per_token / 1e9:.2f}", peak,
                       ("yes" if r.fits else "[red]no[/]") if r.capacity_bytes else "-",
                       str(r.longest_length or "-"),
-                      *(f"{r.tokens_per_s[layout]:,.0f}" if layout in r.tokens_per_s else "-" for layout in LAYOUTS))
+                      *(f"{r.tokens_per_s[layout]:,.0f}" if layout in r.tokens_per_s else "-" for layout in LAYOUTS),
+                      f"{r.pipeline_tokens_per_s:,.0f} ({r.pipeline.removeprefix('pipeline ')}"
+                      f"{'' if r.pipeline_fits else ', [red]does not fit[/]'})" if r.pipeline_tokens_per_s else "-")
         notes.append(f"{r.method}: {r.describe}")
     console.print(table)
     for note in notes:

@@ -13,10 +13,14 @@ Arithmetic on the target's facts, the draft's shapes and the hw profile; nothing
   trainer's kernels could fill the target's all-reduce waits.
 - Idle share of a GPU = 1 - busy x rate. The balanced bound is the node with every GPU busy on the
   work each layout must do (the prefill with its all-reduces, the trainer's FLOPs): optimizer
-  steps and gradient traffic, which the layouts pay differently, are left out of it.
+  steps and gradient traffic, which the layouts pay differently, are left out of it. The compute
+  bound (`compute_bound_tokens_per_s`) is the node busy on FLOPs only, the same for every layout.
+- The target as pipeline stages (issue 23; predicted, not runnable yet) is planned in
+  plan/pipeline.py on the same parts.
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field, replace
 from typing import Optional
 
@@ -102,6 +106,16 @@ def allreduce_bytes_per_token(facts: TargetFacts, elem: int) -> int:
     return (2 * facts.num_layers + 1) * facts.hidden_size * elem
 
 
+def compute_bound_tokens_per_s(hw, facts: TargetFacts, seq_len: int, trainer_flops_per_token: float) -> float:
+    """The node's tokens/s with every GPU busy on FLOPs only: the target's prefill at
+    hw.target_efficiency and the trainer's at hw.trainer_efficiency, no communication, no optimizer
+    step (the same for every layout: issue 23's "compute bound")."""
+    peak = hw.peak_tflops * 1e12
+    per_token = (target_flops_per_token(facts, seq_len)["total"] / (peak * hw.target_efficiency)
+                 + trainer_flops_per_token / (peak * hw.trainer_efficiency))
+    return hw.num_gpus / per_token
+
+
 # ---------------------------------------------------------------------------- prediction
 @dataclass
 class GpuTime:
@@ -122,6 +136,7 @@ class Throughput:
     balanced_tokens_per_s: float
     inputs: list[tuple[str, str, str]]  # (input, value, source)
     notes: list[str] = field(default_factory=list)
+    compute_bound_tokens_per_s: float = 0.0  # every GPU busy on FLOPs only (`compute_bound_tokens_per_s`)
 
     @property
     def replica_tokens_per_s(self) -> float:
@@ -134,6 +149,10 @@ class Throughput:
     @property
     def of_bound(self) -> float:
         return self.tokens_per_s / self.balanced_tokens_per_s
+
+    @property
+    def of_compute_bound(self) -> float:
+        return self.tokens_per_s / self.compute_bound_tokens_per_s if self.compute_bound_tokens_per_s else math.nan
 
     def idle(self, g: GpuTime) -> float:
         return 1.0 - g.busy * self.replica_tokens_per_s
@@ -243,7 +262,7 @@ def predict(job, facts: TargetFacts, layout: str | None = None) -> Throughput:
     if t_compute > tflops["total"] / tp / (peak * hw.target_efficiency):
         notes.append(f"the target reads its weights slower than it computes at {batch} tokens per batch")
     return Throughput(hw.trainer_layout, sorted(gpus.values(), key=lambda g: g.gpu), len(groups), balanced, inputs,
-                      notes)
+                      notes, compute_bound_tokens_per_s(hw, facts, L, flops["total"] / (B * L)))
 
 
 def predict_layouts(job, facts: TargetFacts) -> dict[str, Throughput]:
@@ -268,6 +287,9 @@ class MethodRow:
     fits: bool = False  # memory only (MemoryPlan.capacity_ok)
     longest_length: Optional[int] = None  # longest data.max_length that fits (multiple of 256)
     tokens_per_s: dict[str, float] = field(default_factory=dict)  # per layout, at data.max_length
+    pipeline: str = ""  # the fastest pipeline shape whose memory fits (plan/pipeline.py; predicted, not runnable yet)
+    pipeline_tokens_per_s: Optional[float] = None
+    pipeline_fits: bool = False  # its memory fits (always true off CUDA: not checked)
     refused: str = ""  # the method cannot run this job (its reason); the numbers are then unset
 
 
@@ -302,6 +324,12 @@ def compare_methods(job, facts: TargetFacts, names: list[str] | None = None) -> 
             row.longest_length = longest_fitting_length(variant, facts)
         try:
             row.tokens_per_s = {layout: t.tokens_per_s for layout, t in predict_layouts(variant, facts).items()}
+            from .pipeline import best_pipeline  # plan/pipeline.py builds on this module
+
+            best = best_pipeline(variant, facts)
+            if best is not None:
+                row.pipeline, row.pipeline_tokens_per_s = best.name, best.throughput.tokens_per_s
+                row.pipeline_fits = best.fits or best.memory is None
         except PlanError:
             pass  # no throughput inputs in this hw profile
         rows.append(row)
