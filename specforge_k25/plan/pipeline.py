@@ -7,8 +7,8 @@ nothing is measured here. The layout: the node's GPUs = replicas x pp stages x t
 GPU (whole sequences per trainer rank, the draft state sharded over all of them with FSDP2, as
 hw.trainer_layout=colocated).
 
-- Layer split: SGLang 0.5.23's default (`srt/distributed/utils.py` get_pp_indices): every stage gets num_layers // pp layers and the LAST
-  num_layers % pp stages one more (61 over 8: 7,7,7,8,8,8,8,8; 30 over 2: 15,15);
+- Layer split: SGLang 0.5.23's default (`srt/distributed/utils.py` get_pp_indices): every stage
+  gets num_layers // pp layers and the LAST num_layers % pp stages one more (61 over 8: 7,7,7,8,8,8,8,8; 30 over 2: 15,15);
   SGLANG_PP_LAYER_PARTITION (a list) replaces it. The embedding is on stage 0, the final norm and
   lm_head on the last stage.
 - Compute of a stage, per replica token: its layers' share of `target_flops_per_token` (per layer:
