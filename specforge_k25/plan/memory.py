@@ -8,8 +8,10 @@ weight copies until backward); AdamW's m/v sit next to it (the fp32 weights are 
 or, with `train.optimizer_device`, on the host or another GPU with their own fp32 master and
 gradient copies; the frozen embedding [V, H] and the target's lm_head [V, Ht] keep the target's
 dtype; the teacher holds [B, T, Vd] fp32 draft logits; each TTT step keeps its activations
-([B, T, Vd] fp32 log-probs and teacher probs, the fused attention's q/K/V/out and logsumexp, its
-[T, (k+1)T] mask; never [B, nh, T, T] probabilities) or, with `train.activation_checkpointing`,
+([B, T, Vd] fp32 log-probs and teacher probs, the fused attention's q/K/V/out and logsumexp, for
+EAGLE-3 steps k >= 1 also the k diagonal scores and keys/values of draft/ttt_attention.py, no mask;
+a method with an attention mask counts it apart; never [B, nh, T, T] probabilities) or, with
+`train.activation_checkpointing`,
 only its inputs and recomputes one step at a time in backward. The draft method counts those
 tensors (its `plan` module: `ttt_saved_bytes`, exact against saved-tensor hooks in the tests;
 `ttt_backward_working_bytes`, an estimate); the runtime reserves are estimates. The co-located layout
@@ -191,8 +193,9 @@ def _ttt_items(cfg, method: DraftMethod, batch: int, seq_len: int, ttt_length: i
         Item("TTT saved: per-token tensors (K steps)", saved["per_token"], PHASE_TTT,
              note=("checkpointed: each step's hidden input + its attention cache" if checkpoint else
                    "incl. [B,T,Vd] fp32 log-probs + teacher probs per step")),
-        Item("TTT saved: attention masks [T,(k+1)T] (K steps)", saved["attention_mask"], PHASE_TTT),
     ]
+    if saved["attention_mask"] > 0:  # a method with masks (DFlash); EAGLE-3's TTT attention builds none
+        items.append(Item("TTT saved: attention masks (K steps)", saved["attention_mask"], PHASE_TTT))
     if checkpoint:  # backward recomputes one step at a time: the last (largest) one at most
         per_token, mask = arithmetic.ttt_step_bytes(cfg, batch, seq_len, ttt_length - 1, bf16)
         items.append(Item("TTT one step recomputed in backward", per_token + mask, PHASE_TTT,

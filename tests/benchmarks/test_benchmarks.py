@@ -58,7 +58,7 @@ def test_kimi_shapes_come_from_the_repo_config():
 
 
 def cpu_sdpa_flop_formulas() -> dict:
-    """torch's flop counter has no formula for the CPU flash-attention kernel the draft's masked SDPA
+    """torch's flop counter has no formula for the CPU flash-attention kernel the draft's causal SDPA
     runs on here (it would count 0 for it): count it with torch's own flash/efficient-attention
     formulas (forward 2 matmuls; backward 5: QK^T recomputed, then dP, dV, dQ, dK), as on a GPU."""
     from torch.utils.flop_counter import sdpa_backward_flop_count, sdpa_flop_count
@@ -102,7 +102,9 @@ def test_analytic_flops_match_torch_flop_counter(bf16, checkpoint, one_torch_thr
 
 
 def test_step_flops_attention_and_checkpointing():
-    """Hand-checked numbers for a toy config: step k's SDPA sees (k+1)T keys at nh heads."""
+    """Hand-checked numbers for a toy config: step 0's causal SDPA sees T keys at hd = 2, step 1's
+    augmented SDPA (draft/ttt_attention.py) T+1 rows at W = 8 (2 + 2 sink columns under bf16,
+    rounded up to 8); torch counts both at nh heads, every block."""
     from specforge_k25.draft.model import DraftConfig
 
     g = bench("gpu_kimi_shapes")
@@ -110,8 +112,8 @@ def test_step_flops_attention_and_checkpointing():
                       vocab_size=32, draft_vocab_size=16, target_hidden_size=8)
     B, T, K = 2, 3, 2
     f = g.step_flops(cfg, B, T, K)
-    # per step k: 2 matmuls of 2*B*nh*T*(k+1)T*hd; k = 0, 1
-    assert f["attention_fwd"] == 2 * (2 * B * 4 * T * T * 2) + 2 * (2 * B * 4 * T * 2 * T * 2) == 1728
+    # QK^T and PV: 2 matmuls of 2*B*nh*T*T*hd at step 0, of 2*B*nh*(T+1)*(T+1)*W at step 1
+    assert f["attention_fwd"] == 2 * (2 * B * 4 * T * T * 2) + 2 * (2 * B * 4 * (T + 1) * (T + 1) * 8) == 4672
     assert f["attention_bwd"] == 5 * f["attention_fwd"] // 2
     linear = 2 * B * T * (2 * 8 * (4 + 2 * 2) * 2 + 4 * 2 * 8 + 3 * 8 * 16 + 8 * 16)
     fc = 2 * B * T * 3 * 8 * 8

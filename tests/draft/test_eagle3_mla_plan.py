@@ -3,8 +3,9 @@ saves against the tensors autograd really saves (saved-tensor hooks; fp32 and bf
 and without activation checkpointing), the step's FLOPs against torch's flop counter, parameter
 counts against the module, and one FLOP count by hand with a value head dim of its own.
 
-Tiny shapes: dv = dn + dr so that torch's CPU runs its fused SDPA kernel (what the plan counts; the
-GPU's memory-efficient kernel also takes dv != dn + dr), and no activation has a weight's shape.
+Tiny shapes, dv = dn + dr and dv != dn + dr (draft/ttt_attention.py then pads step 0's q, k, v to
+one head dim, so torch's CPU runs its fused SDPA kernel either way: what the plan counts), and no
+activation has a weight's shape.
 """
 from __future__ import annotations
 
@@ -60,11 +61,12 @@ def _measured_saved_bytes(cfg: MLADraftConfig, B: int, T: int, K: int, bf16: boo
     return sum(storages.values())
 
 
+@pytest.mark.parametrize("dv", [16, 12])  # 12: kv_b [132, 20], o [48, 72]
 @pytest.mark.parametrize("checkpoint", [False, True])
 @pytest.mark.parametrize("bf16", [False, True])
 @pytest.mark.parametrize("B,T,K", [(2, 11, 3), (3, 7, 2)])
-def test_ttt_saved_bytes_match_what_autograd_saves(B, T, K, bf16, checkpoint, one_torch_thread):
-    cfg = _cfg()
+def test_ttt_saved_bytes_match_what_autograd_saves(B, T, K, bf16, checkpoint, dv, one_torch_thread):
+    cfg = _cfg(v_head_dim=dv)
     assert (plan.ttt_saved_bytes(cfg, B, T, K, bf16, checkpoint)["total"]
             == _measured_saved_bytes(cfg, B, T, K, bf16, checkpoint))
 
@@ -106,13 +108,13 @@ def _cpu_sdpa_flop_formulas() -> dict:
             aten._scaled_dot_product_flash_attention_for_cpu_backward: backward}
 
 
-@pytest.mark.parametrize("bf16,checkpoint", [(False, False), (True, True)])
-def test_draft_step_flops_match_torch_flop_counter(bf16, checkpoint, one_torch_thread):
+@pytest.mark.parametrize("bf16,checkpoint,dv", [(False, False, 16), (True, True, 16), (True, False, 12)])
+def test_draft_step_flops_match_torch_flop_counter(bf16, checkpoint, dv, one_torch_thread):
     """The teacher, the TTT forward and backward (and the recomputed forward with checkpointing)
     of one micro-batch, counted by torch, equal the analytic count."""
     from torch.utils.flop_counter import FlopCounterMode
 
-    cfg, B, T, K = _cfg(), 2, 9, 3
+    cfg, B, T, K = _cfg(v_head_dim=dv), 2, 9, 3
     torch.manual_seed(0)
     draft = Eagle3MLADraft(cfg)
     aux, ids, mask, lengths = _inputs(cfg, B, T)
@@ -123,7 +125,7 @@ def test_draft_step_flops_match_torch_flop_counter(bf16, checkpoint, one_torch_t
             teacher = compute_teacher(final, lm_head, draft.d2t, chunk=8)
             result = ttt_loss(draft, aux, ids, mask, lengths, teacher, K, checkpoint=checkpoint)
         result.loss.backward()
-    flops = plan.draft_step_flops(cfg, B, T, K, checkpoint=checkpoint)
+    flops = plan.draft_step_flops(cfg, B, T, K, checkpoint=checkpoint, bf16=bf16)
     counts = {str(op): n for op, n in counter.get_flop_counts()["Global"].items()}
     sdpa = sum(n for op, n in counts.items() if "scaled_dot_product" in op)
     assert sdpa == flops["attention_fwd"] * (2 if checkpoint else 1) + flops["attention_bwd"], counts
@@ -132,17 +134,20 @@ def test_draft_step_flops_match_torch_flop_counter(bf16, checkpoint, one_torch_t
 
 
 def test_step_flops_by_hand_with_a_value_head_dim_of_its_own():
-    """Toy shapes, dv != dn + dr: step k's kv_b runs over (k+1)T latents, its SDPA over (k+1)T keys."""
+    """Toy shapes, dv != dn + dr: step k's kv_b runs over (k+1)T latents; step 0's SDPA runs over T
+    keys at W0 = 8 (dn+dr = 4 and dv = 3 padded to one dim, rounded up to 8), step 1's over T+1
+    rows at W = 8 (4 + 2 sink columns under bf16, rounded up to 8)."""
     cfg = MLADraftConfig(hidden_size=8, intermediate_size=16, num_attention_heads=2, q_lora_rank=4, kv_lora_rank=3,
                          qk_nope_head_dim=2, qk_rope_head_dim=2, v_head_dim=3, vocab_size=32, draft_vocab_size=16,
                          target_hidden_size=8, num_aux_hidden_states=4)
     B, T, K = 2, 3, 2
     N = B * T
     f = plan.draft_step_flops(cfg, B, T, K)
-    # QK^T over 4 dims and PV over 3, 2 heads, (k+1)T keys: k = 0, 1
-    assert f["attention_fwd"] == sum(2 * B * 2 * T * (k + 1) * T * (4 + 3) for k in range(K)) == 1512
-    # backward: QK^T again, dQ, dK over 4 dims; dP, dV over 3
-    assert f["attention_bwd"] == sum(2 * B * 2 * T * (k + 1) * T * (3 * 4 + 2 * 3) for k in range(K)) == 3888
+    assert plan.sdpa_widths(cfg, bf16=True) == (8, 8)
+    # QK^T and PV, 2 heads: step 0 T x T at 8 dims, step 1 (T+1) x (T+1) at 8 dims
+    assert f["attention_fwd"] == 2 * (2 * B * 2 * T * T * 8) + 2 * (2 * B * 2 * (T + 1) * (T + 1) * 8) == 3200
+    # backward: QK^T again, dP, dV, dQ, dK: 5 matmuls of the same size
+    assert f["attention_bwd"] == 5 * 3200 // 2 == 8000
     per_step = 2 * N * (2 * 8 * 4 + 4 * 2 * 4 + 2 * 8 * (3 + 2) + 2 * 3 * 8 + 3 * 8 * 16 + 8 * 16)
     kv_b = 2 * N * 3 * 2 * (2 + 3) * (1 + 2)  # T rows at step 0, 2T at step 1
     fc = 2 * N * 4 * 8 * 8
@@ -164,5 +169,5 @@ def test_checkpointing_keeps_the_latent_cache_not_the_expanded_keys():
     kept = plan.ttt_saved_bytes(cfg, 1, T, K, bf16=True, checkpoint=True)
     assert kept["total"] == (6 * 7168 + 7 * 2 * 7168 + 6 * (4 * 512 + 2 * 64)) * T
     full = plan.ttt_saved_bytes(cfg, 1, T, K, bf16=True)
-    assert full["attention_mask"] == sum(2 * T * T * (k + 1) for k in range(K))
+    assert full["attention_mask"] == 0  # draft/ttt_attention.py builds no mask
     assert full["total"] > 10 * kept["total"]

@@ -159,31 +159,46 @@ def test_ttt_saved_bytes_match_what_autograd_saves(B, T, K, bf16, checkpoint):
 
 
 def _kimi_saved_by_hand(B: int, T: int, K: int = 7) -> tuple[int, int]:
-    """(per-token bytes of one token over K steps, mask bytes) for the Kimi draft, bf16 autocast."""
-    H, I, hd, Vd, qw, nh = 7168, 18432, 128, 32000, 56 * 128, 56
+    """(per-token bytes of one token over K steps, per-row bytes of one of the B*(T+1) rows of the
+    augmented SDPA calls of steps 1..K-1) for the Kimi draft, bf16 autocast (draft/ttt_attention.py:
+    no mask; step k >= 1's SDPA runs over T+1 rows at head dim W = 136 = 128 + 2 sink columns,
+    rounded up to 8)."""
+    H, I, hd, Vd, qw, nh, nkv, W = 7168, 18432, 128, 32000, 56 * 128, 56, 8, 136
     per_token = 6 * H  # bf16 cast of the fc input [T, 3Ht] (Ht = H)
-    masks = 0
+    per_row = 0
     for k in range(K):
         per_token += (38 * H  # RMSNorm fp32 inputs / bf16 outputs, per-linear bf16 input casts
-                      + 2 * qw  # q
-                      + 4 * qw * (1 + k)  # K/V of steps 0..k side by side, repeated to 56 heads
-                      + 2 * qw  # attention output (= o_proj input)
-                      + 4 * nh  # the fused attention's fp32 logsumexp
                       + 8 * I  # gate, silu, up, product (bf16)
                       + 4 * hd  # cos, sin
                       + 8 * Vd  # [B,T,Vd] fp32 log-probs + teacher probs
                       + 13)  # rsqrt of 3 grad-carrying norms (fp32) + counted mask
-        masks += 2 * T * T * (k + 1)  # [T, (k+1)T] additive bf16 mask, shared by the batch
-    return per_token, masks
+        if k == 0:  # one causal SDPA, GQA native
+            per_token += (2 * qw  # q
+                          + 2 * 2 * nkv * hd  # K/V of step 0 at 8 heads
+                          + 2 * qw  # attention output (= o_proj input, a view of it)
+                          + 4 * nh)  # the fused attention's fp32 logsumexp
+        else:
+            per_token += (2 * 4 * nh * k  # fp32 diagonal scores and their softmax [nh, k]
+                          + 4 * nh  # their log-sum-exp
+                          + 4 * nkv * k * hd  # the k diagonal values stacked, fp32
+                          + 4 * qw  # U, fp32
+                          + 4 * qw  # fp32 copy of q
+                          + 4 * nkv * hd * k  # fp32 copies of the k diagonal keys
+                          + 4 * nh  # fp32 copy of the sink's weight column
+                          + 2 * qw)  # o_proj's input (a copy)
+            per_row += (2 * 2 * nh * W  # q' and out' (bf16)
+                        + 2 * 2 * nkv * W  # k', v' at 8 heads (bf16)
+                        + 4 * nh)  # logsumexp (fp32)
+    return per_token, per_row
 
 
 def test_kimi_ttt_activation_bytes_hand_computed():
     B, T, K = 1, 4096, 7
-    per_token, masks = _kimi_saved_by_hand(B, T, K)
+    per_token, per_row = _kimi_saved_by_hand(B, T, K)
     got = ttt_saved_bytes(_kimi_draft_cfg(), B, T, K, bf16=True)
-    assert got["per_token"] == per_token * B * T
-    assert got["attention_mask"] == masks
-    assert round(per_token * T / GiB, 2) == 22.06 and round(masks / GiB, 2) == 0.88
+    assert got["per_token"] == per_token * B * T + per_row * B * (T + 1)
+    assert got["attention_mask"] == 0
+    assert round(got["total"] / GiB, 2) == 21.5  # the dense [T, (k+1)T]-mask attention kept 22.06 + 0.88 GiB of masks
     # checkpointed: the fc input cast, the hidden entering each step, the K/V (8 heads) of steps 0..5
     kept = ttt_saved_bytes(_kimi_draft_cfg(), B, T, K, bf16=True, checkpoint=True)
     assert kept["total"] == (6 * 7168 + 7 * 2 * 7168 + 6 * 2 * 2 * 8 * 128) * T
@@ -206,9 +221,11 @@ def test_trainer_budget_hand_computed():
     # ring: 3 slots (train=cpu_default) x 8192 tokens x (3Ht aux + Ht final) x bf16
     assert gpu0.get("stream ring slots (aux + final)") == job.train.stream_slots * 8192 * 4 * H * 2
     batch = N * (12 * H + 8 + 1 + 4 * Vd + 4 + 8)  # aux fp32, ids, mask, teacher logits, lse, argmax
-    per_token, masks = _kimi_saved_by_hand(1, N)
-    working = (2 * 56 * 128 * (1 + 2 * 7) + 8 * Vd + 3 * 2 * I) * N  # grads of q/K/V, log-softmax, MLP
-    assert gpu0.phases()["TTT fwd+bwd"] == batch + 2 * P + per_token * N + masks + working
+    per_token, per_row = _kimi_saved_by_hand(1, N)
+    # the last step's (k = 6) backward: dq', dk', dv' of its SDPA at 56 heads over N+1 rows at W = 136 (bf16),
+    # fp32 grads of q, U and its 6 diagonal keys and values (8 heads), the log-softmax's, the MLP's
+    working = 3 * 2 * 56 * 136 * (N + 1) + (4 * (2 * 56 + 2 * 8 * 6) * 128 + 8 * Vd + 3 * 2 * I) * N
+    assert gpu0.phases()["TTT fwd+bwd"] == batch + 2 * P + per_token * N + per_row * (N + 1) + working
     assert gpu0.peak_phase() == "TTT fwd+bwd"
     # tokens per optimizer step = batch x max_length x grad_accum x trainer ranks
     assert plan.tokens_per_step == 1 * 8192 * 1 * 2
@@ -282,13 +299,13 @@ def test_rtx_fits_with_checkpointing_and_adamw_on_the_host():
     assert gpu0.get("AdamW m, v fp32") == 0 and gpu0.get("AdamW foreach temporaries fp32") == 0
     assert gpu0.resident() == _resident_target_and_ring(job) + ctx + 8 * P + 4 * V * H + 8 * Vd + V
     # TTT phase: batch, bf16 weight copies, checkpointed inputs, the last step recomputed, backward working set
-    per_token, masks = _kimi_saved_by_hand(1, N)
-    last_step = _kimi_saved_by_hand(1, N, 7)[0] - _kimi_saved_by_hand(1, N, 6)[0]
+    (token7, row7), (token6, row6) = _kimi_saved_by_hand(1, N, 7), _kimi_saved_by_hand(1, N, 6)
+    last_step = (token7 - token6) * N + (row7 - row6) * (N + 1)
     batch = N * (12 * H + 8 + 1 + 4 * Vd + 4 + 8)
     kept = (6 * H + 7 * 2 * H + 6 * 2 * 2 * 8 * 128) * N
-    working = (2 * 56 * 128 * 15 + 8 * Vd + 3 * 2 * 18432) * N
-    assert gpu0.phases()["TTT fwd+bwd"] == batch + 2 * P + kept + last_step * N + 2 * N * N * 7 + working
-    assert round(gpu0.total() / GiB, 2) == 92.54 and gpu0.total() < gpu0.capacity
+    working = 3 * 2 * 56 * 136 * (N + 1) + (4 * (2 * 56 + 2 * 8 * 6) * 128 + 8 * Vd + 3 * 2 * 18432) * N
+    assert gpu0.phases()["TTT fwd+bwd"] == batch + 2 * P + kept + last_step + working
+    assert round(gpu0.total() / GiB, 2) == 92.23 and gpu0.total() < gpu0.capacity
     assert any("pinned host memory" in n for n in plan.notes)
     # without the two switches it does not fit, and the refusal names them
     bare = ["train.activation_checkpointing=false", "train.optimizer_device=null"]
