@@ -54,6 +54,8 @@ def ttt_step_bytes(cfg: DraftConfig, batch: int, seq_len: int, k: int, bf16: boo
       were counted at their step), bf16 only the sink weight column's fp32 copy (4*nh), o_proj's
       input (a*nh*hd, a copy: the merged output is [B, nh, T, hd]); and per row of N1 the
       augmented SDPA's q', out' (a*nh*W each), k', v' (a*nkv*W each), logsumexp (4*nh).
+    K/V at nkv heads: SDPA broadcasts them (`ttt_attention.native_gqa`: the CPU, and CUDA in bf16 at
+    W <= 256, the trainer's case); fp32 on CUDA repeats them to nh heads, which this count does not follow.
     """
     H, I, hd, Vd = cfg.hidden_size, cfg.intermediate_size, cfg.head_dim, cfg.draft_vocab_size
     nh, nkv = cfg.num_attention_heads, cfg.num_key_value_heads
