@@ -417,11 +417,11 @@ def run_training(job: JobConfig, run_dir: str | Path, engine: str = "sglang") ->
         if job.hw.device == "cpu":
             torch.set_num_threads(job.hw.trainer_threads)
         setup = prepare(job)
-        note = regeneration_note(job, setup)
-        if note:
-            print(note, flush=True)
         job, ranks = start_ranks(job)  # torchrun: this rank's trainer GPU and target replica, the process group
         ranks.check_same_data(setup.data.sha1())
+        note = regeneration_note(job, setup) if ranks.main else None
+        if note:
+            print(note, flush=True)
         run_dir = Path(ranks.from_main(str(run_dir)))  # Hydra's default folder is a timestamp: take rank 0's
         trainer = Trainer(job, setup, run_dir, ranks, partial(make_target_stream, engine=engine), t_start)
         return trainer.run()
