@@ -21,6 +21,7 @@ class TargetSpec:
     device: str = "cpu"
     dtype: str = "float32"
     tp_size: int = 1
+    pp_size: int = 1  # pipeline stages (SGLang PP, target_engine/sglang_pipeline.py); world = pp_size * tp_size processes
     gpu_id: int = 0  # GPU of this node's first TP rank; the others use the next ones
     max_total_tokens: int = 16384
     mem_fraction_static: float = 0.05
@@ -39,6 +40,11 @@ class TargetSpec:
     def num_aux(self) -> int:
         """K: the aux states each batch carries, one per capture point (the ring's aux is K*Ht wide)."""
         return len(self.capture_points)
+
+    @property
+    def world_size(self) -> int:
+        """The target's processes: tp_size ranks in each of pp_size stages (world rank tp_size * stage + TP rank)."""
+        return self.tp_size * self.pp_size
 
     def local_tp_ranks(self) -> list[int]:
         """The TP ranks this node runs."""
@@ -59,10 +65,36 @@ def check_tp_layout(spec: TargetSpec) -> None:
                          f"(hw.target_dist_init_addr=HOST:PORT of node 0, reachable from every node)")
     if spec.engine != "sglang" and spec.tp_size > 1:
         raise ValueError(f"target engine {spec.engine!r} runs TP 1 only (tp_size={spec.tp_size})")
+    if spec.pp_size < 1:
+        raise ValueError(f"target pipeline stages {spec.pp_size}: must be >= 1")
+    if spec.pp_size > 1:
+        if spec.engine != "sglang":
+            raise ValueError(f"target engine {spec.engine!r} has no pipeline stages (pp_size={spec.pp_size}): "
+                             f"pipeline parallelism needs the sglang engine")
+        if spec.nnodes > 1:
+            raise ValueError(f"a pipeline-parallel target (pp_size={spec.pp_size}) runs on one node; "
+                             f"{spec.nnodes} nodes are not supported yet")
+        from .hf_config import read_target_info
+
+        num_layers = read_target_info(spec.model_path).num_layers
+        if spec.pp_size > num_layers:
+            raise ValueError(f"target pipeline of {spec.pp_size} stages but the target has {num_layers} layers: "
+                             f"every stage needs at least one layer")
 
 
-def build_target(spec: TargetSpec, tp_rank: int = 0) -> TargetEngine:
-    """TP rank `tp_rank` of the target `spec` describes, in this process."""
+def build_target(spec: TargetSpec, tp_rank: int = 0, pp_rank: int = 0) -> TargetEngine:
+    """TP rank `tp_rank` (of pipeline stage `pp_rank`) of the target `spec` describes, in this process."""
+    if spec.engine == "sglang" and spec.pp_size > 1:
+        from .sglang_pipeline import SGLangPipelineStage
+
+        return SGLangPipelineStage(
+            spec.model_path, spec.architecture, spec.capture_points, pp_size=spec.pp_size, pp_rank=pp_rank,
+            device=spec.device, dtype=spec.dtype, tp_size=spec.tp_size, tp_rank=tp_rank,
+            gpu_id=spec.gpu_id + spec.tp_size * pp_rank + tp_rank,  # one node: the world rank's GPU (CPU: thread group)
+            max_total_tokens=spec.max_total_tokens, mem_fraction_static=spec.mem_fraction_static,
+            attention_backend=spec.attention_backend, num_threads=spec.num_threads, trust_remote_code=spec.trust_remote_code,
+            dist_timeout=spec.dist_timeout, load_threads=spec.load_threads, prefill_chunk=spec.prefill_chunk,
+        )
     if spec.engine == "sglang":
         from .sglang_engine import SGLangTarget
 
