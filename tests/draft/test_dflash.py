@@ -9,6 +9,7 @@ import pytest
 import torch
 from dflash_reference import block_loss, draft_hidden
 
+import specforge_k25.draft.dflash.model as dflash_model
 from specforge_k25.draft.dflash import loss as dl
 from specforge_k25.draft.dflash.model import DFlashConfig, DFlashDraft
 
@@ -92,27 +93,35 @@ def _mutated(monkeypatch, change):
     monkeypatch.setattr(dl, "block_inputs", mutated)
 
 
-def _causal_block(inp):
-    T = inp.mask.shape[-1] - inp.mask.shape[1]
-    Q = inp.mask.shape[1]
-    inp.mask[:, :, T:] &= torch.ones(Q, Q, dtype=torch.bool).tril()
-    return inp
+def _causal_block(monkeypatch):
+    """Block tokens see only the block tokens up to themselves (the attention swapped for a dense
+    one whose own-block part is lower-triangular)."""
+    def causal(q, k_ctx, v_ctx, k_blk, v_blk, prefix, scale, tiling):
+        B, nh, Q, _ = q.shape
+        T, g, Bk = k_ctx.shape[2], nh // k_ctx.shape[1], tiling.block_size
+        owner = torch.arange(Q) // Bk
+        ctx_visible = torch.arange(T) < prefix[:, owner, None]  # [B, Q, T]
+        own = ((owner[:, None] == owner[None]) & torch.ones(Q, Q, dtype=torch.bool).tril()).expand(B, -1, -1)
+        keys = torch.cat([k_ctx, k_blk], 2).repeat_interleave(g, 1)
+        values = torch.cat([v_ctx, v_blk], 2).repeat_interleave(g, 1)
+        mask = torch.cat([ctx_visible, own], -1)[:, None]
+        return torch.nn.functional.scaled_dot_product_attention(q, keys, values, attn_mask=mask, scale=scale)
+
+    monkeypatch.setattr(dflash_model, "block_attention", causal)
 
 
-def _label_off_by_one(inp):
-    return dataclasses.replace(inp, labels=torch.roll(inp.labels, -1, dims=1))
+def _label_off_by_one(monkeypatch):
+    _mutated(monkeypatch, lambda inp: dataclasses.replace(inp, labels=torch.roll(inp.labels, -1, dims=1)))
 
 
-def _context_includes_anchor(inp):
+def _context_includes_anchor(monkeypatch):
     """The block also sees the anchor's own target state (context <= a instead of < a)."""
-    T = inp.mask.shape[-1] - inp.mask.shape[1]
-    anchors = inp.block_positions - inp.offset  # [B, Q]
-    inp.mask[:, :, :T] = torch.arange(T) <= anchors[:, :, None]
-    return inp
+    _mutated(monkeypatch, lambda inp: dataclasses.replace(inp, prefix=inp.prefix + (inp.prefix > 0)))
 
 
-def _positions_from_zero(inp):
-    return dataclasses.replace(inp, block_positions=inp.offset.expand_as(inp.block_positions).clone())
+def _positions_from_zero(monkeypatch):
+    _mutated(monkeypatch, lambda inp: dataclasses.replace(
+        inp, block_positions=inp.offset.expand_as(inp.block_positions).clone()))
 
 
 @pytest.fixture(scope="module")
@@ -122,12 +131,12 @@ def case_and_reference_loss():
         return case, float(reference(*case)["loss"])
 
 
-@pytest.mark.parametrize("change", [_causal_block, _label_off_by_one, _context_includes_anchor, _positions_from_zero])
-def test_planted_bugs_in_mask_labels_and_positions_are_caught(monkeypatch, case_and_reference_loss, change):
+@pytest.mark.parametrize("plant", [_causal_block, _label_off_by_one, _context_includes_anchor, _positions_from_zero])
+def test_planted_bugs_in_mask_labels_and_positions_are_caught(monkeypatch, case_and_reference_loss, plant):
     case, ref = case_and_reference_loss
     with torch.no_grad():
         assert abs(float(dl.dflash_loss(*case).loss) - ref) < 1e-10 * abs(ref)  # unplanted: equal
-        _mutated(monkeypatch, change)
+        plant(monkeypatch)
         assert abs(float(dl.dflash_loss(*case).loss) - ref) > 1e-3 * abs(ref)
 
 

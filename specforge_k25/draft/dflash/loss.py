@@ -12,10 +12,10 @@ replacement by `sample_anchors` from a torch.Generator the caller owns (its stat
 resume restores), sorted. A batch pads every sequence to the same anchor count A with invalid
 anchors (no labels; they see only their own block, so no attention row is empty).
 
-All A blocks of a sequence run as Q = A*B block tokens in one forward; `block_mask` says which
-keys each sees: the context keys at positions < its anchor, and the B tokens of its own block
-(both directions). A plain SDPA with this boolean mask computes exactly what flex attention with
-the same block mask does.
+All A blocks of a sequence run as Q = A*B block tokens in one forward; each sees the context keys
+at positions < its anchor (`prefix` = the anchor; 0 for an invalid one) and the B tokens of its
+own block (both directions). The model computes that attention in bounded tiles
+(draft/dflash/block_attention.py): no [Q, T+Q] mask is built.
 
 Loss: CE_j = mean over counted positions of block position j of -log q(x[a+j]) (q over the full
 target vocab, through the target's lm_head), logits in chunks of `logits_chunk` rows, each chunk
@@ -47,7 +47,7 @@ class BlockInputs:
     labels: torch.Tensor  # [B, Q] x[a+j] (clamped index where out of range)
     counted: torch.Tensor  # [B, Q] bool: enters the loss (j >= 1, in range, loss_mask, valid anchor)
     offset: torch.Tensor  # [Q] j, the position in the block
-    mask: torch.Tensor  # [B, Q, T+Q] bool, True = visible
+    prefix: torch.Tensor  # [B, A] int64: block i sees context positions < prefix[:, i] (its anchor; 0 if invalid)
 
 
 def anchor_candidates(loss_mask: torch.Tensor, length: int) -> torch.Tensor:
@@ -84,12 +84,8 @@ def block_inputs(input_ids: torch.Tensor, loss_mask: torch.Tensor, lengths: torc
     labels = input_ids.gather(1, idx)  # [B, Q]
     counted = (valid[:, :, None] & (j >= 1) & (pos <= lengths[:, None, None] - 1)).reshape(B, -1)
     counted &= loss_mask.gather(1, idx)
-    ctx_visible = torch.arange(T, device=dev) < anchors[:, :, None]  # [B, A, T]: positions before the anchor
-    ctx_visible = ctx_visible.repeat_interleave(Bk, dim=1)  # [B, Q, T]
-    owner = torch.arange(A, device=dev).repeat_interleave(Bk)  # [Q] the anchor of each block token
-    own_block = (owner[:, None] == owner[None, :]).expand(B, -1, -1)  # [B, Q, Q]
-    return BlockInputs(block_ids.reshape(B, -1), pos.reshape(B, -1), labels, counted, j.repeat(A),
-                       torch.cat([ctx_visible, own_block], -1))
+    prefix = torch.where(valid, anchors, 0)  # context positions 0..a-1; an invalid anchor sees only its block
+    return BlockInputs(block_ids.reshape(B, -1), pos.reshape(B, -1), labels, counted, j.repeat(A), prefix)
 
 
 def position_weights(block_size: int, gamma: float, device=None) -> torch.Tensor:
@@ -119,7 +115,8 @@ def dflash_loss(model, aux_hidden: torch.Tensor, input_ids: torch.Tensor, loss_m
     B, T = input_ids.shape
     inp = block_inputs(input_ids, loss_mask, lengths, anchors, valid, Bk, cfg.mask_token_id)
     ctx_positions = torch.arange(T, device=dev).expand(B, T)
-    hidden = model(aux_hidden, ctx_positions, inp.block_ids, inp.block_positions, inp.mask, checkpoint=checkpoint)
+    hidden = model(aux_hidden, ctx_positions, inp.block_ids, inp.block_positions, checkpoint=checkpoint,
+                   prefix=inp.prefix)
     rows = inp.counted.nonzero(as_tuple=True)
     h = hidden[rows]  # [N, H] the counted block tokens only
     labels = inp.labels[rows]  # [N]

@@ -24,8 +24,12 @@ the identity maps of a full-vocab draft, which is what draft/vocab.py's build_vo
 for Vd = V, so code that reads them (setup, eval) sees a draft that proposes any target token.
 
 Training (draft/dflash/loss.py) runs many blocks of one sequence in one forward: `forward` takes
-any set of block tokens with their positions and a boolean mask [Q, T + Q] of which context and
-block keys each block query sees.
+A blocks of Bk tokens (Q = A*Bk) with their positions and `prefix` [B, A], the context tokens each
+block sees (block i: context 0..prefix_i - 1 and its own Bk tokens), and computes that attention
+exactly in bounded tiles (draft/dflash/block_attention.py; cfg.attention_tile_rows x
+attention_tile_keys scores at a time, no [Q, T+Q] tensor). `draft_block` (eval, SGLang checks) is
+the same path with one block. A caller that needs another pattern may still pass a boolean `mask`
+[B, Q, T+Q] instead (one masked SDPA call, O(Q (T+Q)) memory: eval's block replay does).
 
 Shapes: B batch, T context positions, Q block tokens (blocks x block size), H hidden, K aux states,
 nh / nkv heads, hd head dim, V target vocab.
@@ -41,6 +45,7 @@ import torch.nn.functional as F
 import torch.utils.checkpoint
 
 from ..model import MLP, RMSNorm, apply_rope, rope_cos_sin
+from .block_attention import Tiling, block_attention, make_tiling
 
 
 @dataclass
@@ -64,6 +69,10 @@ class DFlashConfig:
     num_anchors: int = 512
     loss_gamma: float = 7.0
     logits_chunk: int = 2048
+    # the block attention's tile (block_attention.py): block-token rows (rounded down to whole
+    # blocks) x context keys scored at a time; memory, not results, depends on them
+    attention_tile_rows: int = 512
+    attention_tile_keys: int = 1024
 
     @property
     def draft_vocab_size(self) -> int:
@@ -86,6 +95,8 @@ def check_config(cfg: DFlashConfig) -> None:
         problems.append(f"mask_token_id {cfg.mask_token_id} outside the target vocab [0, {cfg.vocab_size})")
     if cfg.num_aux_hidden_states < 1 or cfg.num_hidden_layers < 1:
         problems.append("need >= 1 aux state and >= 1 layer")
+    if cfg.attention_tile_rows < 1 or cfg.attention_tile_keys < 1:
+        problems.append(f"attention tiles {cfg.attention_tile_rows} x {cfg.attention_tile_keys} must be positive")
     if problems:
         raise ValueError("DFlash config: " + "; ".join(problems))
 
@@ -109,18 +120,24 @@ class DFlashAttention(nn.Module):
         v = self.v_proj(x).view(B, S, self.nkv, self.hd).transpose(1, 2)
         return apply_rope(k, *rope), v
 
-    def forward(self, x: torch.Tensor, ctx: torch.Tensor, rope_block, rope_ctx, mask: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, ctx: torch.Tensor, rope_block, rope_ctx, visible: torch.Tensor,
+                tiling: Tiling | None) -> torch.Tensor:
         """x [B, Q, H] (normed block), ctx [B, T, H] (projected context, not normed again),
-        rope_* (cos, sin) [B, 1, S, hd], mask [B, Q, T+Q] bool (True = visible) -> [B, Q, H]."""
+        rope_* (cos, sin) [B, 1, S, hd]; visible: prefix [B, A] int64 with its `tiling` (block
+        attention), or with tiling None a mask [B, Q, T+Q] bool (True = visible) -> [B, Q, H]."""
         B, Q, _ = x.shape
         q = self.q_norm(self.q_proj(x).view(B, Q, self.nh, self.hd)).transpose(1, 2)  # [B, nh, Q, hd]
         q = apply_rope(q, *rope_block)
         k_c, v_c = self._keys(ctx, rope_ctx)  # [B, nkv, T, hd]
         k_b, v_b = self._keys(x, rope_block)  # [B, nkv, Q, hd]
-        groups = self.nh // self.nkv
-        keys = torch.cat([k_c, k_b], 2).repeat_interleave(groups, dim=1)  # [B, nh, T+Q, hd]
-        values = torch.cat([v_c, v_b], 2).repeat_interleave(groups, dim=1)
-        out = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask[:, None], scale=1.0 / math.sqrt(self.hd))
+        scale = 1.0 / math.sqrt(self.hd)
+        if tiling is not None:
+            out = block_attention(q, k_c, v_c, k_b, v_b, visible, scale, tiling)  # [B, nh, Q, hd]
+        else:
+            groups = self.nh // self.nkv
+            keys = torch.cat([k_c, k_b], 2).repeat_interleave(groups, dim=1)  # [B, nh, T+Q, hd]
+            values = torch.cat([v_c, v_b], 2).repeat_interleave(groups, dim=1)
+            out = F.scaled_dot_product_attention(q, keys, values, attn_mask=visible[:, None], scale=scale)
         return self.o_proj(out.transpose(1, 2).reshape(B, Q, self.nh * self.hd))
 
 
@@ -132,8 +149,8 @@ class DFlashLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.mlp = MLP(cfg)
 
-    def forward(self, h, ctx, rope_block, rope_ctx, mask):
-        h = h + self.self_attn(self.input_layernorm(h), ctx, rope_block, rope_ctx, mask)
+    def forward(self, h, ctx, rope_block, rope_ctx, visible, tiling):
+        h = h + self.self_attn(self.input_layernorm(h), ctx, rope_block, rope_ctx, visible, tiling)
         return h + self.mlp(self.post_attention_layernorm(h))
 
 
@@ -169,20 +186,32 @@ class DFlashDraft(nn.Module):
         return self.hidden_norm(self.fc(aux_hidden))
 
     def forward(self, aux_hidden: torch.Tensor, ctx_positions: torch.Tensor, block_ids: torch.Tensor,
-                block_positions: torch.Tensor, mask: torch.Tensor, checkpoint: bool = False) -> torch.Tensor:
-        """aux [B, T, K*Ht], ctx_positions [B, T], block_ids / block_positions [B, Q],
-        mask [B, Q, T+Q] bool (True = the query sees that key; keys are the T context tokens then
-        the Q block tokens) -> final-normed hidden [B, Q, H]. checkpoint: recompute each layer in
-        backward."""
+                block_positions: torch.Tensor, mask: torch.Tensor | None = None, checkpoint: bool = False, *,
+                prefix: torch.Tensor | None = None) -> torch.Tensor:
+        """aux [B, T, K*Ht], ctx_positions [B, T], block_ids / block_positions [B, Q], and which keys
+        each block query sees, one of:
+          prefix [B, A] int64 (Q = A*Bk): block i (rows i*Bk..(i+1)*Bk-1) sees the context tokens
+            0..prefix[:, i]-1 and its own Bk tokens, both directions (training, draft_block);
+          mask [B, Q, T+Q] bool: True = the query sees that key (keys: the T context tokens, then
+            the Q block tokens); any pattern, dense.
+        -> final-normed hidden [B, Q, H]. checkpoint: recompute each layer in backward."""
+        if (mask is None) == (prefix is None):
+            raise ValueError("DFlashDraft.forward takes exactly one of prefix (blocks) and mask (dense)")
         ctx = self.project(aux_hidden)
         h = self.embed_tokens(block_ids).to(ctx.dtype)
         rope_ctx = rope_cos_sin(ctx_positions, self.cfg.head_dim, self.cfg.rope_theta, ctx.dtype)
         rope_block = rope_cos_sin(block_positions, self.cfg.head_dim, self.cfg.rope_theta, ctx.dtype)
+        if prefix is not None:  # the tiles' key ranges, once for every layer (and their recomputes)
+            visible, tiling = prefix, make_tiling(prefix, self.cfg.block_size, self.cfg.attention_tile_rows,
+                                                  self.cfg.attention_tile_keys)
+        else:
+            visible, tiling = mask, None
         for layer in self.layers:
             if checkpoint and torch.is_grad_enabled():
-                h = torch.utils.checkpoint.checkpoint(layer, h, ctx, rope_block, rope_ctx, mask, use_reentrant=False)
+                h = torch.utils.checkpoint.checkpoint(layer, h, ctx, rope_block, rope_ctx, visible, tiling,
+                                                      use_reentrant=False)
             else:
-                h = layer(h, ctx, rope_block, rope_ctx, mask)
+                h = layer(h, ctx, rope_block, rope_ctx, visible, tiling)
         return self.norm(h)
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
@@ -200,6 +229,6 @@ class DFlashDraft(nn.Module):
         dev = aux_hidden.device
         ids = torch.full((1, B), self.cfg.mask_token_id, dtype=torch.int64, device=dev)
         ids[0, 0] = torch.as_tensor(last_token)
-        mask = torch.ones(1, B, p + B, dtype=torch.bool, device=dev)
+        prefix = torch.full((1, 1), p, dtype=torch.int64, device=dev)  # one block seeing all p context tokens
         return self(aux_hidden[None], torch.arange(p, device=dev)[None], ids,
-                    torch.arange(p, p + B, device=dev)[None], mask)[0]
+                    torch.arange(p, p + B, device=dev)[None], prefix=prefix)[0]
