@@ -22,6 +22,8 @@ SGLang internals touched (all in this file, covered by tests/target_engine/test_
   (`parallel_state.get_tp_group()`: `cpu_group`, `ranks`, `rank_in_group`), over which TP rank 0
   broadcasts each batch's token ids to the other ranks (`share_batch`), and its teardown
   (`parallel_state.destroy_model_parallel`, `destroy_distributed_environment`) in `close`.
+The start-up (`load_runner`), the batch broadcast (`broadcast_batch`) and the requests
+(`make_requests`) are shared with the pipeline-parallel stages (sglang_pipeline.py).
 """
 from __future__ import annotations
 
@@ -65,13 +67,18 @@ def cpu_bind_groups(num_ranks: int) -> str:
 def engine_server_args(model_path: str, *, device: str, dtype: str, tp_size: int, attention_backend: str | None,
                        mem_fraction_static: float, max_total_tokens: int, trust_remote_code: bool,
                        layer_ids: list[int], nnodes: int, node_rank: int, dist_init_addr: str | None,
-                       dist_timeout: int | None, load_threads: int) -> dict:
-    """The `ServerArgs` fields of one TP rank's engine (plain values: tests check them without SGLang)."""
+                       dist_timeout: int | None, load_threads: int, pp_size: int = 1) -> dict:
+    """The `ServerArgs` fields of one TP rank's engine (plain values: tests check them without SGLang).
+    pp_size > 1 (a pipeline stage, sglang_pipeline.py): without the EAGLE-3 capture fields, which
+    SGLang 0.5.23 refuses with pp != 1 (validation_hook.py); the stages capture through hooks."""
+    capture = dict(enable_return_aux_hidden_states=True, speculative_algorithm="EAGLE3",
+                   return_aux_hidden_state_layer_ids=layer_ids) if pp_size == 1 else {}
     return dict(
         model_path=model_path,
         device=device,
         dtype=dtype,
         tp_size=tp_size,
+        pp_size=pp_size,
         attention_backend=attention_backend or ("torch_native" if device == "cpu" else None),
         disable_cuda_graph=True,
         mem_fraction_static=mem_fraction_static,
@@ -80,9 +87,7 @@ def engine_server_args(model_path: str, *, device: str, dtype: str, tp_size: int
         disable_overlap_schedule=True,
         log_level="warning",
         trust_remote_code=trust_remote_code,
-        enable_return_aux_hidden_states=True,
-        speculative_algorithm="EAGLE3",
-        return_aux_hidden_state_layer_ids=layer_ids,
+        **capture,
         # TP > 1: every rank must meet at the same rendezvous. One node: the TCPStore the trainer
         # process serves (env:// via the environment, stream/target_stream.py); several nodes:
         # dist_init_addr (host:port). dist_timeout bounds the TP group's setup and its collectives,
@@ -96,6 +101,52 @@ def engine_server_args(model_path: str, *, device: str, dtype: str, tp_size: int
         # Named explicitly because SGLang turns it off when weight_loader_prefetch_checkpoints is set.
         model_loader_extra_config=json.dumps({"enable_multithread_load": True, "num_threads": load_threads}),
     )
+
+
+def load_runner(fields: dict, *, tp_rank: int, pp_rank: int, gpu_id: int, local_ranks: int,
+                num_threads: int | None):
+    """SGLang's model runner of one rank (TP rank `tp_rank` of pipeline stage `pp_rank`; world rank
+    tp_size * pp_rank + tp_rank, SGLang's layout), started in this process as SGLang's own
+    `sglang.benchmark.one_batch` starts it, from the `ServerArgs` fields `fields`
+    (`engine_server_args`). `local_ranks`: the ranks this node runs (CPU thread groups).
+    Returns (one_batch, its runner). With more than one rank this is a collective: every rank of the
+    world calls it (SGLang forms its groups and agrees on the KV pool's size)."""
+    device, world = fields["device"], fields["tp_size"] * fields.get("pp_size", 1)
+    if device == "cpu":
+        from . import sglang_cpu_compat
+
+        sglang_cpu_compat.apply()
+    elif device == "cuda":  # without the sgl_kernel wheel (a bare GPU image): its stand-in
+        from . import sglang_cpu_compat
+
+        sglang_cpu_compat.apply_gpu()
+    import sglang
+
+    if sglang.__version__ != SGLANG_VERSION:
+        raise RuntimeError(f"specforge_k25 is pinned to sglang=={SGLANG_VERSION}, found {sglang.__version__}")
+    from sglang.benchmark import one_batch
+    from sglang.srt.entrypoints.engine import _set_envs_and_config
+    from sglang.srt.server_args import PortArgs, ServerArgs
+
+    if device == "cuda" and world > 1:
+        # The trainer process puts the stream ring (and, when it shares the GPU, its own state) on
+        # rank 0's GPU before the engine loads: SGLang's start-up check refuses a rank with
+        # under 90% of another's free memory. The memory plan (plan/budget.py) sizes the KV
+        # pool from the fullest rank instead.
+        os.environ["SGLANG_ENABLE_TP_MEMORY_INBALANCE_CHECK"] = "0"
+    if device == "cpu" and world > 1 and not os.environ.get("SGLANG_CPU_OMP_THREADS_BIND"):
+        os.environ["SGLANG_CPU_OMP_THREADS_BIND"] = cpu_bind_groups(local_ranks)
+    server_args = ServerArgs(**fields)
+    server_args.resolve_once()
+    _set_envs_and_config(server_args)
+    port_args = PortArgs.init_new(server_args)
+    world_rank = one_batch.spawn_world_rank(server_args, tp_rank=tp_rank, pp_rank=pp_rank)
+    one_batch.publish(server_args, role="scheduler", ranks=one_batch.SpawnRanks(world_rank=world_rank, gpu_id=gpu_id))
+    one_batch._init_process_global_configs()
+    runner, _ = one_batch.load_model(server_args, port_args, gpu_id, tp_rank)
+    if num_threads:  # SGLang sets its own thread count while loading
+        torch.set_num_threads(num_threads)
+    return one_batch, runner
 
 
 def packed_aux(aux_hidden, final_hidden: torch.Tensor, num_aux: int) -> torch.Tensor:
@@ -140,12 +191,55 @@ def prefill_rounds(lengths: list[int], chunk: int | None) -> list[list[tuple[int
     return rounds
 
 
+def broadcast_batch(sequences: list[torch.Tensor] | None, group) -> list[torch.Tensor] | None:
+    """The first rank of SGLang's group `group` (a GroupCoordinator) passes its batch (None = no
+    more batches), the others None; all get its batch back. Two broadcasts over the group's CPU
+    (gloo) group: (count, tokens) then lengths + token ids."""
+    import torch.distributed as dist
+
+    src, is_src = group.ranks[0], group.rank_in_group == 0
+    header = torch.tensor([-1, 0], dtype=torch.int64)
+    if is_src and sequences is not None:
+        header = torch.tensor([len(sequences), sum(len(s) for s in sequences)], dtype=torch.int64)
+    dist.broadcast(header, src=src, group=group.cpu_group)
+    count, total = header.tolist()
+    if count < 0:
+        return None
+    if is_src:
+        lengths = torch.tensor([len(s) for s in sequences], dtype=torch.int64)
+        payload = torch.cat([lengths] + [s.to(torch.int64) for s in sequences])
+    else:
+        payload = torch.empty(count + total, dtype=torch.int64)
+    dist.broadcast(payload, src=src, group=group.cpu_group)
+    return list(torch.split(payload[count:], payload[:count].tolist()))
+
+
+def make_requests(sequences: list[torch.Tensor], first_rid: int, new_tokens: list[int] | None = None) -> list:
+    """SGLang `Req`s (ids sf<first_rid>, ...) that prefill `sequences` whole, greedy; `new_tokens`:
+    each one's decoding budget (None: a prefill only, 1 token). The fields one_batch's extend reads."""
+    from sglang.srt.managers.schedule_batch import Req
+    from sglang.srt.sampling.sampling_params import SamplingParams
+
+    reqs = []
+    for i, ids in enumerate(sequences):
+        sampling = SamplingParams(temperature=0, max_new_tokens=1 if new_tokens is None else max(1, new_tokens[i]))
+        req = Req(rid=f"sf{first_rid + i}", origin_input_text="", origin_input_ids=array("q", ids.tolist()),
+                  sampling_params=sampling)
+        req.full_untruncated_fill_ids = req.origin_input_ids
+        req.logprob_start_len = -1
+        req.extend_end = len(ids)
+        reqs.append(req)
+    return reqs
+
+
 class SGLangTarget:
     """One TP rank of the frozen target. With tp_size > 1 every rank of the TP group builds one
     (each in its own process, `gpu_id` = its GPU; on CPU its index on the node) and they all run
     the same `forward` calls in the same order; `share_batch` gives every rank TP rank 0's batch.
     `prefill_chunk` tokens: a longer batch is prefilled in several forwards (`prefill_rounds`); every
     rank cuts the same batch the same way, so the TP ranks' collectives stay in step."""
+
+    is_last_stage = True  # one stage: it returns the states (a pipeline's other stages do not)
 
     def __init__(
         self,
@@ -171,86 +265,31 @@ class SGLangTarget:
         prefill_chunk: int | None = None,
     ):
         prefill_rounds([1], prefill_chunk)  # refuse a bad chunk before SGLang's (slow) import and load
-        if device == "cpu":
-            from . import sglang_cpu_compat
-
-            sglang_cpu_compat.apply()
-        elif device == "cuda":  # without the sgl_kernel wheel (a bare GPU image): its stand-in
-            from . import sglang_cpu_compat
-
-            sglang_cpu_compat.apply_gpu()
-        import sglang
-
-        if sglang.__version__ != SGLANG_VERSION:
-            raise RuntimeError(f"specforge_k25 is pinned to sglang=={SGLANG_VERSION}, found {sglang.__version__}")
-        from sglang.benchmark import one_batch
-        from sglang.srt.entrypoints.engine import _set_envs_and_config
-        from sglang.srt.server_args import PortArgs, ServerArgs
-
-        self._one_batch = one_batch
         self.tp_size, self.tp_rank = tp_size, tp_rank
-        if device == "cuda" and tp_size > 1:
-            # The trainer process puts the stream ring (and, when it shares the GPU, its own state) on
-            # TP rank 0's GPU before the engine loads: SGLang's start-up check refuses a rank with
-            # under 90% of another's free memory. The memory plan (plan/budget.py) sizes the KV
-            # pool from the fullest rank instead.
-            os.environ["SGLANG_ENABLE_TP_MEMORY_INBALANCE_CHECK"] = "0"
-        if device == "cpu" and tp_size > 1 and not os.environ.get("SGLANG_CPU_OMP_THREADS_BIND"):
-            os.environ["SGLANG_CPU_OMP_THREADS_BIND"] = cpu_bind_groups(tp_size // nnodes)
         self.prefill_chunk = prefill_chunk
         self.num_aux = len(capture_points)
         self.layer_ids = sglang_layer_ids(capture_points, layer_id_rule(architecture))
-        server_args = ServerArgs(**engine_server_args(
+        self._one_batch, self._runner = load_runner(engine_server_args(
             model_path, device=device, dtype=dtype, tp_size=tp_size, attention_backend=attention_backend,
             mem_fraction_static=mem_fraction_static, max_total_tokens=max_total_tokens,
             trust_remote_code=trust_remote_code, layer_ids=self.layer_ids, nnodes=nnodes, node_rank=node_rank,
-            dist_init_addr=dist_init_addr, dist_timeout=dist_timeout, load_threads=load_threads))
-        server_args.resolve_once()
-        _set_envs_and_config(server_args)
-        port_args = PortArgs.init_new(server_args)
-        world_rank = one_batch.spawn_world_rank(server_args, tp_rank=tp_rank, pp_rank=0)
-        one_batch.publish(server_args, role="scheduler", ranks=one_batch.SpawnRanks(world_rank=world_rank, gpu_id=gpu_id))
-        one_batch._init_process_global_configs()
-        self._runner, _ = one_batch.load_model(server_args, port_args, gpu_id, tp_rank)
-        if num_threads:  # SGLang sets its own thread count while loading
-            torch.set_num_threads(num_threads)
+            dist_init_addr=dist_init_addr, dist_timeout=dist_timeout, load_threads=load_threads),
+            tp_rank=tp_rank, pp_rank=0, gpu_id=gpu_id, local_ranks=tp_size // nnodes, num_threads=num_threads)
         self.model = self._runner.torch_runner.model
         self.max_total_tokens = self._runner.torch_runner.max_total_num_tokens
         self._captured: tuple | None = None
         _text_model(self.model).register_forward_hook(self._capture)
-        from sglang.srt.managers.schedule_batch import Req
-        from sglang.srt.sampling.sampling_params import SamplingParams
-
-        self._Req, self._SamplingParams = Req, SamplingParams
-        self._sampling = SamplingParams(temperature=0, max_new_tokens=1)
         self._next_rid = 0
 
     def share_batch(self, sequences: list[torch.Tensor] | None) -> list[torch.Tensor] | None:
         """TP > 1: TP rank 0 passes its next batch (None = no more batches) and every other rank
-        passes None; all of them get rank 0's batch back. Two broadcasts over SGLang's own CPU
-        (gloo) TP group: (count, tokens) then lengths + token ids. A collective: every rank calls it
-        once per batch, in the same order."""
+        passes None; all of them get rank 0's batch back (`broadcast_batch` over SGLang's TP group).
+        A collective: every rank calls it once per batch, in the same order."""
         if self.tp_size == 1:
             return sequences
-        import torch.distributed as dist
         from sglang.srt.distributed.parallel_state import get_tp_group
 
-        group = get_tp_group()
-        src, is_src = group.ranks[0], group.rank_in_group == 0
-        header = torch.tensor([-1, 0], dtype=torch.int64)
-        if is_src and sequences is not None:
-            header = torch.tensor([len(sequences), sum(len(s) for s in sequences)], dtype=torch.int64)
-        dist.broadcast(header, src=src, group=group.cpu_group)
-        count, total = header.tolist()
-        if count < 0:
-            return None
-        if is_src:
-            lengths = torch.tensor([len(s) for s in sequences], dtype=torch.int64)
-            payload = torch.cat([lengths] + [s.to(torch.int64) for s in sequences])
-        else:
-            payload = torch.empty(count + total, dtype=torch.int64)
-        dist.broadcast(payload, src=src, group=group.cpu_group)
-        return list(torch.split(payload[count:], payload[:count].tolist()))
+        return broadcast_batch(sequences, get_tp_group())
 
     def _capture(self, module, args, output):
         self._captured = output
@@ -352,17 +391,8 @@ class SGLangTarget:
         return self._runner.torch_runner.token_to_kv_pool_allocator.page_size
 
     def _requests(self, sequences: list[torch.Tensor], new_tokens: list[int] | None = None) -> list:
-        reqs = []
-        for i, ids in enumerate(sequences):
-            sampling = self._sampling if new_tokens is None else self._SamplingParams(
-                temperature=0, max_new_tokens=max(1, new_tokens[i]))
-            req = self._Req(rid=f"sf{self._next_rid}", origin_input_text="",
-                            origin_input_ids=array("q", ids.tolist()), sampling_params=sampling)
-            self._next_rid += 1
-            req.full_untruncated_fill_ids = req.origin_input_ids
-            req.logprob_start_len = -1
-            req.extend_end = len(ids)
-            reqs.append(req)
+        reqs = make_requests(sequences, self._next_rid, new_tokens)
+        self._next_rid += len(reqs)
         return reqs
 
     def warmup(self) -> None:
