@@ -75,20 +75,21 @@ def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
 
 
 def _ours(draft, aux, last, *, causal=False, positions_from_zero=False, anchor_in_context=False):
-    """Our block; the keyword arguments plant one bug each."""
+    """Our block (the block attention, as draft_block runs it); the keyword arguments plant one bug each."""
     p, B = aux.shape[0], draft.cfg.block_size
     ids = torch.full((1, B), draft.cfg.mask_token_id)
     ids[0, 0] = last
-    mask = torch.ones(1, B, p + B, dtype=torch.bool)
-    if causal:
-        mask[0, :, p:] = torch.ones(B, B, dtype=torch.bool).tril()
     if anchor_in_context:  # the anchor's own target state joins the context (one more context token)
         aux = torch.cat([aux, aux[-1:]])
-        mask = torch.ones(1, B, p + 1 + B, dtype=torch.bool)
         p += 1
     start = 0 if positions_from_zero else aux.shape[0] - int(anchor_in_context)
+    args = (aux[None], torch.arange(p)[None], ids, torch.arange(start, start + B)[None])
     with torch.no_grad():
-        return draft(aux[None], torch.arange(p)[None], ids, torch.arange(start, start + B)[None], mask)[0]
+        if causal:  # a pattern the block attention does not express: the model's dense-mask path
+            mask = torch.ones(1, B, p + B, dtype=torch.bool)
+            mask[0, :, p:] = torch.ones(B, B, dtype=torch.bool).tril()
+            return draft(*args, mask)[0]
+        return draft(*args, prefix=torch.tensor([[p]]))[0]
 
 
 @pytest.mark.engine

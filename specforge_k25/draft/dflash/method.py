@@ -5,7 +5,8 @@ method `dflash`).
 Config fields (config.py DraftConfigSpec; read with getattr defaults, so a bare namespace works):
   block_size (8), num_layers (null = K, one draft layer per capture point, SGLang's and z-lab's
   default pairing), num_anchors (512 per sequence), loss_gamma (null: 7 for blocks >= 16, 5 for
-  >= 10, else 4), mask_token_id (null = the tokenizer's highest unused special token, else V-1), logits_chunk (2048); and the shared sizes
+  >= 10, else 4), mask_token_id (null = the tokenizer's highest unused special token, else V-1), logits_chunk (2048),
+  attention_tile_rows / attention_tile_keys (512 / 1024: the block attention's score tile); and the shared sizes
   (num_attention_heads, num_key_value_heads, head_dim, intermediate_size, rope_theta,
   max_position_embeddings). draft.vocab_size is not used: the draft proposes over the full
   target vocab with the target's lm_head.
@@ -75,6 +76,9 @@ class DFlashMethod(DraftMethod):
             num_anchors=getattr(spec, "num_anchors", None) or DEFAULT_NUM_ANCHORS,
             loss_gamma=gamma if gamma is not None else default_gamma(block),
             logits_chunk=getattr(spec, "logits_chunk", None) or 2048,
+            # the block attention's tile (model.py); no draft.* field yet, so the defaults unless a spec sets them
+            attention_tile_rows=getattr(spec, "attention_tile_rows", None) or DFlashConfig.attention_tile_rows,
+            attention_tile_keys=getattr(spec, "attention_tile_keys", None) or DFlashConfig.attention_tile_keys,
         )
 
     def num_aux(self, cfg: DFlashConfig) -> int:
