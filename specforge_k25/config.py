@@ -23,6 +23,7 @@ class HwConfig:
     name: str = doc("cpu", "hardware profile name")
     device: str = doc("cpu", "device of the target engine and the trainer: cpu | cuda")
     target_tp: int = doc(1, "tensor-parallel size of the SGLang target")
+    target_pp: int = doc(1, "pipeline-parallel stages of the SGLang target (one node; target_pp x target_tp ranks, stage s on GPUs target_gpu+s*target_tp..); the last stage hands the states to a dedicated trainer rank; no regeneration; 1 = no pipeline")
     target_gpu: int = doc(0, "first GPU id of the target (TP ranks use target_gpu..target_gpu+tp-1)")
     target_nnodes: int = doc(1, "nodes the target's TP group spans (SGLang nnodes; target_tp/target_nnodes ranks each); node 0 also runs the trainer")
     target_node_rank: int = doc(0, "this node's index in the target's TP group (SGLang node_rank); 0 = the trainer's node")

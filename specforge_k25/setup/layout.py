@@ -37,6 +37,16 @@ def check_layout(hw, world: World) -> None:
     if replicas < 1:
         raise ValueError(f"hw.target_replicas={replicas}: need at least one target replica")
     layout = node_layout(hw)  # PlanError (a ValueError) for an unknown hw.trainer_layout
+    if hw.target_pp < 1:
+        raise ValueError(f"hw.target_pp={hw.target_pp}: need at least one pipeline stage")
+    if hw.target_pp > 1 and (layout.colocated or hw.target_nnodes > 1 or replicas > 1):
+        raise ValueError(f"hw.target_pp={hw.target_pp}: a pipeline-parallel target runs for now as one replica on one "
+                         f"node with a dedicated trainer rank (hw.trainer_layout=dedicated, hw.target_replicas=1, "
+                         f"hw.target_nnodes=1); the plan's co-located pipeline rows are predictions")
+    if hw.target_pp > 1 and hw.gpu_memory_mib > 0:
+        raise ValueError(f"hw.target_pp={hw.target_pp}: the run's memory plan does not cover a pipeline-parallel target "
+                         f"with a dedicated trainer yet (`python -m specforge_k25.plan` predicts the co-located "
+                         f"pipeline only); launch without a memory plan with hw.gpu_memory_mib=0")
     if layout.colocated:
         if hw.target_nnodes > 1:
             raise ValueError("hw.trainer_layout=colocated runs a target on one node (hw.target_nnodes=1): "

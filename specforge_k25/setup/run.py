@@ -221,11 +221,14 @@ def target_spec(job: JobConfig, engine: str = "sglang", tokenizer=None) -> Targe
     if hw.target_nnodes > 1 and hw.target_replicas != 1:
         raise ValueError(f"hw.target_nnodes={hw.target_nnodes}: a target spanning nodes runs as one replica with "
                          f"one trainer rank (hw.target_replicas=1), not {hw.target_replicas}")
+    if job.data.regenerate and hw.target_pp > 1:
+        raise ValueError(f"data.regenerate=true with hw.target_pp={hw.target_pp}: a pipeline-parallel target does "
+                         f"not decode yet; regenerate with hw.target_pp=1 or train on the dataset's answers")
     model_path = resolve_target_path(job.target)
     info = read_target_info(model_path)
     spec = TargetSpec(engine=engine, model_path=model_path, architecture=info.architecture,
                       capture_points=capture_points(job, info),
-                      device=hw.device, dtype=hw.target_dtype, tp_size=hw.target_tp, gpu_id=hw.target_gpu,
+                      device=hw.device, dtype=hw.target_dtype, tp_size=hw.target_tp, pp_size=hw.target_pp, gpu_id=hw.target_gpu,
                       max_total_tokens=kv_pool_tokens(hw, job.train.batch_size, job.data.max_length), mem_fraction_static=hw.mem_fraction_static,
                       attention_backend=hw.target_attention_backend, num_threads=hw.target_threads, trust_remote_code=job.target.trust_remote_code,
                       nnodes=hw.target_nnodes, node_rank=hw.target_node_rank, dist_init_addr=hw.target_dist_init_addr,

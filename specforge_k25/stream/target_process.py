@@ -1,10 +1,13 @@
-"""What runs inside a target process (one per TP rank): the engine over a fixed list of batches,
-the hidden states into a `SlotRing` (stream/target_stream.py starts these processes and reads the ring).
+"""What runs inside a target process (one per target rank): the engine over a fixed list of
+batches, the hidden states into a `SlotRing` (stream/target_stream.py starts these processes and
+reads the ring).
 
-TP rank 0 (`run_producer`) walks the batches and broadcasts each batch's token ids to the other
+Rank 0 (`run_producer`) walks the batches and broadcasts each batch's token ids to the other
 ranks (`run_tp_rank`), which run the same forward (or, regenerating, the same decoding of a group
-of prompts). Dedicated trainer: only rank 0 writes into a ring. Co-located trainer ranks: every TP
-rank writes its own trainer's share of each batch (`keep`) into its own ring on the same GPU.
+of prompts). Dedicated trainer: one rank writes into a ring, the one that holds the whole states:
+rank 0, or with a pipeline-parallel target (spec.pp_size stages, world rank = tp_size * stage + TP
+rank) the last stage's TP rank 0. Co-located trainer ranks: every TP rank writes its own trainer's
+share of each batch (`keep`) into its own ring on the same GPU.
 """
 from __future__ import annotations
 
@@ -66,7 +69,9 @@ def run_producer(spec: TargetSpec, tokens: torch.Tensor, offsets: torch.Tensor, 
     """Entry point of the target process (TP rank 0). tokens: all sequences concatenated; offsets [N+1].
     keep: per batch, the positions its ring carries (co-located; None: every sequence). before: the
     batches a resumed run already trained on, not run again; regenerating, they place the remaining
-    prompts in the groups an uninterrupted run decodes them in (`regeneration_groups`)."""
+    prompts in the groups an uninterrupted run decodes them in (`regeneration_groups`).
+    A pipeline-parallel target (spec.pp_size > 1): this is stage 0, which walks the batches but
+    holds no states; the last stage's TP rank 0 (`run_tp_rank`) fills the ring and ends the stream."""
     bind_to_trainer()
     if os.getppid() != parent_pid:  # the trainer died before prctl took effect
         return
@@ -75,6 +80,7 @@ def run_producer(spec: TargetSpec, tokens: torch.Tensor, offsets: torch.Tensor, 
     try:
         target = build_target(spec, tp_rank=0)
         torch.set_num_threads(spec.num_threads)
+        fills_ring = getattr(target, "is_last_stage", True)  # only a pipeline stage says otherwise
         pool = target.max_total_tokens  # SGLang sizes its KV pool from free memory at start
         largest = max((sum(sequence_room(spec, int(offsets[i + 1] - offsets[i])) for i in b) for b in batches), default=0)
         if pool is not None and largest > pool:
@@ -98,17 +104,18 @@ def run_producer(spec: TargetSpec, tokens: torch.Tensor, offsets: torch.Tensor, 
                 seqs, prompt_lengths = ahead.take(len(before) + item)
                 ids = torch.cat(seqs)
                 stage = f"target forward of batch {item}"
-            if spec.tp_size > 1:
-                target.share_batch([FORWARD, *seqs])  # the other TP ranks run the same forward
+            if spec.world_size > 1:
+                target.share_batch([FORWARD, *seqs])  # the other ranks (TP, pipeline stages) run the same forward
             out = target.forward(seqs)
-            if keep is None or keep[item]:
+            if fills_ring and (keep is None or keep[item]):
                 put_share(ring, sent, out, keep[item] if keep is not None else None, ids, prompt_lengths)
                 sent += 1
-        if spec.tp_size > 1:
-            stage = "end of the batches (telling the other TP ranks)"
+        if spec.world_size > 1:
+            stage = "end of the batches (telling the other ranks)"
             target.share_batch(None)
         target.close()
-        ring.ready.put(EndOfStream(sent, ready_bytes, io().write_bytes - ready_bytes))
+        if fills_ring:
+            ring.ready.put(EndOfStream(sent, ready_bytes, io().write_bytes - ready_bytes))
     except BaseException as err:  # report, never hang the trainer
         ring.ready.put(ProducerFailed(stage, f"{type(err).__name__}: {err}\n{traceback.format_exc()}"))
         raise
@@ -210,7 +217,7 @@ class Regenerated:
     def _generate(self, g: int, item: int) -> None:
         group = self.groups[g]
         prompts = [self.prompt(i) for i in group]
-        if self.spec.tp_size > 1:
+        if self.spec.world_size > 1:
             self.target.share_batch([GENERATE, *prompts])
         for i, conversation in zip(group, regenerate(self.target, prompts, self.spec.regeneration)):
             if not self.uses.get(i) or i in self.ready:  # used before a resume or already held
@@ -230,21 +237,23 @@ def regenerate(target, prompts: list[torch.Tensor], regen) -> list[torch.Tensor]
     return [torch.cat([p, torch.tensor(a, dtype=p.dtype)]) for p, a in zip(prompts, answers)]
 
 
-def run_tp_rank(spec: TargetSpec, tp_rank: int, report, parent_pid: int, ring: SlotRing | None = None,
+def run_tp_rank(spec: TargetSpec, rank: int, report, parent_pid: int, ring: SlotRing | None = None,
                   shares: tuple | None = None):
-    """Entry point of a TP rank other than 0: the same engine start, warm-up and forwards as rank 0,
+    """Entry point of a target rank other than 0 (`rank`: its world rank, tp_size * stage + TP rank;
+    the TP rank when there is one stage): the same engine start, warm-up and forwards as rank 0,
     batch by batch as rank 0 broadcasts them, until rank 0 says the batches are done. Its outputs are
-    dropped (rank 0 holds the full hidden states), unless it feeds a co-located trainer rank: then
-    `ring` gets its share of each batch, `shares` = (prompt lengths of every sample, the batches,
-    keep). A failure goes to `report` (the trainer's ready queue on the trainer's node; None
-    elsewhere: the traceback and exit code tell)."""
+    dropped (rank 0 holds the full hidden states), unless it fills a ring: a co-located trainer
+    rank's share of each batch, or (a pipeline's last stage, dedicated trainer) every batch whole.
+    `shares` = (prompt lengths of every sample, the batches, keep: per batch the positions the ring
+    carries, or None for all). A failure goes to `report` (the trainer's ready queue on the
+    trainer's node; None elsewhere: the traceback and exit code tell)."""
     bind_to_trainer()
     if os.getppid() != parent_pid:
         return
     torch.set_num_threads(spec.num_threads)
     stage = "engine start"
     try:
-        target = build_target(spec, tp_rank=tp_rank)
+        target = build_target(spec, tp_rank=rank % spec.tp_size, pp_rank=rank // spec.tp_size)
         torch.set_num_threads(spec.num_threads)
         stage = "engine warmup"
         target.warmup()
@@ -262,10 +271,10 @@ def run_tp_rank(spec: TargetSpec, tp_rank: int, report, parent_pid: int, ring: S
                 regenerate(target, seqs, spec.regeneration)
                 continue
             out = target.forward(seqs)
-            if ring is not None and shares[2][item]:
+            if ring is not None and (shares[2] is None or shares[2][item]):
                 prompt_len, batches, keep = shares
                 regen = spec.regeneration is not None
-                put_share(ring, sent, out, keep[item], torch.cat(seqs) if regen else None,
+                put_share(ring, sent, out, keep[item] if keep is not None else None, torch.cat(seqs) if regen else None,
                            [prompt_len[i] for i in batches[item]] if regen else None)
                 sent += 1
             item += 1
@@ -274,5 +283,5 @@ def run_tp_rank(spec: TargetSpec, tp_rank: int, report, parent_pid: int, ring: S
             ring.ready.put(EndOfStream(sent, ready_bytes, io().write_bytes - ready_bytes))
     except BaseException as err:
         if report is not None:
-            report.put(ProducerFailed(stage, f"{type(err).__name__}: {err}\n{traceback.format_exc()}", rank=tp_rank))
+            report.put(ProducerFailed(stage, f"{type(err).__name__}: {err}\n{traceback.format_exc()}", rank=rank))
         raise

@@ -10,6 +10,12 @@ span nodes (SGLang's nnodes / node_rank / dist_init_addr): the trainer's node st
 ranks here, every other node runs only its own ranks (`run_tp_node`, `python -m
 specforge_k25.train.tp_node`).
 
+Pipeline parallelism (pp_size > 1, one node, dedicated trainer): tp_size * pp_size processes,
+world rank = tp_size * stage + TP rank (SGLang's layout). Rank 0 walks the batches as above; every
+stage forwards its own layers and sends the proxies, with the aux states captured so far, to the
+next (target_engine/sglang_pipeline.py); the last stage's TP rank 0 holds the whole states and
+fills the ring.
+
 Co-located trainer ranks (hw.trainer_layout=colocated): each trainer rank starts only its own TP
 rank (`TargetStream(tp_rank=...)`) with a ring of its own on the same GPU. Every TP rank holds the
 whole residual stream after SGLang's all-reduce, so each writes only its trainer's share of every
@@ -162,7 +168,9 @@ class TargetStream:
         remaining prompts in the regeneration groups of an uninterrupted run (target_process.py)."""
         self.spec, self.batches, self.poll_s, self.before = spec, batches, poll_s, list(before)
         self.tp_rank, self.keep = tp_rank, keep
-        self.producer_rank = tp_rank or 0  # the TP rank that fills this ring
+        # the rank that fills this ring: co-located, this stream's TP rank; dedicated, the one holding
+        # the whole states (TP rank 0; a pipeline's last stage's TP rank 0)
+        self.producer_rank = tp_rank if tp_rank is not None else spec.tp_size * (spec.pp_size - 1)
         self.expected = sum(1 for k in keep if k) if keep is not None else len(batches)  # messages to read
         self.timeout_s, self.start_timeout_s = timeout_s, start_timeout_s  # between batches / until the first
         self._received_any = False
@@ -194,16 +202,19 @@ class TargetStream:
         self._rendezvous_env = {**Rendezvous.env_for(port)}
 
     def start(self) -> "TargetStream":
-        """Start this node's TP ranks: rank 0 (fills the ring) and, with tp_size > 1, the others;
-        co-located, only this stream's TP rank."""
+        """Start this node's target ranks: rank 0 and, with tp_size or pp_size > 1, the others (the
+        rank filling the ring among them); co-located, only this stream's TP rank."""
         spec = self.spec
         check_tp_layout(spec)
-        ranks = spec.local_tp_ranks() if self.tp_rank is None else [self.tp_rank]
+        if spec.pp_size > 1 and self.tp_rank is not None:
+            raise ValueError("a pipeline-parallel target (hw.target_pp > 1) runs with hw.trainer_layout=dedicated for now")
+        ranks = ((spec.local_tp_ranks() if spec.pp_size == 1 else list(range(spec.world_size)))  # PP: one node
+                 if self.tp_rank is None else [self.tp_rank])
         if self.tp_rank is None and 0 not in ranks:
             raise ValueError(f"target node rank {spec.node_rank} does not hold TP rank 0: the trainer runs on "
                              f"node 0; this node runs `python -m specforge_k25.train.tp_node` instead")
         env = self._rendezvous_env
-        if env is None and spec.tp_size > 1 and spec.nnodes == 1:  # several nodes meet at hw.target_dist_init_addr instead
+        if env is None and spec.world_size > 1 and spec.nnodes == 1:  # several nodes meet at hw.target_dist_init_addr instead
             if self.tp_rank is not None:
                 raise ValueError("a co-located TP rank needs the rendezvous of TP rank 0 (open_rendezvous / join_rendezvous)")
             self.rendezvous = Rendezvous(self.start_timeout_s)
@@ -215,29 +226,38 @@ class TargetStream:
                                                  self.keep, self.before),
                     name="specforge-target", daemon=True)
                 self.process = process
-            elif self.tp_rank is not None:  # co-located: this rank fills the ring too
+            elif rank == self.producer_rank:  # co-located, or a pipeline's last stage: this rank fills the ring
                 process = self.ctx.Process(
                     target=run_tp_rank, args=(spec, rank, self.ring.ready, os.getpid(), self.ring,
                                                 (self.prompt_lengths, self.batches, self.keep)),
-                    name=f"specforge-target-tp{rank}", daemon=True)
+                    name=f"specforge-target-{self._rank_name(rank)}", daemon=True)
                 self.process = process
             else:
                 process = self.ctx.Process(target=run_tp_rank, args=(spec, rank, self.ring.ready, os.getpid()),
-                                           name=f"specforge-target-tp{rank}", daemon=True)
+                                           name=f"specforge-target-{self._rank_name(rank)}", daemon=True)
             self.tp_processes[rank] = process
             _start_quietly(process, env)
         return self
 
+    def _rank_name(self, rank: int) -> str:
+        """tp3, or with pipeline stages pp1-tp0 (rank = tp_size * stage + TP rank)."""
+        tp = self.spec.tp_size
+        return f"pp{rank // tp}-tp{rank % tp}" if self.spec.pp_size > 1 else f"tp{rank}"
+
     def _describe(self, rank: int) -> str:
         process = self.tp_processes[rank]
-        tp = f"TP rank {rank} of {self.spec.tp_size}, " if self.spec.tp_size > 1 else ""
-        return f"target process {process.name} ({tp}pid {process.pid})"
+        spec = self.spec
+        where = f"TP rank {rank % spec.tp_size} of {spec.tp_size}, " if spec.tp_size > 1 else ""
+        if spec.pp_size > 1:
+            where = f"pipeline stage {rank // spec.tp_size} of {spec.pp_size}, " + where
+        return f"target process {process.name} ({where}pid {process.pid})"
 
-    def _dead_ranks(self) -> list[str]:
-        """Ranks that are gone before their time: the rank filling the ring ends only after its end
-        message, the others end with exit code 0 once rank 0 has told them the batches are done."""
+    def _dead_ranks(self, but: int | None = None) -> list[str]:
+        """Ranks (other than `but`) that are gone before their time: the rank filling the ring ends
+        only after its end message, the others end with exit code 0 once rank 0 has told them the
+        batches are done."""
         return [f"{self._describe(rank)} died with exit code {p.exitcode}" for rank, p in self.tp_processes.items()
-                if not p.is_alive() and (rank == self.producer_rank or p.exitcode != 0)]
+                if rank != but and not p.is_alive() and (rank == self.producer_rank or p.exitcode != 0)]
 
     def __enter__(self):
         return self.start()
@@ -283,9 +303,9 @@ class TargetStream:
                 self._received_any = True
                 if isinstance(msg, ProducerFailed):
                     time.sleep(min(self.poll_s, 1.0))  # a peer that died first is the likely cause: name it too
-                    dead = [d for d in self._dead_ranks() if f"TP rank {msg.rank} " not in d]
-                    also = ("\n(" + "; ".join(dead) + ")") if dead and self.spec.tp_size > 1 else ""
-                    name = self._describe(msg.rank) if msg.rank in self.tp_processes else f"target TP rank {msg.rank}"
+                    dead = self._dead_ranks(but=msg.rank)
+                    also = ("\n(" + "; ".join(dead) + ")") if dead and self.spec.world_size > 1 else ""
+                    name = self._describe(msg.rank) if msg.rank in self.tp_processes else f"target rank {msg.rank}"
                     raise StreamError(f"{name} failed during {msg.where}:{also}\n{msg.error}")
                 return msg
         finally:

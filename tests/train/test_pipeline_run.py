@@ -1,0 +1,81 @@
+"""A training run whose target is two SGLang pipeline stages (hw.target_pp=2, tiny DeepSeek, CLI):
+a killed stage is named with progress saved, the resumed run finishes, and every step's loss
+equals the one-process target's run, bit for bit (the stages run the same kernels on the same
+layers and hand the residual stream over exactly). Layout rules refuse what does not run yet."""
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import psutil
+import pytest
+
+from specforge_k25.config import HwConfig
+from specforge_k25.setup.layout import World, check_layout
+
+from test_reliability import BASE, _env, _losses, _steps_logged, _wait_for
+
+
+def _cmd(run_dir: Path, *extra: str) -> list[str]:
+    return [sys.executable, "-m", "specforge_k25.train", *BASE, f"train.out_dir={run_dir}",
+            f"hydra.run.dir={run_dir / 'hydra'}", *extra]
+
+
+def test_pipeline_layout_rules():
+    check_layout(HwConfig(target_pp=2), World())
+    with pytest.raises(ValueError, match="dedicated trainer rank"):
+        check_layout(HwConfig(target_pp=2, target_tp=2, trainer_layout="colocated"), World(size=4, local_size=4))
+    with pytest.raises(ValueError, match="one replica"):
+        check_layout(HwConfig(target_pp=2, target_replicas=2), World(size=2, local_size=2))
+    with pytest.raises(ValueError, match="hw.gpu_memory_mib=0"):
+        check_layout(HwConfig(device="cuda", target_pp=2, gpu_memory_mib=97887), World())
+    with pytest.raises(ValueError, match="at least one pipeline stage"):
+        check_layout(HwConfig(target_pp=0), World())
+
+
+def test_pipeline_refuses_regeneration():
+    from specforge_k25.config import compose_job
+    from specforge_k25.setup.run import target_spec
+
+    job = compose_job(["target=tiny_deepseek", "hw.target_pp=2", "data.regenerate=true"])
+    with pytest.raises(ValueError, match="pipeline-parallel target does not decode yet"):
+        target_spec(job)
+
+
+@pytest.mark.engine
+@pytest.mark.e2e
+def test_pipeline_target_run_killed_stage_resume_equals_one_stage(tmp_path):
+    ref_dir, run_dir = tmp_path / "ref", tmp_path / "pp"
+    ref = subprocess.run(_cmd(ref_dir), capture_output=True, text=True, timeout=900, env=_env())
+    assert ref.returncode == 0, ref.stderr[-3000:]
+    ref_losses = _losses(ref_dir)
+    assert sorted(ref_losses) == list(range(1, 9))
+
+    pp = ["hw.target_pp=2", "train.stream_timeout_s=30"]
+    proc = subprocess.Popen(_cmd(run_dir, *pp), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            env=_env())
+    _wait_for(lambda: _steps_logged(run_dir) >= 3, proc)  # past the step-2 checkpoint
+    stages = sorted((c for c in psutil.Process(proc.pid).children() if "spawn_main" in " ".join(c.cmdline())),
+                    key=lambda c: c.pid)
+    assert len(stages) == 2, [c.cmdline() for c in stages]
+    stages[0].kill()  # stage 0 (started first): the last stage is left waiting for its proxies
+    killed = time.monotonic()
+    out, err = proc.communicate(timeout=120)
+    assert proc.returncode == 1, err[-3000:]
+    assert time.monotonic() - killed < 30
+    assert "pipeline stage 0 of 2" in err and "progress saved" in err, err[-3000:]
+    assert "x 2 pipeline stages" in out  # the run plan names the layout
+    gone, alive = psutil.wait_procs(stages, timeout=10)
+    assert not alive, f"orphans: {[p.pid for p in alive]}"
+
+    resumed = subprocess.run(_cmd(run_dir, *pp, "train.resume=auto"), capture_output=True, text=True, timeout=900,
+                             env=_env())
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert "resuming from" in resumed.stdout
+    got = _losses(run_dir)
+    assert sorted(got) == list(range(1, 9))
+    for step in range(1, 9):  # before the kill and after the resume alike
+        assert got[step] == ref_losses[step], (step, got[step], ref_losses[step])
