@@ -93,7 +93,8 @@ class NodeLayout:
     rank reads the replica whose first GPU it sits on, else replica number local_rank (b300x8:
     trainer_gpus [0, 4], TP 4 -> rank 0 reads GPUs 0-3, rank 1 GPUs 4-7).
     colocated: one trainer rank beside every TP rank, rank order = GPU order; rank r reads replica
-    r // tp (its TP rank r % tp).
+    r // tp (its TP rank r % tp). A pipeline-parallel target (hw.target_pp) takes tp x pp GPUs per
+    replica, stage s on the s-th tp of them, and co-located a trainer rank beside each.
     A target spanning nodes (hw.target_nnodes) holds tp = target_tp / target_nnodes ranks per node;
     this is node 0's layout (the trainer's node).
     """
@@ -103,6 +104,7 @@ class NodeLayout:
     groups: tuple[tuple[int, ...], ...]  # each replica's TP GPUs on this node (replica r from target_gpu + r * tp)
     trainer_gpus: tuple[int, ...]  # each trainer rank's GPU, by local rank (dedicated: as the profile lists them)
     reads: tuple[Optional[int], ...]  # the replica each trainer rank reads (None: a rank beyond the replicas)
+    pp: int = 1  # pipeline stages of one replica (hw.target_pp)
 
     @property
     def replicas(self) -> int:
@@ -110,8 +112,8 @@ class NodeLayout:
 
     @property
     def per_replica(self) -> int:
-        """Trainer ranks that read one replica: its TP ranks (colocated), one (dedicated)."""
-        return self.tp if self.colocated else 1
+        """Trainer ranks that read one replica: its TP ranks of every stage (colocated), one (dedicated)."""
+        return self.tp * self.pp if self.colocated else 1
 
     @property
     def ranks_per_node(self) -> int:
@@ -131,17 +133,17 @@ def node_layout(hw) -> NodeLayout:
     if hw.trainer_layout not in LAYOUTS:
         raise PlanError(f"hw.trainer_layout={hw.trainer_layout!r}: expected one of {', '.join(LAYOUTS)}")
     coloc = hw.trainer_layout == "colocated"
-    tp, replicas = hw.target_tp // hw.target_nnodes, hw.target_replicas
-    firsts = [hw.target_gpu + r * tp for r in range(replicas)]
-    groups = tuple(tuple(first + i for i in range(tp)) for first in firsts)
+    tp, replicas, pp = hw.target_tp // hw.target_nnodes, hw.target_replicas, hw.target_pp
+    firsts = [hw.target_gpu + r * tp * pp for r in range(replicas)]
+    groups = tuple(tuple(first + i for i in range(tp * pp)) for first in firsts)
     if coloc:
         trainers = tuple(g for group in groups for g in group)
-        reads = tuple(rank // tp for rank in range(len(trainers)))
+        reads = tuple(rank // (tp * pp) for rank in range(len(trainers)))
     else:
         trainers = tuple(hw.trainer_gpu_ids())
         reads = tuple(firsts.index(gpu) if gpu in firsts else (rank if rank < replicas else None)
                       for rank, gpu in enumerate(trainers))
-    return NodeLayout(coloc, tp, groups, trainers, reads)
+    return NodeLayout(coloc, tp, groups, trainers, reads, pp)
 
 
 def target_batch_tokens(hw, batch_size: int, max_length: int) -> int:

@@ -39,14 +39,9 @@ def check_layout(hw, world: World) -> None:
     layout = node_layout(hw)  # PlanError (a ValueError) for an unknown hw.trainer_layout
     if hw.target_pp < 1:
         raise ValueError(f"hw.target_pp={hw.target_pp}: need at least one pipeline stage")
-    if hw.target_pp > 1 and (layout.colocated or hw.target_nnodes > 1 or replicas > 1):
+    if hw.target_pp > 1 and (hw.target_nnodes > 1 or replicas > 1):
         raise ValueError(f"hw.target_pp={hw.target_pp}: a pipeline-parallel target runs for now as one replica on one "
-                         f"node with a dedicated trainer rank (hw.trainer_layout=dedicated, hw.target_replicas=1, "
-                         f"hw.target_nnodes=1); the plan's co-located pipeline rows are predictions")
-    if hw.target_pp > 1 and hw.gpu_memory_mib > 0:
-        raise ValueError(f"hw.target_pp={hw.target_pp}: the run's memory plan does not cover a pipeline-parallel target "
-                         f"with a dedicated trainer yet (`python -m specforge_k25.plan` predicts the co-located "
-                         f"pipeline only); launch without a memory plan with hw.gpu_memory_mib=0")
+                         f"node (hw.target_replicas=1, hw.target_nnodes=1)")
     if layout.colocated:
         if hw.target_nnodes > 1:
             raise ValueError("hw.trainer_layout=colocated runs a target on one node (hw.target_nnodes=1): "
@@ -55,7 +50,7 @@ def check_layout(hw, world: World) -> None:
         if world.local_size != wanted:
             raise ValueError(f"{world.local_size} trainer rank(s) were started on this node but the hw profile "
                              f"{hw.name!r} with hw.trainer_layout=colocated has {replicas} replica(s) x TP "
-                             f"{layout.tp} = {wanted} trainer ranks, one beside each TP rank: start "
+                             f"{layout.tp}{f' x {layout.pp} stages' if layout.pp > 1 else ''} = {wanted} trainer ranks, one beside each TP rank: start "
                              f"`torchrun --nproc-per-node {wanted} -m specforge_k25.train ...` or set "
                              f"hw.trainer_layout=dedicated")
         if world.size % world.local_size:

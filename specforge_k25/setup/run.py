@@ -15,7 +15,8 @@ from ..data.regenerate import regeneration_prompt
 from ..draft.method import DraftMethod
 from ..draft.registry import get_method
 from ..draft.vocab import build_vocab_maps, count_tokens
-from ..plan import check_fits, facts_from_folder, resolve_draft
+from ..plan import check_fits, facts_from_folder, resolve_draft, with_hw_overrides
+from ..plan.pipeline import check_pipeline_fits
 from ..plan.budget import kv_pool_tokens
 from ..stream.target_stream import TargetStream
 from ..target_engine.base import TargetInfo
@@ -49,7 +50,10 @@ def prepare(job: JobConfig) -> RunSetup:
     model_path = resolve_target_path(job.target)
     info = read_target_info(model_path)
     facts = facts_from_folder(model_path, job.target.name)
-    check_fits(job, facts)  # memory plan and length limits: refuses with the override that would fit
+    if job.hw.target_pp > 1:  # the pipeline's per-stage plan
+        check_pipeline_fits(job, with_hw_overrides(job, facts))
+    else:
+        check_fits(job, facts)  # memory plan and length limits: refuses with the override that would fit
     if layer_id_rule(info.architecture) == DEEPSEEK_RULE and job.hw.device == "cpu":  # DeepSeek-V2/V3, Kimi-K2.5
         from transformers import AutoConfig
 
@@ -247,14 +251,15 @@ def target_spec(job: JobConfig, engine: str = "sglang", tokenizer=None) -> Targe
 
 def make_target_stream(job: JobConfig, setup: RunSetup, samples, batches: list[list[int]],
                        engine: str = "sglang", keep: list[list[int]] | None = None, ranks=None,
-                       before: list[list[int]] = ()) -> TargetStream:
+                       before: list[list[int]] = (), routes: list[list[list[int]]] | None = None) -> TargetStream:
     """The target process over `batches` (lists of indices into `samples`), not yet started.
     Regenerating, the target gets each sample's prompt (data/regenerate.py) and answers it; a
     resume passes the batches run `before`, so that it decodes in the same groups (TargetStream).
 
     Co-located (`ranks` with several trainer ranks per replica, train/distributed.py): only this
     rank's TP rank, its ring on this rank's GPU carrying the positions `keep` of each batch; the
-    replica's TP rank 0 stream serves the rendezvous and its port reaches the others (a collective)."""
+    replica's TP rank 0 stream serves the rendezvous and its port reaches the others (a collective).
+    Beside a pipeline's stages (hw.target_pp > 1), `routes` holds every rank's positions (TargetStream)."""
     sequences = ([regeneration_prompt(s) for s in samples] if setup.regeneration is not None
                  else [s.input_ids for s in samples])
     spec = target_spec(job, engine, setup.tokenizer)
@@ -265,7 +270,7 @@ def make_target_stream(job: JobConfig, setup: RunSetup, samples, batches: list[l
                           dtype=getattr(torch, job.hw.target_dtype),
                           device="cpu" if job.hw.device == "cpu" else f"cuda:{gpu}",
                           tp_rank=ranks.replica_rank if colocated else None, keep=keep if colocated else None,
-                          before=before)
+                          before=before, routes=routes if colocated and spec.pp_size > 1 else None)
     if colocated:
         port = stream.open_rendezvous() if ranks.replica_rank == 0 else None
         ports = ranks.gather(port)  # every rank takes part

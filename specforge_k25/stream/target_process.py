@@ -2,12 +2,15 @@
 batches, the hidden states into a `SlotRing` (stream/target_stream.py starts these processes and
 reads the ring).
 
-Rank 0 (`run_producer`) walks the batches and broadcasts each batch's token ids to the other
+TP rank 0 (`run_producer`) walks the batches and broadcasts each batch's token ids to the other TP
 ranks (`run_tp_rank`), which run the same forward (or, regenerating, the same decoding of a group
-of prompts). Dedicated trainer: one rank writes into a ring, the one that holds the whole states:
-rank 0, or with a pipeline-parallel target (spec.pp_size stages, world rank = tp_size * stage + TP
-rank) the last stage's TP rank 0. Co-located trainer ranks: every TP rank writes its own trainer's
-share of each batch (`keep`) into its own ring on the same GPU.
+of prompts). Dedicated trainer: only rank 0 writes into a ring. Co-located trainer ranks: every TP
+rank writes its own trainer's share of each batch (`keep`) into its own ring on the same GPU.
+
+A pipeline-parallel target (spec.pp_size stages, world rank = tp_size * stage + TP rank): every
+rank runs `run_producer` over the same batches (no broadcast, so the stages overlap). Dedicated
+trainer: the last stage's TP rank 0 holds the whole states and fills the ring; co-located: the last
+stage hands every rank its share (stream/pipeline_shares.py).
 """
 from __future__ import annotations
 
@@ -22,6 +25,7 @@ import torch
 
 from ..target_engine.factory import TargetSpec, build_target
 from ..target_engine.sampling import generation_slots, kv_slots
+from .pipeline_shares import StageShares
 from .ring import EndOfStream, ProducerFailed, SlotRing
 
 
@@ -64,23 +68,30 @@ def put_share(ring: SlotRing, index: int, out, keep: list[int] | None, ids: torc
              [prompt_lengths[p] for p in keep] if prompt_lengths is not None else None)
 
 
-def run_producer(spec: TargetSpec, tokens: torch.Tensor, offsets: torch.Tensor, batches: list, ring: SlotRing,
-                   parent_pid: int, keep: list | None = None, before: list = ()):
-    """Entry point of the target process (TP rank 0). tokens: all sequences concatenated; offsets [N+1].
-    keep: per batch, the positions its ring carries (co-located; None: every sequence). before: the
-    batches a resumed run already trained on, not run again; regenerating, they place the remaining
-    prompts in the groups an uninterrupted run decodes them in (`regeneration_groups`).
-    A pipeline-parallel target (spec.pp_size > 1): this is stage 0, which walks the batches but
-    holds no states; the last stage's TP rank 0 (`run_tp_rank`) fills the ring and ends the stream."""
+def run_producer(spec: TargetSpec, tokens: torch.Tensor, offsets: torch.Tensor, batches: list,
+                   ring: SlotRing | None, parent_pid: int, keep: list | None = None, before: list = (),
+                   routes: list | None = None, rank: int = 0, report=None):
+    """Entry point of the target process of TP rank 0, and of every rank of a pipeline-parallel target.
+    tokens: all sequences concatenated; offsets [N+1]. keep: per batch, the positions its ring
+    carries (co-located; None: every sequence). before: the batches a resumed run already trained
+    on, not run again; regenerating, they place the remaining prompts in the groups an
+    uninterrupted run decodes them in (`regeneration_groups`).
+    A pipeline-parallel target (spec.pp_size > 1): every rank (world rank `rank`) walks the same
+    batches itself, so no stage waits for another's turn at a per-batch broadcast and the stages
+    overlap (stage s forwards batch i while stage s+1 forwards batch i-1). `ring` is None on a rank
+    that fills none (failures then go to `report`): with a dedicated trainer, the last stage's TP
+    rank 0 fills it; co-located, `routes` (every rank's share of every batch) says what the last
+    stage sends each rank's ring (stream/pipeline_shares.py)."""
     bind_to_trainer()
     if os.getppid() != parent_pid:  # the trainer died before prctl took effect
         return
     torch.set_num_threads(spec.num_threads)
     stage = "engine start"
     try:
-        target = build_target(spec, tp_rank=0)
+        target = build_target(spec, tp_rank=rank % spec.tp_size, pp_rank=rank // spec.tp_size)
         torch.set_num_threads(spec.num_threads)
-        fills_ring = getattr(target, "is_last_stage", True)  # only a pipeline stage says otherwise
+        broadcasts = spec.pp_size == 1 and spec.tp_size > 1  # TP rank 0 leads the other TP ranks (run_tp_rank)
+        route = StageShares(target, rank, ring, routes, tp_size=spec.tp_size, pp_size=spec.pp_size) if routes else None
         pool = target.max_total_tokens  # SGLang sizes its KV pool from free memory at start
         largest = max((sum(sequence_room(spec, int(offsets[i + 1] - offsets[i])) for i in b) for b in batches), default=0)
         if pool is not None and largest > pool:
@@ -104,20 +115,26 @@ def run_producer(spec: TargetSpec, tokens: torch.Tensor, offsets: torch.Tensor, 
                 seqs, prompt_lengths = ahead.take(len(before) + item)
                 ids = torch.cat(seqs)
                 stage = f"target forward of batch {item}"
-            if spec.world_size > 1:
-                target.share_batch([FORWARD, *seqs])  # the other ranks (TP, pipeline stages) run the same forward
+            if broadcasts:
+                target.share_batch([FORWARD, *seqs])  # the other TP ranks run the same forward
             out = target.forward(seqs)
-            if fills_ring and (keep is None or keep[item]):
+            if route is not None:
+                route.deliver(item, seqs, out)
+            elif ring is not None and (keep is None or keep[item]):
                 put_share(ring, sent, out, keep[item] if keep is not None else None, ids, prompt_lengths)
                 sent += 1
-        if spec.world_size > 1:
-            stage = "end of the batches (telling the other ranks)"
+        if broadcasts:
+            stage = "end of the batches (telling the other TP ranks)"
             target.share_batch(None)
+        if route is not None:
+            stage = "receiving the last stage's states"
+            sent = route.finish()
         target.close()
-        if fills_ring:
+        if ring is not None:
             ring.ready.put(EndOfStream(sent, ready_bytes, io().write_bytes - ready_bytes))
     except BaseException as err:  # report, never hang the trainer
-        ring.ready.put(ProducerFailed(stage, f"{type(err).__name__}: {err}\n{traceback.format_exc()}"))
+        (ring.ready if ring is not None else report).put(
+            ProducerFailed(stage, f"{type(err).__name__}: {err}\n{traceback.format_exc()}", rank=rank))
         raise
 
 
@@ -217,7 +234,7 @@ class Regenerated:
     def _generate(self, g: int, item: int) -> None:
         group = self.groups[g]
         prompts = [self.prompt(i) for i in group]
-        if self.spec.world_size > 1:
+        if self.spec.tp_size > 1:
             self.target.share_batch([GENERATE, *prompts])
         for i, conversation in zip(group, regenerate(self.target, prompts, self.spec.regeneration)):
             if not self.uses.get(i) or i in self.ready:  # used before a resume or already held
@@ -237,15 +254,13 @@ def regenerate(target, prompts: list[torch.Tensor], regen) -> list[torch.Tensor]
     return [torch.cat([p, torch.tensor(a, dtype=p.dtype)]) for p, a in zip(prompts, answers)]
 
 
-def run_tp_rank(spec: TargetSpec, rank: int, report, parent_pid: int, ring: SlotRing | None = None,
+def run_tp_rank(spec: TargetSpec, tp_rank: int, report, parent_pid: int, ring: SlotRing | None = None,
                   shares: tuple | None = None):
-    """Entry point of a target rank other than 0 (`rank`: its world rank, tp_size * stage + TP rank;
-    the TP rank when there is one stage): the same engine start, warm-up and forwards as rank 0,
-    batch by batch as rank 0 broadcasts them, until rank 0 says the batches are done. Its outputs are
-    dropped (rank 0 holds the full hidden states), unless it fills a ring: a co-located trainer
-    rank's share of each batch, or (a pipeline's last stage, dedicated trainer) every batch whole.
-    `shares` = (prompt lengths of every sample, the batches, keep: per batch the positions the ring
-    carries, or None for all). A failure goes to `report` (the trainer's ready queue on the
+    """Entry point of a TP rank other than 0 (one pipeline stage): the same engine start, warm-up and
+    forwards as rank 0, batch by batch as rank 0 broadcasts them, until rank 0 says the batches are
+    done. Its outputs are dropped (rank 0 holds the full hidden states), unless it feeds a
+    co-located trainer rank: then `ring` gets its share of each batch, `shares` = (prompt lengths of
+    every sample, the batches, keep). A failure goes to `report` (the trainer's ready queue on the
     trainer's node; None elsewhere: the traceback and exit code tell)."""
     bind_to_trainer()
     if os.getppid() != parent_pid:
@@ -253,7 +268,7 @@ def run_tp_rank(spec: TargetSpec, rank: int, report, parent_pid: int, ring: Slot
     torch.set_num_threads(spec.num_threads)
     stage = "engine start"
     try:
-        target = build_target(spec, tp_rank=rank % spec.tp_size, pp_rank=rank // spec.tp_size)
+        target = build_target(spec, tp_rank=tp_rank)
         torch.set_num_threads(spec.num_threads)
         stage = "engine warmup"
         target.warmup()
@@ -271,10 +286,10 @@ def run_tp_rank(spec: TargetSpec, rank: int, report, parent_pid: int, ring: Slot
                 regenerate(target, seqs, spec.regeneration)
                 continue
             out = target.forward(seqs)
-            if ring is not None and (shares[2] is None or shares[2][item]):
+            if ring is not None and shares[2][item]:
                 prompt_len, batches, keep = shares
                 regen = spec.regeneration is not None
-                put_share(ring, sent, out, keep[item] if keep is not None else None, torch.cat(seqs) if regen else None,
+                put_share(ring, sent, out, keep[item], torch.cat(seqs) if regen else None,
                            [prompt_len[i] for i in batches[item]] if regen else None)
                 sent += 1
             item += 1
@@ -283,5 +298,5 @@ def run_tp_rank(spec: TargetSpec, rank: int, report, parent_pid: int, ring: Slot
             ring.ready.put(EndOfStream(sent, ready_bytes, io().write_bytes - ready_bytes))
     except BaseException as err:
         if report is not None:
-            report.put(ProducerFailed(stage, f"{type(err).__name__}: {err}\n{traceback.format_exc()}", rank=rank))
+            report.put(ProducerFailed(stage, f"{type(err).__name__}: {err}\n{traceback.format_exc()}", rank=tp_rank))
         raise

@@ -10,11 +10,13 @@ span nodes (SGLang's nnodes / node_rank / dist_init_addr): the trainer's node st
 ranks here, every other node runs only its own ranks (`run_tp_node`, `python -m
 specforge_k25.train.tp_node`).
 
-Pipeline parallelism (pp_size > 1, one node, dedicated trainer): tp_size * pp_size processes,
-world rank = tp_size * stage + TP rank (SGLang's layout). Rank 0 walks the batches as above; every
-stage forwards its own layers and sends the proxies, with the aux states captured so far, to the
-next (target_engine/sglang_pipeline.py); the last stage's TP rank 0 holds the whole states and
-fills the ring.
+Pipeline parallelism (pp_size > 1, one node): tp_size * pp_size processes, world rank = tp_size *
+stage + TP rank (SGLang's layout). Every rank walks the same batches itself (`run_producer`: no
+per-batch broadcast, which would make each stage wait for the last); every stage forwards its own
+layers and sends the proxies, with the aux states captured so far, to the next
+(target_engine/sglang_pipeline.py). Dedicated trainer: the last stage's TP rank 0 holds the whole
+states and fills the ring. Co-located: one trainer rank beside every stage rank, as below, except
+that the last stage sends each earlier stage's rank its share (stream/pipeline_shares.py).
 
 Co-located trainer ranks (hw.trainer_layout=colocated): each trainer rank starts only its own TP
 rank (`TargetStream(tp_rank=...)`) with a ring of its own on the same GPU. Every TP rank holds the
@@ -160,14 +162,17 @@ class TargetStream:
     def __init__(self, spec: TargetSpec, sequences: list[torch.Tensor], batches: list[list[int]], *,
                  hidden_size: int, slots: int = 3, timeout_s: float = 600.0, start_timeout_s: float = 3600.0,
                  poll_s: float = 1.0, dtype: torch.dtype = torch.float32, device: str = "cpu",
-                 tp_rank: int | None = None, keep: list[list[int]] | None = None, before: list[list[int]] = ()):
+                 tp_rank: int | None = None, keep: list[list[int]] | None = None, before: list[list[int]] = (),
+                 routes: list[list[list[int]]] | None = None):
         """tp_rank (co-located): start only this TP rank, which fills this stream's ring with the
         positions `keep[i]` of batch i (batches with none send nothing); the TP group meets at
         `open_rendezvous()` of the stream holding TP rank 0 (`join_rendezvous(port)` elsewhere).
         before (a resume that regenerates): the batches run before `batches`, which place the
-        remaining prompts in the regeneration groups of an uninterrupted run (target_process.py)."""
+        remaining prompts in the regeneration groups of an uninterrupted run (target_process.py).
+        routes (co-located beside a pipeline's stages): per batch, every rank's positions (`keep` is
+        this rank's); the last stage sends each rank its share (stream/pipeline_shares.py)."""
         self.spec, self.batches, self.poll_s, self.before = spec, batches, poll_s, list(before)
-        self.tp_rank, self.keep = tp_rank, keep
+        self.tp_rank, self.keep, self.routes = tp_rank, keep, routes
         # the rank that fills this ring: co-located, this stream's TP rank; dedicated, the one holding
         # the whole states (TP rank 0; a pipeline's last stage's TP rank 0)
         self.producer_rank = tp_rank if tp_rank is not None else spec.tp_size * (spec.pp_size - 1)
@@ -206,8 +211,8 @@ class TargetStream:
         rank filling the ring among them); co-located, only this stream's TP rank."""
         spec = self.spec
         check_tp_layout(spec)
-        if spec.pp_size > 1 and self.tp_rank is not None:
-            raise ValueError("a pipeline-parallel target (hw.target_pp > 1) runs with hw.trainer_layout=dedicated for now")
+        if spec.pp_size > 1 and self.tp_rank is not None and self.routes is None:
+            raise ValueError("co-located trainer ranks beside a pipeline's stages need every rank's shares (routes)")
         ranks = ((spec.local_tp_ranks() if spec.pp_size == 1 else list(range(spec.world_size)))  # PP: one node
                  if self.tp_rank is None else [self.tp_rank])
         if self.tp_rank is None and 0 not in ranks:
@@ -220,13 +225,22 @@ class TargetStream:
             self.rendezvous = Rendezvous(self.start_timeout_s)
             env = self.rendezvous.env()
         for rank in ranks:
-            if rank == 0:
+            if spec.pp_size > 1:  # every pipeline rank walks the batches itself (run_producer)
+                fills = rank == self.producer_rank
+                process = self.ctx.Process(
+                    target=run_producer, args=(spec, self.tokens, self.offsets, self.batches,
+                                                 self.ring if fills else None, os.getpid(), self.keep, self.before,
+                                                 self.routes, rank, self.ring.ready),
+                    name=f"specforge-target-{self._rank_name(rank)}", daemon=True)
+                if fills:
+                    self.process = process
+            elif rank == 0:
                 process = self.ctx.Process(
                     target=run_producer, args=(spec, self.tokens, self.offsets, self.batches, self.ring, os.getpid(),
-                                                 self.keep, self.before),
+                                                 self.keep, self.before, self.routes),
                     name="specforge-target", daemon=True)
                 self.process = process
-            elif rank == self.producer_rank:  # co-located, or a pipeline's last stage: this rank fills the ring
+            elif self.tp_rank is not None:  # co-located: this rank fills the ring too
                 process = self.ctx.Process(
                     target=run_tp_rank, args=(spec, rank, self.ring.ready, os.getpid(), self.ring,
                                                 (self.prompt_lengths, self.batches, self.keep)),

@@ -249,6 +249,25 @@ class SGLangPipelineStage:
             raise RuntimeError("the last stage's text model returned no final hidden state")
         return packed_aux(captured, final, self.num_aux), final
 
+    def send_states(self, rank: int, tensors: list[torch.Tensor], tag: int) -> list:
+        """Start sending `tensors` to world rank `rank` (the last stage hands a co-located trainer rank
+        beside an earlier stage its share of a batch; stream/pipeline_shares.py). Point to point on
+        SGLang's world device group (gloo on CPU, NCCL on GPU), apart from the PP group's proxies.
+        Returns the pending works; the tensors must live until they complete."""
+        import torch.distributed as dist
+        from sglang.srt.distributed.parallel_state import get_world_group
+
+        group = get_world_group()
+        return [dist.isend(t, dst=group.ranks[rank], group=group.device_group, tag=tag) for t in tensors]
+
+    def recv_states(self, rank: int, tensors: list[torch.Tensor], tag: int) -> list:
+        """Start receiving into `tensors` what world rank `rank` sends with the same tag (`send_states`)."""
+        import torch.distributed as dist
+        from sglang.srt.distributed.parallel_state import get_world_group
+
+        group = get_world_group()
+        return [dist.irecv(t, src=group.ranks[rank], group=group.device_group, tag=tag) for t in tensors]
+
     def generate(self, prompts, budgets, regen):
         raise NotImplementedError(
             "regeneration (data.regenerate) with a pipeline-parallel target is not supported yet: the "

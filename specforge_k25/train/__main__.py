@@ -67,7 +67,8 @@ def relaunch_under_torchrun(job: JobConfig, argv: list[str]) -> None:
         return
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={ranks}",
            "-m", "specforge_k25.train", *argv]
-    how = (f"one beside each of the {layout.tp} TP ranks of {layout.replicas} replica(s)"
+    stages = f" x {layout.pp} pipeline stages" if layout.pp > 1 else ""
+    how = (f"one beside each of the {layout.tp} TP ranks{stages} of {layout.replicas} replica(s)"
            if layout.colocated else "one per target replica")
     print(f"hw={job.hw.name}: {ranks} trainer ranks ({how}); starting them with torchrun:\n  "
           f"{' '.join(['python', *cmd[1:]])}", flush=True)

@@ -72,9 +72,13 @@ class Ranks:
     def share_positions(self, batch: list[int], sizes) -> list[int]:
         """Positions in the replica's batch of this rank's share (in batch order); `sizes[i]`:
         the tokens of sample i."""
+        return self.replica_shares(batch, sizes)[self.replica_rank]
+
+    def replica_shares(self, batch: list[int], sizes) -> list[list[int]]:
+        """`share_positions` of every rank of this replica, by replica rank."""
         if self.per_replica == 1:
-            return list(range(len(batch)))
-        return balanced_shares([sizes[i] for i in batch], self.per_replica)[self.replica_rank]
+            return [list(range(len(batch)))]
+        return balanced_shares([sizes[i] for i in batch], self.per_replica)
 
     def share(self, sample_ids: list[int], per_rank: int, sizes=None) -> list[int]:
         """This rank's samples of a global batch (may be empty for a short batch)."""

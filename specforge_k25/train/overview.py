@@ -47,8 +47,9 @@ def print_overview(job: JobConfig, setup: RunSetup, schedule: list[BatchItem], s
     ]
     layout = node_layout(job.hw)
     if world > 1 and layout.colocated:
-        tp = layout.tp
-        lines.insert(-2, f"ranks       {world} co-located trainer ranks, one beside each TP rank of {world // tp} "
+        tp = layout.per_replica
+        beside = f"each of the {layout.pp} pipeline stages' TP ranks" if layout.pp > 1 else "each TP rank"
+        lines.insert(-2, f"ranks       {world} co-located trainer ranks, one beside {beside} of {world // tp} "
                          f"replica(s); global batch {world} x {job.train.batch_size} samples, each replica's "
                          f"{tp * job.train.batch_size} shared out balanced by tokens; draft sharded {world} ways (FSDP2)")
     elif world > 1:

@@ -254,18 +254,20 @@ class Trainer:
         batches = [self.ranks.replica_batch(p.sample_ids, tr.batch_size) for p in self.schedule[start:]]
         keep = [self.ranks.share_positions(b, sizes) for b in batches]  # this rank's share of its replica's batch
         shares = [[b[p] for p in k] for b, k in zip(batches, keep)]
-        before = {}
+        stream_args = {}
         if self.setup.regeneration is not None and start:  # the batches that place the rest in their decode groups
             done = [self.ranks.replica_batch(p.sample_ids, tr.batch_size) for p in self.schedule[:start]]
             if self.ranks.per_replica == 1:
                 done = [[b[p] for p in self.ranks.share_positions(b, sizes)] for b in done]
-            before["before"] = [b for b in done if b]
+            stream_args["before"] = [b for b in done if b]
         if self.ranks.per_replica == 1:  # dedicated: the stream runs this rank's shares only
             self.stream = self.stream_factory(self.job, self.setup, self.samples, [ids for ids in shares if ids],
-                                              **before)
+                                              **stream_args)
         else:  # colocated: this rank's TP rank runs the replica's batches, its ring carries the share
+            if self.job.hw.target_pp > 1:  # beside pipeline stages: the last stage hands every rank its share
+                stream_args["routes"] = [self.ranks.replica_shares(b, sizes) for b in batches if b]
             self.stream = self.stream_factory(self.job, self.setup, self.samples, [b for b in batches if b],
-                                              keep=[k for b, k in zip(batches, keep) if b], ranks=self.ranks, **before)
+                                              keep=[k for b, k in zip(batches, keep) if b], ranks=self.ranks, **stream_args)
         # Sharded ranks keep waiting for their batch after a stop signal (once there is progress to
         # save): they stop together at the next schedule item, where they can gather their state.
         self.stream.should_stop = lambda: self.stop.requested() and not (self.learner.sharded and self.saved.step)

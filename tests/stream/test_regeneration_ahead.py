@@ -123,7 +123,7 @@ def test_the_target_process_resumes_in_the_uninterrupted_runs_groups(monkeypatch
             return TargetOutput(torch.zeros(n, 6), torch.zeros(n, 2), [len(s) for s in seqs])
 
     monkeypatch.setattr(target_process, "bind_to_trainer", lambda: None)
-    monkeypatch.setattr(target_process, "build_target", lambda spec, tp_rank: Engine())
+    monkeypatch.setattr(target_process, "build_target", lambda spec, tp_rank, pp_rank=0: Engine())
     batches = [[0], [1, 2], [3], [0, 4]]
     seqs = [torch.tensor([10 + i, 1, 2]) for i in range(5)]
     spec = TargetSpec(engine="hf", model_path="m", architecture="x", capture_points=[1, 2, 3],

@@ -121,6 +121,25 @@ def test_sglang_kimi_hidden_states_equal_hf(tiny_kimi_path, sglang_capture):
         assert not torch.allclose(block, hs[p - 1][0], atol=1e-3, rtol=0)
 
 
+@pytest.mark.engine
+def test_kimi_as_two_pipeline_stages_equals_hf(tiny_kimi_path, sglang_capture):
+    """KimiK25ForConditionalGeneration as two SGLang pipeline stages through the stream (hw.target_pp=2,
+    dedicated: the last stage fills the ring): stage 1 starts from the proxies, not from the
+    multimodal wrapper's embedding; its aux and final states == HF, fp32 <= 1e-4."""
+    info = read_target_info(tiny_kimi_path)
+    points = default_capture_points(info.num_layers)
+    g = torch.Generator().manual_seed(0)
+    seqs = [torch.randint(3, info.vocab_size, (n,), generator=g) for n in (23, 7, 41)]
+    got = sglang_capture(tiny_kimi_path, points, seqs, pp_size=2, num_threads=1)
+    expected = HFTarget(tiny_kimi_path, points).forward(seqs)
+    assert [n for lengths, _, _ in got for n in lengths] == [23, 7, 41]
+    for name, a, r in (("aux", torch.cat([a for _, a, _ in got]), expected.aux_hidden),
+                       ("final", torch.cat([f for _, _, f in got]), expected.final_hidden)):
+        diff = (a - r).abs().max().item()
+        print(f"kimi PP2 {name}: max |diff| {diff:.3g}")
+        assert a.shape == r.shape and diff <= 1e-4, f"kimi PP2 {name}: max |diff| {diff:.3g}"
+
+
 _LAYER_IDS_PROBE = """
     import json, sys, torch
     from specforge_k25.draft.eagle3.export import serving_config
