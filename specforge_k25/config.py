@@ -125,6 +125,8 @@ class DraftConfigSpec:
     loss_gamma: Optional[float] = doc(None, "dflash: block position j's CE weighs exp(-(j-1)/gamma) (train.loss_decay does not apply); null = 7 for blocks >= 16, 5 for >= 10, else 4")
     mask_token_id: Optional[int] = doc(None, "dflash: token id of the block's MASK slots, < the target vocab and absent from real input (a run whose data holds it is refused); null = the tokenizer's highest-id special token the data never holds (not bos/eos/pad/end of turn), else vocab - 1")
     logits_chunk: int = doc(2048, "dflash: block positions per chunk of [chunk, V] logits in the loss (each chunk recomputed in backward)")
+    attention_tile_rows: int = doc(512, "dflash: block queries per tile of the exact block attention (whole blocks; bounds its [rows, keys] fp32 scores per head)")
+    attention_tile_keys: int = doc(1024, "dflash: context keys per chunk of the block attention's tile")
 
 
 @dataclass

@@ -3,13 +3,15 @@
 Composes the same config as `python -m specforge_k25.train` (conf/ + the typed schema) and prints
 the per-GPU memory budget, the SGLang `mem_fraction_static` it implies and the tokens per
 optimizer step, then the throughput plan of both trainer layouts and of the fastest pipeline (PP)
-shape that fits (plan/pipeline.py: predicted, not runnable yet, issue 23) with the layout it
+shape that fits (plan/pipeline.py: predicted; it runs with hw.target_pp) with the layout it
 predicts fastest (when the hw profile has its inputs: hw.peak_tflops, hw.memory_gbps,
 hw.link_gbps), then every draft method (draft.method) in this run's place: trainable parameters,
 peak GPU memory, the longest data.max_length that fits and node tokens/s. Starts nothing. Exit
 status 0 when the run fits, 2 (with the override that would fit) when it does not.
 """
 from __future__ import annotations
+
+import math
 
 import sys
 
@@ -260,8 +262,11 @@ def _fastest_line(job, layouts: dict, pipe) -> str:
         a, b = pipe.split[s]
         head += (f": no all-reduce across the node (TP{pipe.tp} inside a stage), each GPU computes its stage's layers "
                  f"and 1/{len(pipe.throughput.gpus) // pipe.replicas} of its replica's trainer work; the "
-                 f"{b - a}-layer stages set the rate. Profile default unchanged (hw.trainer_layout="
-                 f"{job.hw.trainer_layout}): the pipeline is predicted; not runnable yet (issue 23)")
+                 f"{b - a}-layer stages set the rate. Run it with hw.target_pp={pipe.pp} hw.target_tp={pipe.tp}"
+                 + (f" SGLANG_PP_LAYER_PARTITION={','.join(str(b - a) for a, b in pipe.split)}" if pipe.partition else "")
+                 + (f" hw.mem_fraction_static={math.ceil(pipe.mem_fraction_min * 100) / 100}"
+                    if pipe.mem_fraction_min and pipe.mem_fraction_min < 1 else "")
+                 + "; the profile's default stays TP (hw.target_pp=1) until the pipeline has run on GPUs")
     return head + f"; slowest: {why(order[-1])}"
 
 
@@ -300,6 +305,34 @@ def render_methods(job, facts) -> None:
         console.print(f"  {escape(note)}")
 
 
+def render_pipeline_run(job, facts) -> None:
+    """hw.target_pp > 1: this run's stages (layers, per-stage memory) and, with the throughput
+    inputs, its predicted tokens/s; the TP-layout tables do not describe it."""
+    from rich.console import Console
+    from rich.markup import escape
+
+    from .pipeline import _env_partition, pipeline_memory, pp_layer_split, predict_pipeline
+
+    console = Console(width=max(Console().width, 140))
+    hw = job.hw
+    partition = _env_partition(facts.num_layers, hw.target_pp)
+    split = pp_layer_split(facts.num_layers, hw.target_pp, partition)
+    console.print(f"[bold]pipeline run[/bold]  hw={hw.name}: {hw.target_pp} stages x TP {hw.target_tp}, a trainer "
+                  f"rank beside each ({hw.trainer_layout}); layers per stage "
+                  f"{', '.join(f'{a}-{b - 1}' for a, b in split)}")
+    if hw.gpu_memory_mib > 0:
+        budgets, problems, frac = pipeline_memory(job, facts, hw.target_pp, hw.target_tp, partition=partition)
+        for s, g in enumerate(budgets):
+            big = sorted((i for i in g.items if i.phase is None), key=lambda i: -i.bytes)[:3]
+            console.print(f"  stage {s} (GPU {g.gpu}): {_g(g.total())} of {_g(g.capacity)} GiB; largest: "
+                          + escape(", ".join(f"{i.name} {_g(i.bytes)}" for i in big)))
+        console.print(f"  SGLang mem_fraction_static >= {frac:.2f} (hw.mem_fraction_static={hw.mem_fraction_static})")
+    if hw.peak_tflops > 0 and hw.memory_gbps > 0 and hw.link_gbps > 0:
+        pipe = predict_pipeline(job, facts, hw.target_pp, hw.target_tp, hw.num_gpus // (hw.target_pp * hw.target_tp),
+                                partition)
+        console.print(f"{pipe.name}: {_pipeline_line(job, facts, pipe)}")
+
+
 def main(argv: list[str]) -> int:
     if "--help" in argv or "-h" in argv:
         print(__doc__)
@@ -310,10 +343,16 @@ def main(argv: list[str]) -> int:
     job = compose_job(argv)
     try:
         facts = with_hw_overrides(job, target_facts_for(job))
-        render(job, plan_memory(job, facts))
-        render_throughput(job, facts)
-        render_methods(job, facts)
-        check_fits(job, facts)
+        if job.hw.target_pp > 1:
+            from .pipeline import check_pipeline_fits
+
+            render_pipeline_run(job, facts)
+            check_pipeline_fits(job, facts)
+        else:
+            render(job, plan_memory(job, facts))
+            render_throughput(job, facts)
+            render_methods(job, facts)
+            check_fits(job, facts)
     except (PlanError, FileNotFoundError) as err:
         print(f"\nrefused: {err}", file=sys.stderr)
         return 2

@@ -1,5 +1,6 @@
-"""Throughput and memory plan of the target as SGLang pipeline stages (issue 23, item 1): predicted,
-not runnable yet (the runtime drives the target in TP only).
+"""Throughput and memory plan of the target as SGLang pipeline stages (hw.target_pp; the runtime is
+target_engine/sglang_pipeline.py with co-located trainer ranks, stream/pipeline_shares.py), and the
+check a pipeline run passes before it starts (`check_pipeline_fits`).
 
 Arithmetic on the target's facts, the draft's shapes and the hw profile, as plan/throughput.py;
 nothing is measured here. The layout: the node's GPUs = replicas x pp stages x tp ranks per stage
@@ -54,7 +55,7 @@ from ..target_engine.layers import resolve_capture_points
 
 STAGE_TRANSFERS = "stage transfers"
 PIPELINE_PARTS = (TARGET_COMPUTE, TARGET_ALLREDUCE, STAGE_TRANSFERS, TRAINER_COMPUTE, TRAINER_OPTIMIZER, TRAINER_GRADS)
-NOT_RUNNABLE = "predicted; not runnable yet (issue 23)"
+NOT_RUNNABLE = "predicted; runs with hw.target_pp (CPU-tested; no GPU run yet)"
 
 
 # ---------------------------------------------------------------------------------- layers
@@ -417,3 +418,38 @@ def best_pipeline(job, facts: TargetFacts, plans: list[PipelinePlan] | None = No
         return plans[0] if plans else None
     fitting = [p for p in plans if p.fits]
     return fitting[0] if fitting else min(plans, key=lambda p: max(g.total() for g in p.memory))
+
+
+def check_pipeline_fits(job, facts: TargetFacts) -> None:
+    """A run with hw.target_pp > 1 (co-located trainer ranks beside the stages): PlanError unless
+    every stage GPU fits (`pipeline_memory`) and hw.mem_fraction_static covers the fullest stage's
+    weights and KV. Nothing to plan on CPU (hw.gpu_memory_mib 0)."""
+    hw = job.hw
+    if hw.gpu_memory_mib <= 0:
+        return
+    if hw.trainer_layout != "colocated":
+        raise PlanError(f"hw.target_pp={hw.target_pp} with hw.trainer_layout={hw.trainer_layout}: the plan covers "
+                        f"trainer ranks beside the stages (hw.trainer_layout=colocated); launch without a memory "
+                        f"plan with hw.gpu_memory_mib=0")
+    partition = _env_partition(facts.num_layers, hw.target_pp)
+    _, problems, frac = pipeline_memory(job, facts, hw.target_pp, hw.target_tp, partition=partition)
+    if frac is not None and frac < 1 and hw.mem_fraction_static < frac:
+        problems.append(f"hw.mem_fraction_static={hw.mem_fraction_static} is below what SGLang needs for the fullest "
+                        f"stage's weights and KV pool: set hw.mem_fraction_static={math.ceil(frac * 100) / 100}")
+    if problems:
+        longest = longest_pipeline_length(job, facts, hw.target_pp, hw.target_tp, partition=partition)
+        fix = f"; the longest data.max_length that fits is {longest}" if longest else ""
+        raise PlanError("the pipeline run does not fit:\n" + "\n".join(f"  - {p}" for p in problems) + fix)
+
+
+def _env_partition(num_layers: int, pp: int) -> Optional[list[int]]:
+    """SGLANG_PP_LAYER_PARTITION as the stage processes will read it (they inherit the environment)."""
+    import os
+
+    value = os.environ.get("SGLANG_PP_LAYER_PARTITION")
+    if not value:
+        return None
+    counts = [int(v) for v in value.split(",")]
+    if len(counts) != pp or sum(counts) != num_layers:
+        raise PlanError(f"SGLANG_PP_LAYER_PARTITION={value}: expected {pp} layer counts summing to {num_layers}")
+    return counts

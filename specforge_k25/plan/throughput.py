@@ -15,7 +15,7 @@ Arithmetic on the target's facts, the draft's shapes and the hw profile; nothing
   work each layout must do (the prefill with its all-reduces, the trainer's FLOPs): optimizer
   steps and gradient traffic, which the layouts pay differently, are left out of it. The compute
   bound (`compute_bound_tokens_per_s`) is the node busy on FLOPs only, the same for every layout.
-- The target as pipeline stages (issue 23; predicted, not runnable yet) is planned in
+- The target as pipeline stages (hw.target_pp; predicted here) is planned in
   plan/pipeline.py on the same parts.
 """
 from __future__ import annotations
@@ -287,7 +287,7 @@ class MethodRow:
     fits: bool = False  # memory only (MemoryPlan.capacity_ok)
     longest_length: Optional[int] = None  # longest data.max_length that fits (multiple of 256)
     tokens_per_s: dict[str, float] = field(default_factory=dict)  # per layout, at data.max_length
-    pipeline: str = ""  # the fastest pipeline shape whose memory fits (plan/pipeline.py; predicted, not runnable yet)
+    pipeline: str = ""  # the fastest pipeline shape whose memory fits (plan/pipeline.py; predicted)
     pipeline_tokens_per_s: Optional[float] = None
     pipeline_fits: bool = False  # its memory fits (always true off CUDA: not checked)
     refused: str = ""  # the method cannot run this job (its reason); the numbers are then unset

@@ -1,6 +1,6 @@
 """The pipeline (PP) layout's plan (specforge_k25/plan/pipeline.py; issue 23 item 1): SGLang's layer
 split by hand, one made-up case's per-stage microseconds by hand, and what the plan predicts for
-Kimi-K2.5 on rtxpro6000x8 (predicted, not runnable yet).
+Kimi-K2.5 on rtxpro6000x8 (predicted; the runtime is tested in tests/target_engine/test_target_pp.py and tests/train).
 
 Assumed numbers (written out below): Kimi-K2.5's shapes as tests/plan/test_throughput.py
 (attention projections 101,122,048 per layer; dense MLP 3 x 7168 x 18432; an MoE layer 9 experts of
@@ -9,12 +9,13 @@ the last num_layers % pp stages one more.
 """
 from __future__ import annotations
 
+import math
 from dataclasses import replace
 
 import pytest
 
 from specforge_k25.config import compose_job
-from specforge_k25.plan import KIMI_K25, predict
+from specforge_k25.plan import KIMI_K25, PlanError, predict
 from specforge_k25.plan.pipeline import (STAGE_TRANSFERS, first_stages_partition, layer_weight_bytes,
                                          owned_states, pp_layer_split, predict_pipeline, predict_pipelines,
                                          stage_flops_per_token)
@@ -107,3 +108,25 @@ def test_kimi_rtx_pipeline_beats_colocated_tp():
     # PP2 and PP4 replicas are faster on paper but do not fit a 96 GiB GPU; the last stage (lm_head) is the fullest
     assert not any(p.fits for p in plans if p.pp < 8 and p.tp == 1)
     assert max(best.memory, key=lambda x: x.total()) is best.memory[7]
+
+
+def test_a_pipeline_run_is_checked_against_the_per_stage_plan():
+    """hw.target_pp > 1 on GPU: the run is refused unless every stage GPU fits (pipeline_memory)
+    and mem_fraction_static covers the fullest stage; a dedicated trainer is not planned."""
+    from specforge_k25.config import compose_job
+    from specforge_k25.plan import KIMI_K25, with_hw_overrides
+    from specforge_k25.plan.pipeline import check_pipeline_fits, pipeline_memory
+
+    base = ["+hw=rtxpro6000x8", "target=kimi_k25", "draft=kimi", "hw.target_pp=8", "hw.target_tp=1"]
+    job = compose_job(base + ["hw.mem_fraction_static=0.9"])
+    facts = with_hw_overrides(job, KIMI_K25)
+    check_pipeline_fits(job, facts)  # 2048 fits (stage 7: 94.74 of 95.59 GiB)
+    frac = pipeline_memory(job, facts, 8, 1)[2]
+    low = compose_job(base + ["hw.mem_fraction_static=0.8"])
+    with pytest.raises(PlanError, match=f"set hw.mem_fraction_static={math.ceil(frac * 100) / 100}"):
+        check_pipeline_fits(low, facts)
+    long = compose_job(base + ["hw.mem_fraction_static=0.9", "data.max_length=8192"])
+    with pytest.raises(PlanError, match=r"stage \d \(GPU \d\) needs .*longest data.max_length that fits is 2304"):
+        check_pipeline_fits(long, facts)
+    with pytest.raises(PlanError, match="hw.trainer_layout=colocated"):
+        check_pipeline_fits(compose_job(base + ["hw.trainer_layout=dedicated"]), facts)
