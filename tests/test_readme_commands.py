@@ -105,6 +105,10 @@ COMMANDS: dict[str, Case] = {
     "python -m specforge_k25.train target=tiny_deepseek hw.target_tp=2 hw.trainer_layout=colocated "
     "train.batch_size=1": TRAIN,
     "torchrun --standalone --nproc-per-node 2 -m specforge_k25.train hw.target_replicas=2 train.batch_size=1": TRAIN,
+    "torchrun --nproc-per-node 8 -m specforge_k25.train +hw=rtxpro6000x8 target=kimi_k25 draft=kimi hw.target_pp=8 "
+    "hw.target_tp=1 hw.mem_fraction_static=0.87": FITS,
+    "python -m specforge_k25.train target=tiny_deepseek hw.target_pp=2 hw.trainer_layout=colocated "
+    "train.batch_size=1": TRAIN,
     # Serving the export: other projects' servers
     "python -m sglang.launch_server --model-path <target> --speculative-algorithm EAGLE3 "
     "--speculative-draft-model-path outputs/<run>/export --speculative-num-steps 3 --speculative-eagle-topk 1 "
