@@ -165,13 +165,14 @@ def regeneration(job: JobConfig, tokenizer) -> Regeneration | None:
         return None
     if d.regen_cut not in ("keep", "drop"):
         raise ValueError(f"data.regen_cut={d.regen_cut!r}: expected keep or drop")
-    if d.regen_max_new_tokens < 1 or d.regen_temperature < 0 or not 0 < d.regen_top_p <= 1:
-        raise ValueError("data.regen_max_new_tokens must be >= 1, data.regen_temperature >= 0 and "
+    limit = d.max_length if d.regen_max_new_tokens is None else d.regen_max_new_tokens  # null: the room below max_length
+    if limit < 1 or d.regen_temperature < 0 or not 0 < d.regen_top_p <= 1:
+        raise ValueError("data.regen_max_new_tokens must be >= 1 (or null), data.regen_temperature >= 0 and "
                          "data.regen_top_p in (0, 1]")
     stops = {_end_of_turn_id(tokenizer, job.target.end_of_turn_token)}
     if tokenizer.eos_token_id is not None:
         stops.add(int(tokenizer.eos_token_id))
-    return Regeneration(max_new_tokens=d.regen_max_new_tokens, max_length=d.max_length,
+    return Regeneration(max_new_tokens=limit, max_length=d.max_length,
                         temperature=d.regen_temperature, top_p=d.regen_top_p, seed=d.regen_seed,
                         stop_ids=tuple(sorted(stops)), group_sequences=max(1, d.regen_group))
 

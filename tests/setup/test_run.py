@@ -60,3 +60,19 @@ def test_regeneration_note_only_for_a_method_without_a_teacher_on_the_datasets_a
     said = {(m, r): regeneration_note(NS(data=NS(regenerate=r)), NS(method=get_method(m))) is not None
             for m in ("eagle3", "dflash") for r in (False, True)}
     assert said == {("eagle3", False): False, ("eagle3", True): False, ("dflash", False): True, ("dflash", True): False}
+
+
+def test_regeneration_budget_null_reaches_max_length():
+    """data.regen_max_new_tokens=null: a thinking-mode answer may fill the room below max_length;
+    a number caps it; below 1 is refused."""
+    from types import SimpleNamespace
+
+    from specforge_k25.setup.run import regeneration
+
+    tokenizer = SimpleNamespace(eos_token_id=2, convert_tokens_to_ids=lambda t: 7, unk_token_id=0)
+    job = compose_job(["data.regenerate=true", "data.max_length=4096", "data.regen_max_new_tokens=null"])
+    assert regeneration(job, tokenizer).budget(1000) == 3096
+    capped = compose_job(["data.regenerate=true", "data.max_length=4096"])
+    assert regeneration(capped, tokenizer).budget(1000) == 128
+    with pytest.raises(ValueError, match="regen_max_new_tokens must be >= 1"):
+        regeneration(compose_job(["data.regenerate=true", "data.regen_max_new_tokens=0"]), tokenizer)
