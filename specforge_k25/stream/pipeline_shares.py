@@ -9,7 +9,7 @@ i's share only after its own forward of batch i is done, so the sends wait for n
 pipeline's forwards need; the receives are waited for lazily, in order, with at most `lag` batches
 in flight, so an early stage keeps forwarding the next batches meanwhile (no bubble from the
 hand-back). Per token, what crosses GPUs is the K+1 states of the sequences a rank trains:
-(K+1) x H x 2 bytes in bf16 (114.7 KB for Kimi with K=3), for 1 - tp/world of the tokens.
+(K+1) x H x 2 bytes in bf16 (57.3 KB for Kimi with K=3), for 1 - tp/world of the tokens.
 """
 from __future__ import annotations
 
