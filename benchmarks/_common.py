@@ -113,3 +113,29 @@ def save_figure(fig, path: Path) -> None:
     fig.savefig(path, dpi=110)
     plt.close(fig)
     print(f"wrote {path}")
+
+
+def run_child_points(script: str, spec: dict, label=lambda row: f"T={row['seq_len']:6d}") -> list[dict]:
+    """Run `script --child <spec>` in a fresh process (its own thread count and malloc settings, so
+    peak memory is this point's alone) and collect the `RESULT {json}` lines it prints, each shown
+    as it lands with `label(row)`. Raises with the child's stderr when it fails."""
+    import subprocess
+
+    env = {**os.environ, "OMP_NUM_THREADS": str(spec["threads"]), "MALLOC_MMAP_THRESHOLD_": str(1 << 20),
+           "PYTHONDONTWRITEBYTECODE": "1"}
+    proc = subprocess.Popen([sys.executable, str(Path(script).resolve()), "--child", json.dumps(spec)],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+    rows = []
+    for line in proc.stdout:  # streamed: each point is printed as it lands
+        if line.startswith("RESULT "):
+            row = {"shape": spec["shape_name"], "method": spec["method"], **json.loads(line[len("RESULT "):])}
+            rows.append(row)
+            if row["status"] == "ok":
+                print(f"  {row['shape']} {row['method']:5s} {label(row)}: {row['time_s']:7.2f} s, "
+                      f"peak +{fmt_bytes(row['peak_delta'])}", flush=True)
+            else:
+                print(f"  {row['shape']} {row['method']:5s} T={row['seq_len']:6d}: skipped ({row['why']})", flush=True)
+    err = proc.stderr.read()
+    if proc.wait() != 0:
+        raise RuntimeError(f"child {spec['shape_name']}/{spec['method']} failed (exit {proc.returncode}):\n{err[-3000:]}")
+    return rows

@@ -28,14 +28,11 @@ import argparse
 import gc
 import json
 import math
-import os
 import statistics
-import subprocess
-import sys
 import time
 from pathlib import Path
 
-from _common import (GiB, MiB, RESULTS, fmt_bytes, machine_info, new_figure, print_table, replot, save_figure,
+from _common import (GiB, MiB, RESULTS, fmt_bytes, machine_info, new_figure, print_table, replot, run_child_points, save_figure,
                      set_threads, write_json)
 
 DEFAULT_OUT = RESULTS / "ttt_attention.json"
@@ -133,24 +130,7 @@ def child(spec: dict) -> None:
 
 
 def run_child(spec: dict) -> list[dict]:
-    env = {**os.environ, "OMP_NUM_THREADS": str(spec["threads"]), "MALLOC_MMAP_THRESHOLD_": str(MiB),
-           "PYTHONDONTWRITEBYTECODE": "1"}
-    proc = subprocess.Popen([sys.executable, str(Path(__file__).resolve()), "--child", json.dumps(spec)],
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
-    rows = []
-    for line in proc.stdout:  # streamed: each point is printed as it lands
-        if line.startswith("RESULT "):
-            row = {"shape": spec["shape_name"], "method": spec["method"], **json.loads(line[len("RESULT "):])}
-            rows.append(row)
-            if row["status"] == "ok":
-                print(f"  {row['shape']} {row['method']:5s} T={row['seq_len']:6d}: {row['time_s']:7.2f} s, "
-                      f"peak +{fmt_bytes(row['peak_delta'])}", flush=True)
-            else:
-                print(f"  {row['shape']} {row['method']:5s} T={row['seq_len']:6d}: skipped ({row['why']})", flush=True)
-    err = proc.stderr.read()
-    if proc.wait() != 0:
-        raise RuntimeError(f"child {spec['shape_name']}/{spec['method']} failed (exit {proc.returncode}):\n{err[-3000:]}")
-    return rows
+    return run_child_points(__file__, spec)
 
 
 # ------------------------------------------------------------------------------------ report
