@@ -49,6 +49,7 @@ class HwConfig:
     target_runtime_gib: float = doc(2.0, "memory plan: SGLang non-static memory per TP rank: activations, workspaces (GiB)")
     target_weight_gb: Optional[float] = doc(None, "memory plan: target weight size in GB (all ranks); null = its safetensors files / known default")
     trainer_layout: str = doc("dedicated", "dedicated = one trainer rank per replica, on trainer_gpus | colocated = one trainer rank beside every TP rank (torchrun --nproc-per-node replicas x target_tp), each reading its TP rank's copy of the hidden states, the draft state sharded over them (FSDP2)")
+    context_parallel: int = doc(1, "co-located trainer ranks that split each sequence's positions (Ulysses attention: each holds 1/C of the positions' activations, attends with 1/C of the heads); divides the replica's trainer ranks; train.batch_size is then per group of C; eagle3 / eagle3_mla; 1 = whole sequences per rank")
     peak_tflops: float = doc(0.0, "throughput plan: dense bf16 tensor-core peak of one GPU in TFLOP/s (datasheet); 0 = no throughput plan")
     memory_gbps: float = doc(0.0, "throughput plan: memory bandwidth of one GPU in GB/s (datasheet): the target's weight reads, the GPU AdamW step")
     link_gbps: float = doc(0.0, "throughput plan: all-reduce bus bandwidth between the node's GPUs in GB/s (nccl-tests busbw; PCIe or NVLink): TP all-reduce, gradient traffic")

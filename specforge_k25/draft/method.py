@@ -32,6 +32,8 @@ class DraftBatch:
     teacher: Any  # draft/loss.py Teacher: the target's distribution where the loss needs it; None for
     # a method that does not read it (`DraftMethod.needs_teacher` False)
     draws: Any = None  # what the method's `prepare_batch` drew at random for this batch (DFlash: its anchors)
+    seq: Any = None  # train/context_parallel.py SeqShard: this rank holds positions [start, start+L) of the
+    # sequences (aux_hidden [B, L, K*Ht], teacher from `start` on); input_ids / loss_mask stay whole. None: all of them
 
     @property
     def num_tokens(self) -> int:
@@ -47,6 +49,7 @@ class DraftMethod:
     model_class: type = nn.Module  # what `build` returns (registry.method_of finds a model's method by it)
     config_class: type = object  # what `resolve_config` returns (registry.method_of_config)
     needs_teacher: bool = True  # the loss reads DraftBatch.teacher (the trainer computes it from the final states)
+    context_parallel: bool = False  # the loss takes a DraftBatch whose `seq` splits the positions over ranks
 
     # ------------------------------------------------------------------ shape
     def resolve_config(self, spec, target, num_aux: int = 3) -> Any:

@@ -83,11 +83,14 @@ class Attention(nn.Module):
         self.v_proj = nn.Linear(in_dim, self.nkv * self.hd, bias=False)
         self.o_proj = nn.Linear(self.nh * self.hd, cfg.hidden_size, bias=False)
 
-    def forward(self, x: torch.Tensor, positions: torch.Tensor, past: list) -> tuple[torch.Tensor, tuple]:
+    def forward(self, x: torch.Tensor, positions: torch.Tensor, past: list,
+                seq=None) -> tuple[torch.Tensor, tuple]:
         """TTT attention for one unroll step k = len(past).
 
         x [B, T, 2H]; positions [B, T] (already offset by k); `past` holds (K_j, V_j) of the earlier
-        steps, each [B, nkv, T, hd]. Query i attends to step-0 keys at positions <= i (causal) and,
+        steps, each [B, nkv, T, hd]. With `seq` (context parallelism, train/context_parallel.py) x
+        holds this rank's L positions of the sequences and `past` [B, nkv/C, C L, hd] this rank's
+        heads over all positions (KV heads that do not split over C are first repeated to nh). Query i attends to step-0 keys at positions <= i (causal) and,
         for each step j in 1..k, to the key of position i only. Returns (out [B, T, H], (K_k, V_k)).
 
         Exact TTT attention without a [T, (k+1)T] mask (draft/ttt_attention.py): one causal SDPA
@@ -100,8 +103,15 @@ class Attention(nn.Module):
         v = self.v_proj(x).view(B, T, self.nkv, self.hd).transpose(1, 2)
         cos, sin = rope_cos_sin(positions, self.hd, self.theta, q.dtype)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        if seq is not None:
+            seq.check_heads(self.nh, "attention heads")
+            if self.nkv % seq.size:  # GQA -> MHA: exact, each query head keeps its KV head
+                k, v = (t.repeat_interleave(self.nh // self.nkv, dim=1) for t in (k, v))
+            q, k, v = seq.to_heads(q), seq.to_heads(k), seq.to_heads(v)  # [B, h/C, C T, hd]
         steps = [*past, (k, v)]
         out = ttt_attention(q, [kj for kj, _ in steps], [vj for _, vj in steps], 1.0 / math.sqrt(self.hd))
+        if seq is not None:
+            out = seq.to_positions(out)  # [B, nh, T, hd]
         return self.o_proj(out.transpose(1, 2).reshape(B, T, self.nh * self.hd)), (k, v)
 
 
@@ -127,10 +137,10 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.mlp = MLP(cfg)
 
-    def forward(self, embeds, hidden, positions, past):
+    def forward(self, embeds, hidden, positions, past, seq=None):
         """embeds, hidden [B, T, H] -> (pre-norm output [B, T, H], this step's (K, V))."""
         x = torch.cat([self.input_layernorm(embeds), self.hidden_norm(hidden)], -1)  # [B, T, 2H]
-        attn, kv = self.self_attn(x, positions, past)
+        attn, kv = self.self_attn(x, positions, past, seq)
         hidden = hidden + attn
         return hidden + self.mlp(self.post_attention_layernorm(hidden)), kv
 
@@ -165,13 +175,14 @@ class Eagle3Draft(nn.Module):
             aux_hidden = torch.cat([norm(a) for norm, a in zip(self.fc_norm, aux_hidden.chunk(NUM_AUX, -1))], -1)
         return self.fc(aux_hidden)
 
-    def step(self, input_ids, hidden, positions, past):
+    def step(self, input_ids, hidden, positions, past, seq=None):
         """One TTT step k = len(past): input_ids [B, T], hidden [B, T, H], past [(K_j, V_j)] of steps < k
         -> (the hidden the next step reads [B, T, H], (K_k, V_k)). Pure: the caller keeps the list of steps.
+        seq: this rank's share of the positions (context parallelism; T = its L positions).
 
         That hidden is what the servers hand their next draft step: the layer's pre-norm output h,
         or norm(h) with norm_output. `logits` takes it as is."""
-        out, kv = self.midlayer(self.embed_tokens(input_ids).to(hidden.dtype), hidden, positions, past)
+        out, kv = self.midlayer(self.embed_tokens(input_ids).to(hidden.dtype), hidden, positions, past, seq)
         return (self.norm(out) if self.cfg.norm_output else out), kv
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:

@@ -84,8 +84,27 @@ def prepare(job: JobConfig) -> RunSetup:
     unused = [t for t in unused_special_ids(tokenizer, data, end_of_turn_id) if t < info.vocab_size]
     draft_cfg = resolve_draft(method.with_unused_special_tokens(job.draft, unused), facts, len(points))
     check_reserved_tokens(method, draft_cfg, data, tokenizer, job.data.regenerate)
+    check_context_parallel_method(job, method, draft_cfg)
     return RunSetup(model_path, info, points, eagle_ids, tokenizer, data, method, draft_cfg,
                     regeneration(job, tokenizer), end_of_turn_id)
+
+
+def check_context_parallel_method(job: JobConfig, method: DraftMethod, draft_cfg) -> None:
+    """hw.context_parallel > 1 needs a method whose loss takes a window of the positions and
+    attention heads that split over the group (the layout is checked in setup/layout.py)."""
+    cp = job.hw.context_parallel
+    if cp == 1:
+        return
+    if not method.context_parallel:
+        raise ValueError(f"hw.context_parallel={cp}: draft.method={method.name} does not split a sequence over ranks "
+                         f"yet (eagle3 and eagle3_mla do); use hw.context_parallel=1")
+    heads = draft_cfg.num_attention_heads
+    if heads % cp:
+        raise ValueError(f"hw.context_parallel={cp}: the draft's {heads} attention heads do not split over {cp} ranks "
+                         f"(draft.num_attention_heads must be a multiple of hw.context_parallel)")
+    if job.data.regenerate:
+        raise ValueError(f"hw.context_parallel={cp} with data.regenerate=true: not built yet (the answers would be "
+                         f"counted once per rank of a group); use one of the two")
 
 
 def _special_ids(tokenizer) -> set[int]:

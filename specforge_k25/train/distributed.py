@@ -18,7 +18,8 @@ import dataclasses
 import datetime
 import os
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -44,6 +45,18 @@ class Ranks:
     local_rank: int = 0
     per_replica: int = 1  # trainer ranks that read one target replica (colocated: its TP size)
     colocated: bool = False  # hw.trainer_layout=colocated: the draft state sharded over the ranks (FSDP2)
+    cp: int = 1  # hw.context_parallel: consecutive ranks of a replica that split each sequence's positions
+    cp_group: Any = field(default=None, compare=False, repr=False)  # their process group
+
+    @property
+    def cp_rank(self) -> int:
+        """This rank's place in its context-parallel group: the block of positions it holds."""
+        return self.replica_rank % self.cp
+
+    @property
+    def groups_per_replica(self) -> int:
+        """Sequence owners of a replica: its trainer ranks, or their context-parallel groups."""
+        return self.per_replica // self.cp
 
     @property
     def main(self) -> bool:
@@ -65,8 +78,9 @@ class Ranks:
 
     def replica_batch(self, sample_ids: list[int], per_rank: int) -> list[int]:
         """This rank's replica's contiguous slice of a global batch (replica-major; may be empty
-        for a short batch): what that replica's target runs."""
-        n = per_rank * self.per_replica
+        for a short batch): what that replica's target runs. `per_rank`: train.batch_size, the
+        sequences of one rank (of one context-parallel group)."""
+        n = per_rank * self.groups_per_replica
         return sample_ids[self.replica * n:(self.replica + 1) * n]
 
     def share_positions(self, batch: list[int], sizes) -> list[int]:
@@ -75,10 +89,12 @@ class Ranks:
         return self.replica_shares(batch, sizes)[self.replica_rank]
 
     def replica_shares(self, batch: list[int], sizes) -> list[list[int]]:
-        """`share_positions` of every rank of this replica, by replica rank."""
+        """`share_positions` of every rank of this replica, by replica rank (the ranks of a
+        context-parallel group share the same sequences)."""
         if self.per_replica == 1:
             return [list(range(len(batch)))]
-        return balanced_shares([sizes[i] for i in batch], self.per_replica)
+        shares = balanced_shares([sizes[i] for i in batch], self.groups_per_replica)
+        return [shares[r // self.cp] for r in range(self.per_replica)]
 
     def share(self, sample_ids: list[int], per_rank: int, sizes=None) -> list[int]:
         """This rank's samples of a global batch (may be empty for a short batch)."""
@@ -176,8 +192,14 @@ def start_ranks(job, world: World | None = None):
         dist.init_process_group("nccl", timeout=timeout, device_id=torch.device("cuda", trainer_gpu))
     else:
         dist.init_process_group("gloo", timeout=timeout)
+    cp, cp_group = job.hw.context_parallel, None
+    if cp > 1:  # every rank creates every group, in the same order (torch.distributed.new_group)
+        for first in range(0, dist.get_world_size(), cp):
+            group = dist.new_group(list(range(first, first + cp)), timeout=timeout)
+            if first <= dist.get_rank() < first + cp:
+                cp_group = group
     return job, Ranks(rank=dist.get_rank(), world=dist.get_world_size(), local_rank=world.local_rank,
-                      per_replica=layout.per_replica, colocated=layout.colocated)
+                      per_replica=layout.per_replica, colocated=layout.colocated, cp=cp, cp_group=cp_group)
 
 
 # What torchrun puts in a rank's environment (TORCHELASTIC_* too).

@@ -24,14 +24,15 @@ def run_fingerprint(job: JobConfig, setup: RunSetup, n_items: int, ranks: int = 
         "regen_cut": job.data.regen_cut if setup.regeneration else None,
         "batch_size": job.train.batch_size, "grad_accum": job.train.grad_accum, "ttt_length": job.train.ttt_length,
         "group_by_length": job.train.group_by_length, "trainer_ranks": ranks, "trainer_layout": job.hw.trainer_layout,
+        "context_parallel": job.hw.context_parallel,
     }
 
 
 # Fingerprint keys a resume may change. The schedule is cut into GLOBAL batches (train.batch_size
-# x trainer ranks) and the data cursor is an item of it, so with the same global batch the cursor
+# x trainer ranks / hw.context_parallel) and the data cursor is an item of it, so with the same global batch the cursor
 # names the same samples on any number of ranks; checkpoints hold the full state (FSDP2 gathers
 # it), loaded into either layout (`optimizer_state_for`).
-RESHARDABLE = ("batch_size", "trainer_ranks", "trainer_layout")
+RESHARDABLE = ("batch_size", "trainer_ranks", "trainer_layout", "context_parallel")
 
 
 def fingerprint_defaults(fingerprint: dict) -> dict:
@@ -39,9 +40,9 @@ def fingerprint_defaults(fingerprint: dict) -> dict:
     trainer ranks were recorded only when there were several (absent: one), the layout only when
     co-located, regen_cut not at all (absent while regenerating: its default, keep), the draft
     method not at all (the one method there was), nor its fc_norm / norm_output (off), nor
-    length grouping (off)."""
+    length grouping (off), nor context parallelism (none)."""
     fp = {"trainer_ranks": 1, "trainer_layout": "dedicated", "draft_method": FIRST_METHOD, "group_by_length": False,
-          **fingerprint}
+          "context_parallel": 1, **fingerprint}
     if isinstance(fp.get("draft"), dict):  # the draft's EAGLE-3.1 options (draft/model.py), off when not recorded
         fp["draft"] = {"fc_norm": False, "norm_output": False, **fp["draft"]}
     fp.setdefault("regen_cut", "keep" if fp.get("regeneration") else None)
@@ -49,8 +50,8 @@ def fingerprint_defaults(fingerprint: dict) -> dict:
 
 
 def global_batch(fingerprint: dict) -> int | None:
-    b, ranks = fingerprint.get("batch_size"), fingerprint.get("trainer_ranks")
-    return b * ranks if isinstance(b, int) and isinstance(ranks, int) else None
+    b, ranks, cp = fingerprint.get("batch_size"), fingerprint.get("trainer_ranks"), fingerprint.get("context_parallel", 1)
+    return b * ranks // cp if isinstance(b, int) and isinstance(ranks, int) and isinstance(cp, int) else None
 
 
 def check_fingerprint(saved: dict, current: dict, checkpoint: Path) -> None:
@@ -64,11 +65,13 @@ def check_fingerprint(saved: dict, current: dict, checkpoint: Path) -> None:
              if k not in RESHARDABLE and (k not in saved or k not in current or saved[k] != current[k])]
     before, now = global_batch(saved), global_batch(current)
     if before is None or before != now:
-        ranks = current["trainer_ranks"]
-        hint = (f"resume on {ranks} rank(s) with train.batch_size={before // ranks}" if before and before % ranks == 0
+        ranks, cp = current["trainer_ranks"], current["context_parallel"]
+        owners = ranks // cp  # sequence owners: ranks, or their context-parallel groups
+        hint = (f"resume on {ranks} rank(s) with train.batch_size={before // owners}" if before and before % owners == 0
                 else f"resume on a number of ranks that divides {before}" if before else "it cannot be resumed")
-        diffs.append(f"global batch (train.batch_size x trainer ranks): checkpoint {saved.get('batch_size', absent)!r} "
-                     f"x {saved['trainer_ranks']!r} vs now {current.get('batch_size')!r} x {ranks!r}; the schedule "
+        diffs.append(f"global batch (train.batch_size x trainer ranks / hw.context_parallel): checkpoint "
+                     f"{saved.get('batch_size', absent)!r} x {saved['trainer_ranks']!r} / {saved['context_parallel']!r} "
+                     f"vs now {current.get('batch_size')!r} x {ranks!r} / {cp!r}; the schedule "
                      f"and its cursor count global batches: {hint}")
     if diffs:
         raise ValueError(f"cannot resume from {checkpoint}: it belongs to a different run\n  " + "\n  ".join(diffs))

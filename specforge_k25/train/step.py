@@ -4,21 +4,26 @@ from __future__ import annotations
 import hashlib
 
 import torch
+import torch.nn.functional as F
 
 from ..draft.loss import TTTResult, compute_teacher
 from ..draft.method import DraftBatch, DraftMethod, draft_state
+from .context_parallel import SeqShard, shard_of
 from .distributed import Ranks
 from .metrics import TTTStats
 from .sharding import full_model_state, full_state, is_sharded, load_full_state, reshard, unsharded_copy
 
 
-def pad_packed(packed: torch.Tensor, lengths: list[int]) -> torch.Tensor:
-    """packed [sum(lengths), D] -> [B, max(lengths), D] zero-padded on the right."""
-    out = packed.new_zeros(len(lengths), max(lengths), packed.shape[-1])
-    start = 0
+def pad_packed(packed: torch.Tensor, lengths: list[int], start: int = 0, length: int | None = None) -> torch.Tensor:
+    """packed [sum(lengths), D] -> [B, length, D]: positions [start, start + length) of every
+    sequence (default: all of them, length max(lengths)), zero past a sequence's end."""
+    length = max(lengths) - start if length is None else length
+    out = packed.new_zeros(len(lengths), length, packed.shape[-1])
+    offset = 0
     for b, n in enumerate(lengths):
-        out[b, :n] = packed[start:start + n]
-        start += n
+        part = packed[offset + start:offset + min(n, start + length)]  # empty past the sequence's end
+        out[b, :part.shape[0]] = part
+        offset += n
     return out
 
 
@@ -45,6 +50,11 @@ class DraftLearner:
     whole global micro-batch. A draft sharded with FSDP2 (train/sharding.py, the co-located layout)
     has its gradients summed by FSDP's reduce-scatter, and a rank without a share still runs a
     loss-free one-position batch: every rank takes part in the same collectives.
+
+    With context parallelism (`ranks.cp` > 1, train/context_parallel.py) the ranks of a group get
+    the same sequences and each keeps its window of their positions: the aux states of its L
+    positions and the teacher of those and the `depth` after them (what the loss's shifts read),
+    never the whole sequence's [T, Vd] teacher.
     """
 
     def __init__(self, method: DraftMethod, draft: torch.nn.Module, lm_head: torch.Tensor, optimizer, scheduler, *, ttt_length: int,
@@ -82,31 +92,45 @@ class DraftLearner:
             raise ValueError(f"the stream's aux states are {aux_packed.shape[-1]} wide, the draft reads "
                              f"{self.aux_width} (target.aux_layers and the draft disagree on K)")
         pad = torch.nn.utils.rnn.pad_sequence
-        input_ids = pad([s.input_ids for s in samples], batch_first=True, padding_value=0).to(dev)
-        loss_mask = pad([s.loss_mask for s in samples], batch_first=True, padding_value=False).to(dev)
-        aux = pad_packed(aux_packed, lengths).to(dev, torch.float32)
-        teacher = None
-        if self.method.needs_teacher:
-            final = pad_packed(final_packed, lengths).to(dev, torch.float32)
-            teacher = compute_teacher(final, self.lm_head, self.draft.d2t, self.teacher_chunk)
+        batch = self._assemble(pad([s.input_ids for s in samples], batch_first=True, padding_value=0),
+                               pad([s.loss_mask for s in samples], batch_first=True, padding_value=False),
+                               lengths, aux_packed, final_packed)
         if aux_packed.is_cuda:  # CUDA copies are asynchronous: finish them before the caller hands the slot back
             torch.cuda.current_stream(aux_packed.device).synchronize()
             torch.cuda.current_stream(dev).synchronize()
         if seed is not None:
             self.generator.manual_seed(seed)
-        batch = DraftBatch(input_ids, loss_mask, torch.tensor(lengths, device=dev), aux, teacher)
         return self.method.prepare_batch(self.draft.cfg, batch, self.generator)
+
+    def _assemble(self, input_ids: torch.Tensor, loss_mask: torch.Tensor, lengths: list[int], aux_packed: torch.Tensor,
+                  final_packed: torch.Tensor) -> DraftBatch:
+        """The DraftBatch of right-padded ids / masks [B, max(lengths)] and the packed states: all
+        positions, or this rank's window of them (context parallelism)."""
+        dev, T = self.device, max(lengths)
+        seq = self.shard(lengths)
+        start, length = 0, T
+        if seq is not None:
+            start, length = seq.start, seq.length
+            input_ids, loss_mask = (F.pad(t, (0, seq.padded_length - T)) for t in (input_ids, loss_mask))
+        aux = pad_packed(aux_packed, lengths, start, length).to(dev, torch.float32)
+        teacher = None
+        if self.method.needs_teacher:  # the window and the `depth` positions its shifts read
+            halo = min(self.depth, seq.padded_length - start - length) if seq is not None else 0
+            final = pad_packed(final_packed, lengths, start, length + halo).to(dev, torch.float32)
+            teacher = compute_teacher(final, self.lm_head, self.draft.d2t, self.teacher_chunk)
+        return DraftBatch(input_ids.to(dev), loss_mask.to(dev), torch.tensor(lengths, device=dev), aux, teacher,
+                          seq=seq)
+
+    def shard(self, lengths: list[int]) -> SeqShard | None:
+        """This rank's window of a batch of sequences of `lengths` (None: no context parallelism)."""
+        r = self.ranks
+        return shard_of(lengths, r.cp_group, r.cp_rank, r.cp) if r.cp > 1 else None
 
     def empty_batch(self) -> DraftBatch:
         """One position, no loss position: a sharded rank's stand-in for a batch it has no share of."""
-        dev, ht = self.device, self.draft.cfg.target_hidden_size
-        final = torch.zeros(1, 1, ht, device=dev)
-        aux = torch.zeros(1, 1, self.aux_width, device=dev)  # what the stream brings
-        teacher = (compute_teacher(final, self.lm_head, self.draft.d2t, self.teacher_chunk)
-                   if self.method.needs_teacher else None)
-        batch = DraftBatch(torch.zeros(1, 1, dtype=torch.int64, device=dev),
-                           torch.zeros(1, 1, dtype=torch.bool, device=dev), torch.ones(1, dtype=torch.int64, device=dev),
-                           aux, teacher)
+        ht = self.draft.cfg.target_hidden_size
+        batch = self._assemble(torch.zeros(1, 1, dtype=torch.int64), torch.zeros(1, 1, dtype=torch.bool), [1],
+                               torch.zeros(1, self.aux_width), torch.zeros(1, ht))  # what the stream brings
         return self.method.prepare_batch(self.draft.cfg, batch, torch.Generator().manual_seed(0))  # draws nothing counted
 
     def _loss(self, batch: DraftBatch, normalizer: torch.Tensor | None = None) -> TTTResult:

@@ -109,7 +109,7 @@ class Trainer:
         self.device = torch.device("cuda", job.hw.trainer_gpu) if job.hw.device == "cuda" else torch.device("cpu")
         # The schedule is over GLOBAL batches (train.batch_size per rank x ranks); rank r trains on slice r of each.
         self.schedule, self.steps = build_schedule(
-            len(setup.data.train), len(setup.data.heldout), batch_size=tr.batch_size * ranks.world,
+            len(setup.data.train), len(setup.data.heldout), batch_size=tr.batch_size * ranks.world // ranks.cp,
             grad_accum=tr.grad_accum, epochs=tr.epochs, max_steps=tr.max_steps, eval_every=tr.eval_every, seed=tr.seed,
             lengths=[len(s.input_ids) for s in setup.data.train] if tr.group_by_length else None)
         self.learner = build_learner(job, setup, self.steps, self.device, ranks)

@@ -305,7 +305,7 @@ def test_load_checkpoint_missing_tensor_raises(tmp_path):
 
 # ------------------------------------------------------------------ 9. what a resume must match
 def _fingerprint(ranks: int = 1, batch_size: int = 4, layout: str = "dedicated", regenerate: bool = False,
-                 regen_cut: str = "keep", method: str = "eagle3") -> dict:
+                 regen_cut: str = "keep", method: str = "eagle3", context_parallel: int = 1) -> dict:
     """run_fingerprint of a small stand-in setup: ranks x batch_size trainer ranks."""
     import dataclasses
     from types import SimpleNamespace
@@ -319,7 +319,7 @@ def _fingerprint(ranks: int = 1, batch_size: int = 4, layout: str = "dedicated",
 
     job = JobConfig()
     job = dataclasses.replace(job, train=dataclasses.replace(job.train, batch_size=batch_size),
-                              hw=dataclasses.replace(job.hw, trainer_layout=layout),
+                              hw=dataclasses.replace(job.hw, trainer_layout=layout, context_parallel=context_parallel),
                               data=dataclasses.replace(job.data, regen_cut=regen_cut))
     sample = Sample(torch.arange(6), torch.ones(6, dtype=torch.bool))
     setup = SimpleNamespace(info=SimpleNamespace(architecture="LlamaForCausalLM", num_layers=4, hidden_size=H,
@@ -333,7 +333,8 @@ def _fingerprint(ranks: int = 1, batch_size: int = 4, layout: str = "dedicated",
 def _older(fingerprint: dict) -> dict:
     """As checkpoints recorded it before: trainer ranks and layout only with several ranks (the
     layout only when co-located), no regen_cut, no draft method."""
-    old = {k: v for k, v in fingerprint.items() if k not in ("trainer_ranks", "trainer_layout", "regen_cut", "draft_method")}
+    old = {k: v for k, v in fingerprint.items()
+           if k not in ("trainer_ranks", "trainer_layout", "regen_cut", "draft_method", "context_parallel")}
     if fingerprint["trainer_ranks"] > 1:
         old["trainer_ranks"] = fingerprint["trainer_ranks"]
         if fingerprint["trainer_layout"] == "colocated":
@@ -362,12 +363,18 @@ def test_resume_onto_other_ranks_needs_the_same_global_batch():
             check_fingerprint(saved, now, Path("ckpt"))
     # what a one-rank resume of a two-rank checkpoint with the same per-rank batch used to accept
     message = _refusal(_older(_fingerprint(ranks=2, batch_size=1)), _fingerprint(ranks=1, batch_size=1))
-    assert "global batch (train.batch_size x trainer ranks): checkpoint 1 x 2 vs now 1 x 1" in message
+    assert "global batch (train.batch_size x trainer ranks / hw.context_parallel): checkpoint 1 x 2 / 1 vs now 1 x 1 / 1" in message
     assert "resume on 1 rank(s) with train.batch_size=2" in message
     # an old checkpoint without trainer_ranks is one rank, not whatever resumes it
     message = _refusal(_older(_fingerprint(ranks=1, batch_size=2)), _fingerprint(ranks=2, batch_size=2))
-    assert "checkpoint 2 x 1 vs now 2 x 2" in message and "train.batch_size=1" in message
+    assert "checkpoint 2 x 1 / 1 vs now 2 x 2 / 1" in message and "train.batch_size=1" in message
     assert "a number of ranks that divides 3" in _refusal(_fingerprint(1, 3), _fingerprint(2, 1))
+    # hw.context_parallel: 4 ranks in groups of 2 x batch 1 = 2 sequences per global batch
+    split = _fingerprint(ranks=4, batch_size=1, layout="colocated", context_parallel=2)
+    for now in (_fingerprint(1, 2), _fingerprint(2, 1, "colocated"), split):
+        check_fingerprint(split, now, Path("ckpt"))
+        check_fingerprint(now, split, Path("ckpt"))
+    assert "vs now 1 x 4 / 1" in _refusal(split, _fingerprint(ranks=4, batch_size=1, layout="colocated"))
 
 
 def test_fingerprint_differences_count_on_either_side_and_include_regen_cut():

@@ -22,6 +22,7 @@ class Eagle3Method(DraftMethod):
     plan = plan
     export = export  # the serving folder's module: tensors, config, check, reload
     _units = ("fc_norm", "fc", "midlayer", "norm", "lm_head")  # fc_norm exists only with the option on
+    context_parallel = True  # train/context_parallel.py: Ulysses attention, the TTT loss cut to each rank's window
 
     def resolve_config(self, spec, target, num_aux: int = NUM_AUX) -> DraftConfig:
         """H = Ht (the draft embeds tokens with the target's frozen embedding); unset sizes follow
@@ -61,10 +62,10 @@ class Eagle3Method(DraftMethod):
 
     def loss(self, model, batch: DraftBatch, *, depth: int, decay: float, normalizer=None, checkpoint: bool = False):
         return ttt.ttt_loss(model, batch.aux_hidden, batch.input_ids, batch.loss_mask, batch.lengths, batch.teacher,
-                            depth, decay, normalizer, checkpoint=checkpoint)
+                            depth, decay, normalizer, checkpoint=checkpoint, seq=batch.seq)
 
     def loss_positions(self, batch: DraftBatch, depth: int) -> torch.Tensor:
-        return ttt.loss_positions(batch.loss_mask, batch.lengths, batch.teacher, depth)
+        return ttt.loss_positions(batch.loss_mask, batch.lengths, batch.teacher, depth, batch.seq)
 
     def serving_tensors(self, model, dtype):
         return self.export.serving_tensors(model, dtype)

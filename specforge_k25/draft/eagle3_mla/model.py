@@ -30,6 +30,7 @@ from dataclasses import dataclass, field
 
 import torch
 import torch.nn as nn
+import torch.nn.functional as F
 
 from ..model import DecoderLayer, RMSNorm
 from ..ttt_attention import ttt_attention
@@ -146,11 +147,15 @@ class MLAAttention(nn.Module):
         self.o_proj = nn.Linear(nh * dv, cfg.hidden_size, bias=False)
         self.scale = softmax_scale(cfg)
 
-    def forward(self, x: torch.Tensor, positions: torch.Tensor, past: list) -> tuple[torch.Tensor, tuple]:
+    def forward(self, x: torch.Tensor, positions: torch.Tensor, past: list,
+                seq=None) -> tuple[torch.Tensor, tuple]:
         """TTT attention for one unroll step k = len(past).
 
         x [B, T, 2H]; positions [B, T] (already offset by k); `past` holds (c_j [B, T, r],
         kpe_j [B, T, dr]) of the earlier steps. Returns (out [B, T, H], (c_k, kpe_k)).
+        With `seq` (context parallelism, train/context_parallel.py) x holds this rank's L positions;
+        the latents are gathered over all C L positions (`past` holds them so) and expanded for
+        this rank's nh/C heads only.
 
         Keys and values are expanded from every step's latent here (kv_b_proj over each step's T
         rows, cheap next to the layer's other matmuls), so a step keeps only what MLA caches; then
@@ -167,14 +172,27 @@ class MLAAttention(nn.Module):
         cos, sin = rope_cos_sin(positions, cfg, q.dtype)  # [B, 1, T, dr]
         q = torch.cat([q[..., :dn], apply_rope_interleaved(q[..., dn:], cos, sin)], -1)
         k_pe = apply_rope_interleaved(kv_a[:, None, :, r:], cos, sin)[:, 0]  # [B, T, dr]
+        if seq is not None:
+            seq.check_heads(nh, "attention heads")
+            q = seq.to_heads(q)  # [B, nh/C, C T, dn+dr]
+            latent, k_pe = seq.gather_positions(latent), seq.gather_positions(k_pe)  # [B, C T, r], [B, C T, dr]
+        heads = seq.head_slice(nh) if seq is not None else slice(0, nh)
+        n, S = heads.stop - heads.start, latent.shape[1]
+        if seq is None:
+            expand = self.kv_b_proj
+        else:  # this rank's heads' rows of kv_b_proj
+            w_b = self.kv_b_proj.weight.view(nh, dn + dv, r)[heads].reshape(-1, r)
+            expand = lambda c: F.linear(c, w_b)  # noqa: E731
 
         keys, values = [], []
         for c, p in [*past, (latent, k_pe)]:
-            kv = self.kv_b_proj(c).view(B, T, nh, dn + dv).transpose(1, 2)  # [B, nh, T, dn+dv]
-            rope_key = p[:, None].expand(B, nh, T, dr).to(kv.dtype)  # one rope key for all heads
-            keys.append(torch.cat([kv[..., :dn], rope_key], -1))  # [B, nh, T, dn+dr]
-            values.append(kv[..., dn:])  # [B, nh, T, dv]
-        out = ttt_attention(q, keys, values, self.scale)  # [B, nh, T, dv]
+            kv = expand(c).view(B, S, n, dn + dv).transpose(1, 2)  # [B, n, S, dn+dv]
+            rope_key = p[:, None].expand(B, n, S, dr).to(kv.dtype)  # one rope key for all heads
+            keys.append(torch.cat([kv[..., :dn], rope_key], -1))  # [B, n, S, dn+dr]
+            values.append(kv[..., dn:])  # [B, n, S, dv]
+        out = ttt_attention(q, keys, values, self.scale)  # [B, n, S, dv]
+        if seq is not None:
+            out = seq.to_positions(out)  # [B, nh, T, dv]
         return self.o_proj(out.transpose(1, 2).reshape(B, T, nh * dv)), (latent, k_pe)
 
 
@@ -211,10 +229,11 @@ class Eagle3MLADraft(nn.Module):
         """aux [B, T, K*Ht] -> hidden [B, T, H] (TTT step 0 input)."""
         return self.fc(aux_hidden)
 
-    def step(self, input_ids, hidden, positions, past):
+    def step(self, input_ids, hidden, positions, past, seq=None):
         """One TTT step k = len(past): input_ids [B, T], hidden [B, T, H], past [(c_j, kpe_j)] of
-        steps < k -> (pre-norm hidden [B, T, H], (c_k, kpe_k)). Pure: the caller keeps the steps."""
-        return self.midlayer(self.embed_tokens(input_ids).to(hidden.dtype), hidden, positions, past)
+        steps < k -> (pre-norm hidden [B, T, H], (c_k, kpe_k)). Pure: the caller keeps the steps.
+        seq: this rank's share of the positions (context parallelism; T = its L positions)."""
+        return self.midlayer(self.embed_tokens(input_ids).to(hidden.dtype), hidden, positions, past, seq)
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden [B, T, H] -> draft-vocab logits [B, T, Vd]."""
