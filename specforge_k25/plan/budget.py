@@ -148,8 +148,17 @@ def node_layout(hw) -> NodeLayout:
 
 def target_batch_tokens(hw, batch_size: int, max_length: int) -> int:
     """Tokens of one target batch (at most): a dedicated trainer rank's micro-batch, or under
-    colocated one micro-batch for each trainer rank of the replica (whole sequences shared out)."""
-    return batch_size * max_length * node_layout(hw).per_replica
+    colocated one micro-batch for each trainer rank of the replica (whole sequences shared out),
+    for each group of hw.context_parallel ranks with context parallelism (they share sequences)."""
+    return batch_size * max_length * node_layout(hw).per_replica // max(1, hw.context_parallel)
+
+
+def trainer_seq_len(hw, max_length: int, depth: int) -> int:
+    """Positions of a sequence one trainer rank computes on: all of them, or with hw.context_parallel
+    = C its window of ceil(T / C) plus the `depth` after it that its teacher reads (an upper bound:
+    the last window has none)."""
+    cp = max(1, hw.context_parallel)
+    return max_length if cp == 1 else -(-max_length // cp) + depth
 
 
 def kv_pool_tokens(hw, batch_size: int, max_length: int) -> int:
@@ -184,7 +193,7 @@ def plan_memory(job, facts: TargetFacts, *, max_length: int | None = None, batch
     layout = node_layout(hw)
     groups, trainers = layout.groups, list(layout.trainer_gpus)
     ranks, coloc = len(trainers), layout.colocated
-    tokens_per_step = B * L * tr.grad_accum * ranks
+    tokens_per_step = B * L * tr.grad_accum * ranks // max(1, hw.context_parallel)
     batch_tokens = target_batch_tokens(hw, B, L)
     kv_tokens = kv_pool_tokens(hw, B, L)
     ctx = int(hw.cuda_context_gib * GiB) if hw.device == "cuda" else 0
@@ -192,12 +201,17 @@ def plan_memory(job, facts: TargetFacts, *, max_length: int | None = None, batch
     # colocated: AdamW lives sharded on the GPUs (the layout's point), so train.optimizer_device does not apply
     opt_dev = None if coloc else optimizer_device(tr.optimizer_device, hw.device, trainers)
     depth = method.depth(cfg, tr.ttt_length)  # TTT steps, or a block's positions
-    t_items = trainer_items(cfg, batch=B, seq_len=L, ttt_length=depth, teacher_chunk=tr.teacher_chunk,
+    t_items = trainer_items(cfg, batch=B, seq_len=trainer_seq_len(hw, L, depth), ttt_length=depth, teacher_chunk=tr.teacher_chunk,
                             bf16=bf16, data_parallel=ranks > 1, context_bytes=ctx, frozen_bytes=elem,
                             checkpoint=tr.activation_checkpointing, optimizer_offloaded=opt_dev is not None,
                             shards=ranks if coloc else 1, method=method)
     P = trainable_params(cfg, method)
     notes = [_host_optimizer_note(P, ranks)] if opt_dev == "cpu" else []
+    if hw.context_parallel > 1:
+        notes.append(f"hw.context_parallel={hw.context_parallel}: each sequence split over {hw.context_parallel} "
+                     f"co-located ranks, each computing on {trainer_seq_len(hw, L, depth)} of its {L} positions "
+                     f"(window + teacher halo, what its ring carries; Ulysses attention over 1/{hw.context_parallel} of "
+                     f"the heads)")
     if coloc:
         notes.append(f"hw.trainer_layout=colocated: {ranks} "
                      f"trainer ranks, one beside each TP rank, the draft state sharded 1/{ranks} each (FSDP2), "
@@ -210,8 +224,9 @@ def plan_memory(job, facts: TargetFacts, *, max_length: int | None = None, batch
 
     problems = _layout_problems(hw, facts, layout, opt_dev)
     target_items = _target_items(hw, facts, batch_tokens, kv_tokens, ctx, num_aux)
-    ring = Item("stream ring slots (aux + final)", tr.stream_slots * B * L * (num_aux + 1) * facts.hidden_size * elem,
-                owner="stream", note=f"{tr.stream_slots} x {B * L} tokens x {num_aux + 1}Ht x {elem} B")
+    carried = B * trainer_seq_len(hw, L, depth)  # context parallelism: each rank's window rows only
+    ring = Item("stream ring slots (aux + final)", tr.stream_slots * carried * (num_aux + 1) * facts.hidden_size * elem,
+                owner="stream", note=f"{tr.stream_slots} x {carried} tokens x {num_aux + 1}Ht x {elem} B")
     budgets, preloaded = _place_items(hw, ring, layout, target_items, t_items, opt_dev, P, ctx)
     capacity = hw.gpu_memory_mib * MiB
     frac = frac_min = free_before_load = None
@@ -242,7 +257,8 @@ def plan_memory(job, facts: TargetFacts, *, max_length: int | None = None, batch
                 problems.append(f"GPU {b.gpu} ({b.role}) needs {gib(b.total())} of {gib(capacity)} "
                                 f"(peak phase: {b.peak_phase() or '-'})")
     problems += length_problems(facts, L)
-    notes.append(activation_note(cfg, B, L, depth, bf16, tr.activation_checkpointing, method))
+    notes.append(activation_note(cfg, B, trainer_seq_len(hw, L, depth), depth, bf16, tr.activation_checkpointing,
+                                 method))
     notes += kernel_notes(hw, facts)
     if not coloc and (ranks > 1 or hw.target_replicas > 1):
         notes.append(f"data-parallel: launch with torchrun --nproc-per-node {hw.target_replicas} (one trainer rank "

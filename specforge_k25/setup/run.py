@@ -18,6 +18,7 @@ from ..draft.vocab import build_vocab_maps, count_tokens
 from ..plan import check_fits, facts_from_folder, resolve_draft, with_hw_overrides
 from ..plan.pipeline import check_pipeline_fits
 from ..plan.budget import kv_pool_tokens
+from ..stream.ring import SeqWindow
 from ..stream.target_stream import TargetStream
 from ..target_engine.base import TargetInfo
 from ..target_engine.factory import TargetSpec, check_tp_layout
@@ -269,6 +270,14 @@ def target_spec(job: JobConfig, engine: str = "sglang", tokenizer=None) -> Targe
     return spec
 
 
+def context_window(job: JobConfig, setup: RunSetup, ranks) -> SeqWindow | None:
+    """What this co-located rank's TP rank writes of each sequence under context parallelism: its
+    window and the teacher's halo of the method's depth (train/step.py reads the same)."""
+    if job.hw.context_parallel == 1:
+        return None
+    return SeqWindow(ranks.cp_rank, ranks.cp, setup.method.depth(setup.draft_cfg, job.train.ttt_length))
+
+
 def make_target_stream(job: JobConfig, setup: RunSetup, samples, batches: list[list[int]],
                        engine: str = "sglang", keep: list[list[int]] | None = None, ranks=None,
                        before: list[list[int]] = (), routes: list[list[list[int]]] | None = None) -> TargetStream:
@@ -290,7 +299,8 @@ def make_target_stream(job: JobConfig, setup: RunSetup, samples, batches: list[l
                           dtype=getattr(torch, job.hw.target_dtype),
                           device="cpu" if job.hw.device == "cpu" else f"cuda:{gpu}",
                           tp_rank=ranks.replica_rank if colocated else None, keep=keep if colocated else None,
-                          before=before, routes=routes if colocated and spec.pp_size > 1 else None)
+                          before=before, routes=routes if colocated and spec.pp_size > 1 else None,
+                          window=context_window(job, setup, ranks) if colocated else None)
     if colocated:
         port = stream.open_rendezvous() if ranks.replica_rank == 0 else None
         ports = ranks.gather(port)  # every rank takes part

@@ -26,6 +26,25 @@ class SlotMessage:
     prompt_lengths: list[int] | None = None  # regeneration: each sequence's prompt; the rest is the target's answer
 
 
+@dataclass(frozen=True)
+class SeqWindow:
+    """Context parallelism (hw.context_parallel): the positions of each sequence a co-located TP
+    rank writes for its trainer rank, `rank` of a group of `size` sharing the same sequences. The
+    padded sequences split into `size` windows of L = ceil(longest / size) positions; rank c's is
+    [c L, (c+1) L) plus the `halo` positions after it (what its teacher's shifts read). A slot then
+    holds each sequence's window rows only, `lengths` their counts (0 past a sequence's end)."""
+
+    rank: int
+    size: int
+    halo: int
+
+    def spans(self, lengths: list[int]) -> list[tuple[int, int]]:
+        """(first, end) rows of each sequence of a batch of `lengths`."""
+        window = max(1, -(-max(lengths) // self.size))
+        start = self.rank * window
+        return [(min(start, n), min(n, start + window + self.halo)) for n in lengths]
+
+
 @dataclass
 class EndOfStream:
     produced: int

@@ -26,7 +26,7 @@ import torch
 from ..target_engine.factory import TargetSpec, build_target
 from ..target_engine.sampling import generation_slots, kv_slots
 from .pipeline_shares import StageShares
-from .ring import EndOfStream, ProducerFailed, SlotRing
+from .ring import EndOfStream, ProducerFailed, SeqWindow, SlotRing
 
 
 # Signals that reach a whole process group: Ctrl-C (SIGINT) and SIGTERM from torchrun (it signals
@@ -51,29 +51,32 @@ def bind_to_trainer() -> None:
 
 
 def put_share(ring: SlotRing, index: int, out, keep: list[int] | None, ids: torch.Tensor | None,
-               prompt_lengths: list[int] | None) -> None:
-    """Message `index` of the ring: the sequences of a forward's output at positions `keep` (None: all)."""
+               prompt_lengths: list[int] | None, window: SeqWindow | None = None) -> None:
+    """Message `index` of the ring: the sequences of a forward's output at positions `keep` (None: all),
+    with `window` (context parallelism) only its rows of each of them."""
     if keep is None:
         ring.put(index, out.aux_hidden, out.final_hidden, out.lengths, ids, prompt_lengths)
         return
     starts = [0]
     for n in out.lengths:
         starts.append(starts[-1] + n)
+    lengths = [out.lengths[p] for p in keep]
+    spans = window.spans(lengths) if window is not None else [(0, n) for n in lengths]
 
     def rows(t):
-        return torch.cat([t[starts[p]:starts[p + 1]] for p in keep])
+        return torch.cat([t[starts[p] + a:starts[p] + b] for p, (a, b) in zip(keep, spans)])
 
-    ring.put(index, rows(out.aux_hidden), rows(out.final_hidden), [out.lengths[p] for p in keep],
+    ring.put(index, rows(out.aux_hidden), rows(out.final_hidden), [b - a for a, b in spans],
              rows(ids) if ids is not None else None,
              [prompt_lengths[p] for p in keep] if prompt_lengths is not None else None)
 
 
 def run_producer(spec: TargetSpec, tokens: torch.Tensor, offsets: torch.Tensor, batches: list,
                    ring: SlotRing | None, parent_pid: int, keep: list | None = None, before: list = (),
-                   routes: list | None = None, rank: int = 0, report=None):
+                   routes: list | None = None, rank: int = 0, report=None, window: SeqWindow | None = None):
     """Entry point of the target process of TP rank 0, and of every rank of a pipeline-parallel target.
     tokens: all sequences concatenated; offsets [N+1]. keep: per batch, the positions its ring
-    carries (co-located; None: every sequence). before: the batches a resumed run already trained
+    carries (co-located; None: every sequence), `window` its rows of each (context parallelism). before: the batches a resumed run already trained
     on, not run again; regenerating, they place the remaining prompts in the groups an
     uninterrupted run decodes them in (`regeneration_groups`).
     A pipeline-parallel target (spec.pp_size > 1): every rank (world rank `rank`) walks the same
@@ -121,7 +124,7 @@ def run_producer(spec: TargetSpec, tokens: torch.Tensor, offsets: torch.Tensor, 
             if route is not None:
                 route.deliver(item, seqs, out)
             elif ring is not None and (keep is None or keep[item]):
-                put_share(ring, sent, out, keep[item] if keep is not None else None, ids, prompt_lengths)
+                put_share(ring, sent, out, keep[item] if keep is not None else None, ids, prompt_lengths, window)
                 sent += 1
         if broadcasts:
             stage = "end of the batches (telling the other TP ranks)"
@@ -260,7 +263,7 @@ def run_tp_rank(spec: TargetSpec, tp_rank: int, report, parent_pid: int, ring: S
     forwards as rank 0, batch by batch as rank 0 broadcasts them, until rank 0 says the batches are
     done. Its outputs are dropped (rank 0 holds the full hidden states), unless it feeds a
     co-located trainer rank: then `ring` gets its share of each batch, `shares` = (prompt lengths of
-    every sample, the batches, keep). A failure goes to `report` (the trainer's ready queue on the
+    every sample, the batches, keep, the SeqWindow of context parallelism or None). A failure goes to `report` (the trainer's ready queue on the
     trainer's node; None elsewhere: the traceback and exit code tell)."""
     bind_to_trainer()
     if os.getppid() != parent_pid:
@@ -287,10 +290,10 @@ def run_tp_rank(spec: TargetSpec, tp_rank: int, report, parent_pid: int, ring: S
                 continue
             out = target.forward(seqs)
             if ring is not None and shares[2][item]:
-                prompt_len, batches, keep = shares
+                prompt_len, batches, keep, window = shares
                 regen = spec.regeneration is not None
                 put_share(ring, sent, out, keep[item], torch.cat(seqs) if regen else None,
-                           [prompt_len[i] for i in batches[item]] if regen else None)
+                           [prompt_len[i] for i in batches[item]] if regen else None, window)
                 sent += 1
             item += 1
         target.close()

@@ -33,7 +33,7 @@ import psutil
 import torch
 
 from ..target_engine.factory import TargetSpec, check_tp_layout
-from .ring import EndOfStream, ProducerFailed, SlotMessage, SlotRing
+from .ring import EndOfStream, ProducerFailed, SeqWindow, SlotMessage, SlotRing
 from .target_process import GROUP_SIGNALS, run_producer, run_tp_rank, sequence_room
 
 
@@ -163,16 +163,18 @@ class TargetStream:
                  hidden_size: int, slots: int = 3, timeout_s: float = 600.0, start_timeout_s: float = 3600.0,
                  poll_s: float = 1.0, dtype: torch.dtype = torch.float32, device: str = "cpu",
                  tp_rank: int | None = None, keep: list[list[int]] | None = None, before: list[list[int]] = (),
-                 routes: list[list[list[int]]] | None = None):
+                 routes: list[list[list[int]]] | None = None, window: SeqWindow | None = None):
         """tp_rank (co-located): start only this TP rank, which fills this stream's ring with the
         positions `keep[i]` of batch i (batches with none send nothing); the TP group meets at
         `open_rendezvous()` of the stream holding TP rank 0 (`join_rendezvous(port)` elsewhere).
         before (a resume that regenerates): the batches run before `batches`, which place the
         remaining prompts in the regeneration groups of an uninterrupted run (target_process.py).
         routes (co-located beside a pipeline's stages): per batch, every rank's positions (`keep` is
-        this rank's); the last stage sends each rank its share (stream/pipeline_shares.py)."""
+        this rank's); the last stage sends each rank its share (stream/pipeline_shares.py).
+        window (co-located, context parallelism): this rank's rows of each kept sequence only (the
+        slots are sized for them)."""
         self.spec, self.batches, self.poll_s, self.before = spec, batches, poll_s, list(before)
-        self.tp_rank, self.keep, self.routes = tp_rank, keep, routes
+        self.tp_rank, self.keep, self.routes, self.window = tp_rank, keep, routes, window
         # the rank that fills this ring: co-located, this stream's TP rank; dedicated, the one holding
         # the whole states (TP rank 0; a pipeline's last stage's TP rank 0)
         self.producer_rank = tp_rank if tp_rank is not None else spec.tp_size * (spec.pp_size - 1)
@@ -184,7 +186,10 @@ class TargetStream:
         self.tokens = torch.cat(sequences) if sequences else torch.zeros(0, dtype=torch.int64)
         room = [sequence_room(spec, int(n)) for n in lengths]  # regeneration: prompt + its answer budget
         carried = [b if keep is None else [b[p] for p in k] for b, k in zip(batches, keep or batches)]
-        max_tokens = max((sum(room[i] for i in b) for b in carried), default=1)
+        if window is not None:
+            max_tokens = max((sum(e - a for a, e in window.spans([room[i] for i in b])) for b in carried if b), default=1)
+        else:
+            max_tokens = max((sum(room[i] for i in b) for b in carried), default=1)
         self.prompt_lengths = lengths.tolist()
         self.ctx = torch.multiprocessing.get_context("spawn")
         self.ring = SlotRing(self.ctx, slots, max_tokens, hidden_size, dtype, device, num_aux=spec.num_aux)
@@ -238,12 +243,12 @@ class TargetStream:
                 process = self.ctx.Process(
                     target=run_producer, args=(spec, self.tokens, self.offsets, self.batches, self.ring, os.getpid(),
                                                  self.keep, self.before, self.routes),
-                    name="specforge-target", daemon=True)
+                    kwargs={"window": self.window}, name="specforge-target", daemon=True)
                 self.process = process
             elif self.tp_rank is not None:  # co-located: this rank fills the ring too
                 process = self.ctx.Process(
                     target=run_tp_rank, args=(spec, rank, self.ring.ready, os.getpid(), self.ring,
-                                                (self.prompt_lengths, self.batches, self.keep)),
+                                                (self.prompt_lengths, self.batches, self.keep, self.window)),
                     name=f"specforge-target-{self._rank_name(rank)}", daemon=True)
                 self.process = process
             else:

@@ -4,7 +4,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from ..config import JobConfig
-from ..plan.budget import node_layout
+from ..plan.budget import node_layout, trainer_seq_len
 from ..setup.run import RunSetup
 from .schedule import BatchItem, padding_share
 
@@ -26,6 +26,7 @@ def print_overview(job: JobConfig, setup: RunSetup, schedule: list[BatchItem], s
     train_tokens = sum(len(setup.data.train[i].input_ids) for p in train_items for i in p.sample_ids
                        if i < len(setup.data.train))
     H = setup.info.hidden_size
+    depth = setup.method.depth(setup.draft_cfg, job.train.ttt_length)
     lines = [
         "== specforge_k25 run plan ==",
         f"target      {job.target.name}: {setup.info.architecture}, {setup.info.num_layers} layers, hidden {H}, "
@@ -40,13 +41,20 @@ def print_overview(job: JobConfig, setup: RunSetup, schedule: list[BatchItem], s
         f"schedule    {steps} optimizer steps = {len(train_items)} micro-batches of {job.train.batch_size} "
         f"x accum {job.train.grad_accum}, {train_tokens} tokens, "
         f"{padding_share(schedule, [len(s.input_ids) for s in setup.data.train], job.train.batch_size):.0%} padding"
-        f"{' (grouped by length)' if job.train.group_by_length and job.train.batch_size * world > 1 else ''}; depth {setup.method.depth(setup.draft_cfg, job.train.ttt_length)}; lr {job.train.lr}",
+        f"{' (grouped by length)' if job.train.group_by_length and job.train.batch_size * world > 1 else ''}; depth {depth}; lr {job.train.lr}",
         f"stream      {job.train.stream_slots} shared-memory slots of up to "
-        f"{job.train.batch_size * job.data.max_length} tokens x {(setup.method.num_aux(setup.draft_cfg) + 1) * H} floats",
+        f"{job.train.batch_size * trainer_seq_len(job.hw, job.data.max_length, depth)} tokens x "
+        f"{(setup.method.num_aux(setup.draft_cfg) + 1) * H} floats",
         f"outputs     {run_dir}",
     ]
     layout = node_layout(job.hw)
-    if world > 1 and layout.colocated:
+    cp = job.hw.context_parallel
+    if world > 1 and layout.colocated and cp > 1:
+        lines.insert(-2, f"ranks       {world} co-located trainer ranks, one beside each TP rank of {world // layout.per_replica} "
+                         f"replica(s), in {world // cp} group(s) of {cp} that split every sequence's positions "
+                         f"(hw.context_parallel; Ulysses attention); global batch {world // cp} x {job.train.batch_size} "
+                         f"samples, shared out to the groups balanced by tokens; draft sharded {world} ways (FSDP2)")
+    elif world > 1 and layout.colocated:
         tp = layout.per_replica
         beside = f"each of the {layout.pp} pipeline stages' TP ranks" if layout.pp > 1 else "each TP rank"
         lines.insert(-2, f"ranks       {world} co-located trainer ranks, one beside {beside} of {world // tp} "

@@ -8,6 +8,7 @@ import torch.nn.functional as F
 
 from ..draft.loss import TTTResult, compute_teacher
 from ..draft.method import DraftBatch, DraftMethod, draft_state
+from ..stream.ring import SeqWindow
 from .context_parallel import SeqShard, shard_of
 from .distributed import Ranks
 from .metrics import TTTStats
@@ -86,15 +87,24 @@ class DraftLearner:
                    seed: int | None = None) -> DraftBatch:
         """samples: the `Sample`s of the batch, in stream order; the packed tensors may be views
         into shared memory: everything kept is copied, so the slot can be released afterwards.
-        seed: reseeds the generator the method draws from (`batch_seed`); None draws on from its state."""
+        seed: reseeds the generator the method draws from (`batch_seed`); None draws on from its state.
+        With context parallelism the packed tensors hold each sequence's SeqWindow rows only
+        (stream/ring.py), `lengths` their counts; the sequences' own lengths are the samples'."""
         dev = self.device
         if aux_packed.shape[-1] != self.aux_width:
             raise ValueError(f"the stream's aux states are {aux_packed.shape[-1]} wide, the draft reads "
                              f"{self.aux_width} (target.aux_layers and the draft disagree on K)")
         pad = torch.nn.utils.rnn.pad_sequence
+        rows = lengths
+        if self.ranks.cp > 1:
+            lengths = [len(s.input_ids) for s in samples]
+            expected = [e - a for a, e in self.window().spans(lengths)]
+            if list(rows) != expected:  # the target wrote another window than this rank computes on
+                raise ValueError(f"context parallelism: the stream carries {list(rows)} rows of the sequences "
+                                 f"(lengths {lengths}), rank {self.ranks.cp_rank} of {self.ranks.cp} expects {expected}")
         batch = self._assemble(pad([s.input_ids for s in samples], batch_first=True, padding_value=0),
                                pad([s.loss_mask for s in samples], batch_first=True, padding_value=False),
-                               lengths, aux_packed, final_packed)
+                               lengths, aux_packed, final_packed, rows)
         if aux_packed.is_cuda:  # CUDA copies are asynchronous: finish them before the caller hands the slot back
             torch.cuda.current_stream(aux_packed.device).synchronize()
             torch.cuda.current_stream(dev).synchronize()
@@ -103,20 +113,19 @@ class DraftLearner:
         return self.method.prepare_batch(self.draft.cfg, batch, self.generator)
 
     def _assemble(self, input_ids: torch.Tensor, loss_mask: torch.Tensor, lengths: list[int], aux_packed: torch.Tensor,
-                  final_packed: torch.Tensor) -> DraftBatch:
-        """The DraftBatch of right-padded ids / masks [B, max(lengths)] and the packed states: all
-        positions, or this rank's window of them (context parallelism)."""
+                  final_packed: torch.Tensor, rows: list[int]) -> DraftBatch:
+        """The DraftBatch of right-padded ids / masks [B, max(lengths)] and the packed states (`rows`
+        per sequence: all positions, or with context parallelism this rank's window and its halo)."""
         dev, T = self.device, max(lengths)
         seq = self.shard(lengths)
-        start, length = 0, T
-        if seq is not None:
-            start, length = seq.start, seq.length
+        length, halo = T, 0
+        if seq is not None:  # the packed rows start at the window
+            length, halo = seq.length, min(self.depth, seq.padded_length - seq.start - seq.length)
             input_ids, loss_mask = (F.pad(t, (0, seq.padded_length - T)) for t in (input_ids, loss_mask))
-        aux = pad_packed(aux_packed, lengths, start, length).to(dev, torch.float32)
+        aux = pad_packed(aux_packed, rows, 0, length).to(dev, torch.float32)
         teacher = None
         if self.method.needs_teacher:  # the window and the `depth` positions its shifts read
-            halo = min(self.depth, seq.padded_length - start - length) if seq is not None else 0
-            final = pad_packed(final_packed, lengths, start, length + halo).to(dev, torch.float32)
+            final = pad_packed(final_packed, rows, 0, length + halo).to(dev, torch.float32)
             teacher = compute_teacher(final, self.lm_head, self.draft.d2t, self.teacher_chunk)
         return DraftBatch(input_ids.to(dev), loss_mask.to(dev), torch.tensor(lengths, device=dev), aux, teacher,
                           seq=seq)
@@ -126,11 +135,16 @@ class DraftLearner:
         r = self.ranks
         return shard_of(lengths, r.cp_group, r.cp_rank, r.cp) if r.cp > 1 else None
 
+    def window(self) -> SeqWindow:
+        """The rows of each sequence this rank's stream carries under context parallelism."""
+        return SeqWindow(self.ranks.cp_rank, self.ranks.cp, self.depth)
+
     def empty_batch(self) -> DraftBatch:
         """One position, no loss position: a sharded rank's stand-in for a batch it has no share of."""
         ht = self.draft.cfg.target_hidden_size
+        rows = [e - a for a, e in self.window().spans([1])] if self.ranks.cp > 1 else [1]
         batch = self._assemble(torch.zeros(1, 1, dtype=torch.int64), torch.zeros(1, 1, dtype=torch.bool), [1],
-                               torch.zeros(1, self.aux_width), torch.zeros(1, ht))  # what the stream brings
+                               torch.zeros(sum(rows), self.aux_width), torch.zeros(sum(rows), ht), rows)
         return self.method.prepare_batch(self.draft.cfg, batch, torch.Generator().manual_seed(0))  # draws nothing counted
 
     def _loss(self, batch: DraftBatch, normalizer: torch.Tensor | None = None) -> TTTResult:
