@@ -20,7 +20,7 @@ from dataclasses import replace
 from ..config import compose_job
 from . import (PHASE_OPT, PHASE_TEACHER, PHASE_TTT, GiB, MemoryPlan, PlanError, check_fits, draft_param_counts,
                plan_memory, target_facts_for, with_hw_overrides)
-from .budget import LAYOUTS, length_binding, longest_fitting_length, node_layout
+from .budget import LAYOUTS, context_parallel, length_binding, longest_fitting_length, node_layout, with_layout
 from .throughput import PARTS, compare_methods, predict_layouts
 
 
@@ -112,7 +112,7 @@ def render(job, plan: MemoryPlan) -> None:
                       f"{plan.mem_fraction_min:.4f} + hw.kv_pool_margin_gib={hw.kv_pool_margin_gib}; configured "
                       f"hw.mem_fraction_static={hw.mem_fraction_static}); "
                       f"KV pool {plan.kv_pool_tokens} tokens (hw.max_total_tokens={hw.max_total_tokens})")
-    split = f" / context_parallel {hw.context_parallel}" if hw.context_parallel > 1 else ""
+    split = f" / context_parallel {hw.context_parallel}" if context_parallel(hw) > 1 else ""
     console.print(f"tokens per optimizer step: {plan.tokens_per_step:,} = batch {job.train.batch_size} x max_length "
                   f"{job.data.max_length} x grad_accum {job.train.grad_accum} x {len(node_layout(hw).trainer_gpus)} "
                   f"trainer rank(s){split} (upper bound: shorter samples give fewer)")
@@ -193,7 +193,7 @@ def render_throughput(job, facts) -> None:
                   f"and the trainer's FLOPs only, at hw.target_efficiency / hw.trainer_efficiency)")
     for name, t in layouts.items():
         g, part = t.bottleneck
-        verdict = _memory_verdict(replace(job, hw=replace(job.hw, trainer_layout=name)), facts)
+        verdict = _memory_verdict(replace(job, hw=with_layout(job.hw, name)), facts)
         console.print(f"{name}: [bold]{t.tokens_per_s:,.0f} tokens/s[/bold] per node ({t.replicas} replica(s)); "
                       f"bottleneck GPU {g.gpu} ({part}); balanced bound {t.balanced_tokens_per_s:,.0f} tokens/s, "
                       f"{t.of_bound:.2f} of it; memory: {escape(verdict)}")

@@ -150,14 +150,46 @@ def target_batch_tokens(hw, batch_size: int, max_length: int) -> int:
     """Tokens of one target batch (at most): a dedicated trainer rank's micro-batch, or under
     colocated one micro-batch for each trainer rank of the replica (whole sequences shared out),
     for each group of hw.context_parallel ranks with context parallelism (they share sequences)."""
-    return batch_size * max_length * node_layout(hw).per_replica // max(1, hw.context_parallel)
+    return batch_size * max_length * node_layout(hw).per_replica // context_parallel(hw)
+
+
+def context_parallel(hw) -> int:
+    """The ranks that split a sequence: hw.context_parallel, co-located only (the plan's dedicated
+    variant of a co-located job has none)."""
+    return max(1, hw.context_parallel) if node_layout(hw).colocated else 1
+
+
+def with_layout(hw, layout: str):
+    """hw with hw.trainer_layout=`layout` for comparing layouts; context parallelism only where it
+    applies (co-located: a dedicated rank reads whole sequences)."""
+    return replace(hw, trainer_layout=layout, context_parallel=hw.context_parallel if layout == "colocated" else 1)
+
+
+def context_parallel_problems(hw, layout: NodeLayout) -> list[str]:
+    """hw.context_parallel: groups of co-located trainer ranks of one replica, each splitting its
+    sequences' positions (train/context_parallel.py)."""
+    cp = hw.context_parallel
+    if cp < 1:
+        return [f"hw.context_parallel={cp}: need at least 1 (1 = whole sequences per rank)"]
+    if cp == 1:
+        return []
+    if not layout.colocated:
+        return [f"hw.context_parallel={cp} splits a sequence over co-located trainer ranks: set "
+                f"hw.trainer_layout=colocated (a dedicated rank reads a replica of its own)"]
+    if layout.pp > 1:
+        return [f"hw.context_parallel={cp} with hw.target_pp={layout.pp}: not built for pipeline stages yet (their "
+                f"ranks get whole sequences from the last stage); use hw.target_pp=1"]
+    if layout.per_replica % cp:
+        return [f"hw.context_parallel={cp} does not divide the {layout.per_replica} co-located trainer ranks of a "
+                f"replica (hw.target_tp={hw.target_tp}): use a divisor of {layout.per_replica}"]
+    return []
 
 
 def trainer_seq_len(hw, max_length: int, depth: int) -> int:
     """Positions of a sequence one trainer rank computes on: all of them, or with hw.context_parallel
     = C its window of ceil(T / C) plus the `depth` after it that its teacher reads (an upper bound:
     the last window has none)."""
-    cp = max(1, hw.context_parallel)
+    cp = context_parallel(hw)
     return max_length if cp == 1 else -(-max_length // cp) + depth
 
 
@@ -193,7 +225,7 @@ def plan_memory(job, facts: TargetFacts, *, max_length: int | None = None, batch
     layout = node_layout(hw)
     groups, trainers = layout.groups, list(layout.trainer_gpus)
     ranks, coloc = len(trainers), layout.colocated
-    tokens_per_step = B * L * tr.grad_accum * ranks // max(1, hw.context_parallel)
+    tokens_per_step = B * L * tr.grad_accum * ranks // context_parallel(hw)
     batch_tokens = target_batch_tokens(hw, B, L)
     kv_tokens = kv_pool_tokens(hw, B, L)
     ctx = int(hw.cuda_context_gib * GiB) if hw.device == "cuda" else 0
@@ -207,7 +239,7 @@ def plan_memory(job, facts: TargetFacts, *, max_length: int | None = None, batch
                             shards=ranks if coloc else 1, method=method)
     P = trainable_params(cfg, method)
     notes = [_host_optimizer_note(P, ranks)] if opt_dev == "cpu" else []
-    if hw.context_parallel > 1:
+    if context_parallel(hw) > 1:
         notes.append(f"hw.context_parallel={hw.context_parallel}: each sequence split over {hw.context_parallel} "
                      f"co-located ranks, each computing on {trainer_seq_len(hw, L, depth)} of its {L} positions "
                      f"(window + teacher halo, what its ring carries; Ulysses attention over 1/{hw.context_parallel} of "
@@ -287,7 +319,7 @@ def _host_optimizer_note(P: int, ranks: int) -> str:
 
 def _layout_problems(hw, facts: TargetFacts, layout: NodeLayout, opt_dev) -> list[str]:
     """What no size override can fix: unknown sizes, GPUs that do not exist or overlap."""
-    problems = []
+    problems = list(context_parallel_problems(hw, layout))
     groups, trainers = layout.groups, list(layout.trainer_gpus)
     ranks = len(trainers)
     if layout.colocated and hw.target_nnodes > 1:

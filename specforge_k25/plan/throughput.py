@@ -26,7 +26,7 @@ from typing import Optional
 
 from ..draft.method import DraftMethod
 from ..draft.registry import METHODS
-from .budget import (LAYOUTS, longest_fitting_length, node_layout, optimizer_device, plan_memory,
+from .budget import (LAYOUTS, longest_fitting_length, node_layout, optimizer_device, plan_memory, with_layout,
                      target_batch_tokens)
 from .facts import PlanError, TargetFacts, draft_of, method_of_config, trainable_params
 
@@ -170,7 +170,7 @@ class Throughput:
 def predict(job, facts: TargetFacts, layout: str | None = None) -> Throughput:
     """The throughput of `job` in `layout` (default hw.trainer_layout); PlanError when the profile
     has no throughput inputs (hw.peak_tflops, hw.memory_gbps, hw.link_gbps)."""
-    hw = job.hw if layout is None else replace(job.hw, trainer_layout=layout)
+    hw = job.hw if layout is None else with_layout(job.hw, layout)
     missing = [k for k in ("peak_tflops", "memory_gbps", "link_gbps") if getattr(hw, k) <= 0]
     if missing:
         raise PlanError(f"no throughput plan for hw={hw.name}: set " + ", ".join(f"hw.{k}" for k in missing))

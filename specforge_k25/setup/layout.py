@@ -6,7 +6,7 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass
 
-from ..plan.budget import node_layout
+from ..plan.budget import context_parallel_problems, node_layout
 
 
 @dataclass(frozen=True)
@@ -26,25 +26,6 @@ class World:
                    local_size=int(env.get("LOCAL_WORLD_SIZE", size)))
 
 
-def check_context_parallel(hw, layout) -> None:
-    """hw.context_parallel: groups of co-located trainer ranks of one replica, each splitting its
-    sequences' positions (train/context_parallel.py)."""
-    cp = hw.context_parallel
-    if cp < 1:
-        raise ValueError(f"hw.context_parallel={cp}: need at least 1 (1 = whole sequences per rank)")
-    if cp == 1:
-        return
-    if not layout.colocated:
-        raise ValueError(f"hw.context_parallel={cp} splits a sequence over co-located trainer ranks: set "
-                         f"hw.trainer_layout=colocated (a dedicated rank reads a replica of its own)")
-    if layout.pp > 1:
-        raise ValueError(f"hw.context_parallel={cp} with hw.target_pp={layout.pp}: not built for pipeline stages yet "
-                         f"(their ranks get whole sequences from the last stage); use hw.target_pp=1")
-    if layout.per_replica % cp:
-        raise ValueError(f"hw.context_parallel={cp} does not divide the {layout.per_replica} co-located trainer "
-                         f"ranks of a replica (hw.target_tp={hw.target_tp}): use a divisor of {layout.per_replica}")
-
-
 def check_layout(hw, world: World) -> None:
     """Refuse a launch whose ranks do not match the hw profile, before any process starts.
 
@@ -61,7 +42,8 @@ def check_layout(hw, world: World) -> None:
     if hw.target_pp > 1 and (hw.target_nnodes > 1 or replicas > 1):
         raise ValueError(f"hw.target_pp={hw.target_pp}: a pipeline-parallel target runs for now as one replica on one "
                          f"node (hw.target_replicas=1, hw.target_nnodes=1)")
-    check_context_parallel(hw, layout)
+    for problem in context_parallel_problems(hw, layout):
+        raise ValueError(problem)
     if layout.colocated:
         if hw.target_nnodes > 1:
             raise ValueError("hw.trainer_layout=colocated runs a target on one node (hw.target_nnodes=1): "
