@@ -92,6 +92,11 @@ COMMANDS: dict[str, Case] = {
     # Kimi-K2.5: the memory plan
     "python -m specforge_k25.plan +hw=rtxpro6000x8 target=kimi_k25 draft=kimi": Case(RUN, "fits"),
     "python -m specforge_k25.train +hw=rtxpro6000x8 target=kimi_k25 target.path=/models/Kimi-K2.5": FITS,
+    # Long context
+    "python -m specforge_k25.train +hw=rtxpro6000x8 target=kimi_k25 draft=kimi hw.context_parallel=8 "
+    "data.max_length=16384": FITS,
+    "python -m specforge_k25.train +hw=b300x8 target=kimi_k25 draft=kimi hw.context_parallel=4 "
+    "data.max_length=65536 hw.mem_fraction_static=0.57": FITS,
     # Trainer layouts
     "python -m specforge_k25.train +hw=b300x8 target=kimi_k25 draft=kimi train.out_dir=runs/a": FITS,
     "torchrun --nproc-per-node 8 -m specforge_k25.train +hw=b300x8 target=kimi_k25 draft=kimi train.out_dir=runs/a":
