@@ -110,9 +110,9 @@ def block_predictions(draft, aux_hidden: torch.Tensor, input_ids: torch.Tensor, 
     accepted token: the block [x[t+1], MASK x (B-1)] at positions t+1..t+B over the context's
     states x[0..t] (draft/dflash/model.py `draft_block`). Under greedy verification the
     committed tokens ARE the output, so these are the proposals of the verify step whose root
-    is x[t+1]. All roots are drafted in one forward per chunk: each block sees the context
-    before its root and itself (no other block), which equals one `draft_block` per root.
-    The last column (no root) stays -1.
+    is x[t+1]. All roots are drafted in one forward per chunk of blocks (the model's block
+    attention: no [Q, T+Q] mask), which equals one `draft_block` per root. The last column (no
+    root) stays -1.
     """
     T, B = len(input_ids), block_size
     dtype = next(p.dtype for p in draft.parameters() if p.is_floating_point())
@@ -125,10 +125,8 @@ def block_predictions(draft, aux_hidden: torch.Tensor, input_ids: torch.Tensor, 
         ids = torch.full((n, B), draft.cfg.mask_token_id, dtype=torch.int64)
         ids[:, 0] = input_ids[roots]
         positions = roots[:, None] + torch.arange(B)
-        block_of = torch.arange(n).repeat_interleave(B)  # each query's block
-        mask = torch.cat([ctx_positions[None] < roots[block_of][:, None],  # the context before its root
-                          block_of[:, None] == block_of[None]], 1)  # its own block, both directions
-        hidden = draft(aux, ctx_positions[None], ids.view(1, -1), positions.view(1, -1), mask[None])[0]
+        # each block sees the context before its root and itself, both directions
+        hidden = draft(aux, ctx_positions[None], ids.view(1, -1), positions.view(1, -1), prefix=roots[None])[0]
         drafted = hidden.view(n, B, -1)[:, 1:]  # block positions 1..B-1 draft x[r+1..r+B-1]
         out[:, roots - 1] = to_target[draft.logits(drafted).argmax(-1)].T
     return out

@@ -200,21 +200,14 @@ def test_dflash_loss_and_grads_equal_with_the_dense_attention(monkeypatch):
         assert b.abs().max() > 0 and _rel(a, b) < 1e-12
 
 
-def test_the_models_dense_mask_path_equals_its_prefix_path():
-    """Eval's block replay hands the model a dense mask; training and draft_block hand it prefixes:
-    the same blocks give the same hidden states (float64)."""
+def test_the_model_takes_the_block_size_from_the_call():
+    """The model's blocks are Q / A tokens long (eval replays at served block sizes other than the
+    trained one): a block size the call does not split into is refused, not mis-tiled."""
     from test_dflash import CFG, make_case
 
     model, aux, input_ids, loss_mask, lengths, anchors, valid = make_case(CFG)
     inp = dl.block_inputs(input_ids, loss_mask, lengths, anchors, valid, CFG.block_size, CFG.mask_token_id)
     B, T = input_ids.shape
-    Q = inp.block_ids.shape[1]
-    owner = torch.arange(Q) // CFG.block_size
-    mask = torch.cat([torch.arange(T) < inp.prefix[:, owner, None], (owner[:, None] == owner).expand(B, -1, -1)], -1)
     ctx_positions = torch.arange(T).expand(B, T)
-    with torch.no_grad():
-        by_prefix = model(aux, ctx_positions, inp.block_ids, inp.block_positions, prefix=inp.prefix)
-        by_mask = model(aux, ctx_positions, inp.block_ids, inp.block_positions, mask)
-    assert _rel(by_prefix, by_mask) < 1e-12
-    with pytest.raises(ValueError, match="exactly one"):
-        model(aux, ctx_positions, inp.block_ids, inp.block_positions, mask, prefix=inp.prefix)
+    with pytest.raises(ValueError, match="do not split"):
+        model(aux, ctx_positions, inp.block_ids[:, :-1], inp.block_positions[:, :-1], prefix=inp.prefix)

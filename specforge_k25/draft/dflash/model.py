@@ -28,8 +28,9 @@ A blocks of Bk tokens (Q = A*Bk) with their positions and `prefix` [B, A], the c
 block sees (block i: context 0..prefix_i - 1 and its own Bk tokens), and computes that attention
 exactly in bounded tiles (draft/dflash/block_attention.py; cfg.attention_tile_rows x
 attention_tile_keys scores at a time, no [Q, T+Q] tensor). `draft_block` (eval, SGLang checks) is
-the same path with one block. A caller that needs another pattern may still pass a boolean `mask`
-[B, Q, T+Q] instead (one masked SDPA call, O(Q (T+Q)) memory: eval's block replay does).
+the same path with one block, and eval's replay of every root one block per root
+(eval/acceptance.py `block_predictions`). The block size is that of the call (Q / A), so the
+replay may draft at the served block sizes rather than the trained one.
 
 Shapes: B batch, T context positions, Q block tokens (blocks x block size), H hidden, K aux states,
 nh / nkv heads, hd head dim, V target vocab.
@@ -120,24 +121,17 @@ class DFlashAttention(nn.Module):
         v = self.v_proj(x).view(B, S, self.nkv, self.hd).transpose(1, 2)
         return apply_rope(k, *rope), v
 
-    def forward(self, x: torch.Tensor, ctx: torch.Tensor, rope_block, rope_ctx, visible: torch.Tensor,
-                tiling: Tiling | None) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, ctx: torch.Tensor, rope_block, rope_ctx, prefix: torch.Tensor,
+                tiling: Tiling) -> torch.Tensor:
         """x [B, Q, H] (normed block), ctx [B, T, H] (projected context, not normed again),
-        rope_* (cos, sin) [B, 1, S, hd]; visible: prefix [B, A] int64 with its `tiling` (block
-        attention), or with tiling None a mask [B, Q, T+Q] bool (True = visible) -> [B, Q, H]."""
+        rope_* (cos, sin) [B, 1, S, hd]; prefix [B, A] int64 with its `tiling` -> [B, Q, H]."""
         B, Q, _ = x.shape
         q = self.q_norm(self.q_proj(x).view(B, Q, self.nh, self.hd)).transpose(1, 2)  # [B, nh, Q, hd]
         q = apply_rope(q, *rope_block)
         k_c, v_c = self._keys(ctx, rope_ctx)  # [B, nkv, T, hd]
         k_b, v_b = self._keys(x, rope_block)  # [B, nkv, Q, hd]
         scale = 1.0 / math.sqrt(self.hd)
-        if tiling is not None:
-            out = block_attention(q, k_c, v_c, k_b, v_b, visible, scale, tiling)  # [B, nh, Q, hd]
-        else:
-            groups = self.nh // self.nkv
-            keys = torch.cat([k_c, k_b], 2).repeat_interleave(groups, dim=1)  # [B, nh, T+Q, hd]
-            values = torch.cat([v_c, v_b], 2).repeat_interleave(groups, dim=1)
-            out = F.scaled_dot_product_attention(q, keys, values, attn_mask=visible[:, None], scale=scale)
+        out = block_attention(q, k_c, v_c, k_b, v_b, prefix, scale, tiling)  # [B, nh, Q, hd]
         return self.o_proj(out.transpose(1, 2).reshape(B, Q, self.nh * self.hd))
 
 
@@ -149,8 +143,8 @@ class DFlashLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.mlp = MLP(cfg)
 
-    def forward(self, h, ctx, rope_block, rope_ctx, visible, tiling):
-        h = h + self.self_attn(self.input_layernorm(h), ctx, rope_block, rope_ctx, visible, tiling)
+    def forward(self, h, ctx, rope_block, rope_ctx, prefix, tiling):
+        h = h + self.self_attn(self.input_layernorm(h), ctx, rope_block, rope_ctx, prefix, tiling)
         return h + self.mlp(self.post_attention_layernorm(h))
 
 
@@ -186,32 +180,26 @@ class DFlashDraft(nn.Module):
         return self.hidden_norm(self.fc(aux_hidden))
 
     def forward(self, aux_hidden: torch.Tensor, ctx_positions: torch.Tensor, block_ids: torch.Tensor,
-                block_positions: torch.Tensor, mask: torch.Tensor | None = None, checkpoint: bool = False, *,
-                prefix: torch.Tensor | None = None) -> torch.Tensor:
-        """aux [B, T, K*Ht], ctx_positions [B, T], block_ids / block_positions [B, Q], and which keys
-        each block query sees, one of:
-          prefix [B, A] int64 (Q = A*Bk): block i (rows i*Bk..(i+1)*Bk-1) sees the context tokens
-            0..prefix[:, i]-1 and its own Bk tokens, both directions (training, draft_block);
-          mask [B, Q, T+Q] bool: True = the query sees that key (keys: the T context tokens, then
-            the Q block tokens); any pattern, dense.
+                block_positions: torch.Tensor, prefix: torch.Tensor, checkpoint: bool = False) -> torch.Tensor:
+        """aux [B, T, K*Ht], ctx_positions [B, T], block_ids / block_positions [B, Q] (A blocks of
+        Bk = Q / A tokens), prefix [B, A] int64: block i (rows i*Bk..(i+1)*Bk-1) sees the context
+        tokens 0..prefix[:, i]-1 and its own Bk tokens, both directions
         -> final-normed hidden [B, Q, H]. checkpoint: recompute each layer in backward."""
-        if (mask is None) == (prefix is None):
-            raise ValueError("DFlashDraft.forward takes exactly one of prefix (blocks) and mask (dense)")
+        Q, A = block_ids.shape[1], prefix.shape[1]
+        if A == 0 or Q % A:
+            raise ValueError(f"DFlashDraft.forward: {Q} block tokens do not split into {A} blocks")
         ctx = self.project(aux_hidden)
         h = self.embed_tokens(block_ids).to(ctx.dtype)
         rope_ctx = rope_cos_sin(ctx_positions, self.cfg.head_dim, self.cfg.rope_theta, ctx.dtype)
         rope_block = rope_cos_sin(block_positions, self.cfg.head_dim, self.cfg.rope_theta, ctx.dtype)
-        if prefix is not None:  # the tiles' key ranges, once for every layer (and their recomputes)
-            visible, tiling = prefix, make_tiling(prefix, self.cfg.block_size, self.cfg.attention_tile_rows,
-                                                  self.cfg.attention_tile_keys)
-        else:
-            visible, tiling = mask, None
+        # the tiles' key ranges, once for every layer (and their recomputes)
+        tiling = make_tiling(prefix, Q // A, self.cfg.attention_tile_rows, self.cfg.attention_tile_keys)
         for layer in self.layers:
             if checkpoint and torch.is_grad_enabled():
-                h = torch.utils.checkpoint.checkpoint(layer, h, ctx, rope_block, rope_ctx, visible, tiling,
+                h = torch.utils.checkpoint.checkpoint(layer, h, ctx, rope_block, rope_ctx, prefix, tiling,
                                                       use_reentrant=False)
             else:
-                h = layer(h, ctx, rope_block, rope_ctx, visible, tiling)
+                h = layer(h, ctx, rope_block, rope_ctx, prefix, tiling)
         return self.norm(h)
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
