@@ -121,18 +121,16 @@ def test_sglang_dflash_equals_replay_and_greedy(dflash_run):
 
 @pytest.mark.engine
 def test_replay_with_planted_bugs_disagrees(dflash_run):
-    """Our replay with a causal block, or reading the states one layer later, no longer matches SGLang."""
+    """Our replay with each block seeing its root's own state too (one context token early), or
+    reading the states one layer later, no longer matches SGLang."""
     prompts, sequences, hidden, spec, draft = dflash_run
     assert _replayed_steps(draft, prompts, sequences, hidden, [p + 1 for p in POINTS]) != spec.verify_steps
     forward = draft.forward
 
-    def causal_block(aux, ctx_positions, block_ids, block_positions, mask, checkpoint=False):
-        T, Q = aux.shape[1], block_ids.shape[1]
-        mask = mask.clone()
-        mask[:, :, T:] &= torch.ones(Q, Q, dtype=torch.bool).tril()
-        return forward(aux, ctx_positions, block_ids, block_positions, mask, checkpoint)
+    def one_more_context_token(aux, ctx_positions, block_ids, block_positions, prefix, checkpoint=False):
+        return forward(aux, ctx_positions, block_ids, block_positions, prefix + 1, checkpoint)
 
-    draft.forward = causal_block
+    draft.forward = one_more_context_token
     try:
         assert _replayed_steps(draft, prompts, sequences, hidden) != spec.verify_steps
     finally:
