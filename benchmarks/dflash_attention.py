@@ -7,10 +7,12 @@ A blocks of one sequence: x [1, Q, H] (Q = A*8 block tokens) and the context ctx
 leaves that need gradients (as in training, where they come from the previous layer and from fc),
 out [1, Q, H] is summed and back-propagated. A = min(512, T - 2) anchors (the default
 draft.num_anchors) spread evenly over 1..T-8 (dflash/plan.py `planned_anchors`). "dense" is the same
-module handed the boolean mask [1, Q, T+Q] (context key < anchor | own block) that loss.py built
-before issue 22: K/V repeated to nh heads, one masked SDPA call (on CPU its flash kernel, which
-converts the mask to an additive fp32 one). The mask (dense) and the tiling (new) are built before
-the call, as the model builds them once per forward for all layers.
+module with its block attention swapped for `dense_reference`, the attention loss.py used before
+issue 22: the boolean mask [1, Q, T+Q] (context key < anchor | own block), K/V repeated to nh
+heads, one masked SDPA call (on CPU its flash kernel, which converts the mask to an additive fp32
+one). The tiling is built before the call, as the model builds it once per forward for all layers;
+the dense mask is built inside the call (until 2026-12-03 it was built before it, so §8.1's dense
+peaks did not count the mask's own Q (T+Q) bytes).
 
 Shape: a scaled-down Kimi-K2.5 draft (the plan's 56/8 heads x 128 at H 7168, one eighth: 7/1 heads
 x 128, H 896; same GQA ratio and head dim), block 8, the default tile (512 rows x 1024 keys). fp32,
@@ -69,7 +71,8 @@ def child(spec: dict) -> None:
     import torch
 
     from specforge_k25.draft.dflash import plan
-    from specforge_k25.draft.dflash.block_attention import make_tiling
+    from specforge_k25.draft.dflash import model as dflash_model
+    from specforge_k25.draft.dflash.block_attention import dense_reference, make_tiling
     from specforge_k25.draft.dflash.model import DFlashAttention, DFlashConfig
     from specforge_k25.draft.model import rope_cos_sin
 
@@ -79,6 +82,9 @@ def child(spec: dict) -> None:
                        target_hidden_size=s["hidden"], block_size=s["block"], num_anchors=s["anchors"])
     torch.manual_seed(0)
     attn = DFlashAttention(cfg)
+    if spec["method"] == "dense":  # the module looks block_attention up per call
+        dflash_model.block_attention = (lambda q, k_c, v_c, k_b, v_b, prefix, scale, tiling:
+                                        dense_reference(q, k_c, v_c, k_b, v_b, prefix, scale, tiling.block_size))
     Bk = cfg.block_size
 
     def inputs(T):
@@ -89,16 +95,11 @@ def child(spec: dict) -> None:
         block_pos = (anchors[:, :, None] + torch.arange(Bk)).view(1, Q)
         rope_b = rope_cos_sin(block_pos, cfg.head_dim, cfg.rope_theta, torch.float32)
         rope_c = rope_cos_sin(torch.arange(T)[None], cfg.head_dim, cfg.rope_theta, torch.float32)
-        if spec["method"] == "dense":
-            owner = torch.arange(Q) // Bk
-            visible = torch.cat([torch.arange(T) < anchors[:, owner, None], (owner[:, None] == owner)[None]], -1)
-            tiling = None  # [1, Q, T+Q] bool: the mask loss.py built before issue 22
-        else:
-            visible, tiling = anchors, make_tiling(anchors, Bk, cfg.attention_tile_rows, cfg.attention_tile_keys)
-        return x, ctx, rope_b, rope_c, visible, tiling
+        return x, ctx, rope_b, rope_c, anchors, make_tiling(anchors, Bk, cfg.attention_tile_rows,
+                                                           cfg.attention_tile_keys)
 
-    def call(x, ctx, rope_b, rope_c, visible, tiling):
-        attn(x, ctx, rope_b, rope_c, visible, tiling).sum().backward()
+    def call(x, ctx, rope_b, rope_c, prefix, tiling):
+        attn(x, ctx, rope_b, rope_c, prefix, tiling).sum().backward()
 
     call(*inputs(32))  # warm-up: parameter .grad tensors, kernels
     last = None

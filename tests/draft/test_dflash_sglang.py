@@ -74,7 +74,7 @@ def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
     return float((a - b).norm() / b.norm())
 
 
-def _ours(draft, aux, last, *, causal=False, positions_from_zero=False, anchor_in_context=False):
+def _ours(draft, aux, last, *, context_one_short=False, positions_from_zero=False, anchor_in_context=False):
     """Our block (the block attention, as draft_block runs it); the keyword arguments plant one bug each."""
     p, B = aux.shape[0], draft.cfg.block_size
     ids = torch.full((1, B), draft.cfg.mask_token_id)
@@ -85,11 +85,8 @@ def _ours(draft, aux, last, *, causal=False, positions_from_zero=False, anchor_i
     start = 0 if positions_from_zero else aux.shape[0] - int(anchor_in_context)
     args = (aux[None], torch.arange(p)[None], ids, torch.arange(start, start + B)[None])
     with torch.no_grad():
-        if causal:  # a pattern the block attention does not express: the model's dense-mask path
-            mask = torch.ones(1, B, p + B, dtype=torch.bool)
-            mask[0, :, p:] = torch.ones(B, B, dtype=torch.bool).tril()
-            return draft(*args, mask)[0]
-        return draft(*args, prefix=torch.tensor([[p]]))[0]
+        # context_one_short: the block misses the newest committed token's state
+        return draft(*args, prefix=torch.tensor([[p - int(context_one_short)]]))[0]
 
 
 @pytest.mark.engine
@@ -107,5 +104,5 @@ def test_sglang_dflash_draft_equals_ours(sglang_runs, behind):
         assert _rel(_ours(draft, a, t), theirs) < 1e-5
         logits, their_logits = draft.logits(_ours(draft, a, t)), draft.logits(theirs)
         assert _rel(logits, their_logits) < 1e-5 and torch.equal(logits.argmax(-1), their_logits.argmax(-1))
-        for bug in ("causal", "positions_from_zero", "anchor_in_context"):
+        for bug in ("context_one_short", "positions_from_zero", "anchor_in_context"):
             assert _rel(_ours(draft, a, t, **{bug: True}), theirs) > 1e-3, bug
