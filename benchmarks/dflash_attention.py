@@ -11,8 +11,7 @@ module with its block attention swapped for `dense_reference`, the attention los
 issue 22: the boolean mask [1, Q, T+Q] (context key < anchor | own block), K/V repeated to nh
 heads, one masked SDPA call (on CPU its flash kernel, which converts the mask to an additive fp32
 one). The tiling is built before the call, as the model builds it once per forward for all layers;
-the dense mask is built inside the call (until 2026-12-03 it was built before it, so §8.1's dense
-peaks did not count the mask's own Q (T+Q) bytes).
+the dense mask is built inside the call, so its own Q (T+Q) bytes count in the dense peak.
 
 Shape: a scaled-down Kimi-K2.5 draft (the plan's 56/8 heads x 128 at H 7168, one eighth: 7/1 heads
 x 128, H 896; same GQA ratio and head dim), block 8, the default tile (512 rows x 1024 keys). fp32,
