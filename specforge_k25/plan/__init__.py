@@ -7,7 +7,8 @@ throughput of both trainer layouts (seconds per token on every GPU, node tokens/
 `compare_methods(job, facts)` the memory and throughput of every draft method in the job's place.
 The draft's part is asked of its method (draft/method.py `plan`); the plan names none.
 """
-from .budget import GpuBudget, MemoryPlan, check_fits, longest_fitting_length, plan_memory, suggest_override
+from .budget import GpuBudget, MemoryPlan, plan_memory
+from .fit import check_fits, longest_fitting_length, suggest_override
 from .facts import (KIMI_K25, GiB, MiB, PlanError, TargetFacts, draft_of, draft_param_counts, facts_from_folder,
                     method_of_config, num_capture_points, resolve_draft, target_facts_for, trainable_params,
                     with_hw_overrides)

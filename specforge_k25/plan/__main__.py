@@ -20,7 +20,8 @@ from dataclasses import replace
 from ..config import compose_job
 from . import (PHASE_OPT, PHASE_TEACHER, PHASE_TTT, GiB, MemoryPlan, PlanError, check_fits, draft_param_counts,
                plan_memory, target_facts_for, with_hw_overrides)
-from .budget import LAYOUTS, context_parallel, length_binding, longest_fitting_length, node_layout, with_layout
+from .budget import LAYOUTS, context_parallel, node_layout, with_layout
+from .fit import length_binding, longest_fitting_length
 from .throughput import PARTS, compare_methods, predict_layouts
 
 
@@ -312,11 +313,11 @@ def render_pipeline_run(job, facts) -> None:
     from rich.console import Console
     from rich.markup import escape
 
-    from .pipeline import _env_partition, pipeline_memory, pp_layer_split, predict_pipeline
+    from .pipeline import env_partition, pipeline_memory, pp_layer_split, predict_pipeline
 
     console = Console(width=max(Console().width, 140))
     hw = job.hw
-    partition = _env_partition(facts.num_layers, hw.target_pp)
+    partition = env_partition(facts.num_layers, hw.target_pp)
     split = pp_layer_split(facts.num_layers, hw.target_pp, partition)
     console.print(f"[bold]pipeline run[/bold]  hw={hw.name}: {hw.target_pp} stages x TP {hw.target_tp}, a trainer "
                   f"rank beside each ({hw.trainer_layout}); layers per stage "

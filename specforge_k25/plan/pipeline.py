@@ -44,13 +44,14 @@ import math
 from dataclasses import dataclass, field
 from typing import Optional
 
-from .budget import GpuBudget, _largest_fitting, length_problems
+from .budget import GpuBudget, length_problems
 from .facts import GiB, MiB, PlanError, TargetFacts, draft_of, trainable_params
+from .fit import largest_fitting
 from .kernels import MARLIN, int4_moe_backend, marlin_scratch_bytes
 from .memory import Item, trainer_items
 from .throughput import (GPU_ADAMW_S_PER_PARAM, H200_MEMORY_GBPS, TARGET_ALLREDUCE, TARGET_COMPUTE, TRAINER_COMPUTE,
-                         TRAINER_GRADS, TRAINER_OPTIMIZER, GpuTime, Throughput, compute_bound_tokens_per_s,
-                         target_flops_per_token, target_params_per_token)
+                         TRAINER_GRADS, TRAINER_OPTIMIZER, GpuTime, Throughput, check_padding_share,
+                         compute_bound_tokens_per_s, target_flops_per_token, target_params_per_token)
 from ..target_engine.layers import resolve_capture_points
 
 STAGE_TRANSFERS = "stage transfers"
@@ -219,9 +220,12 @@ def pipeline_shapes(num_gpus: int) -> list[tuple[int, int, int]]:
 
 
 def predict_pipeline(job, facts: TargetFacts, pp: int, tp: int = 1, replicas: int | None = None,
-                     partition: list[int] | None = None, memory: bool = True) -> PipelinePlan:
+                     partition: list[int] | None = None, memory: bool = True,
+                     padding_share: float = 0.0) -> PipelinePlan:
     """The node in `replicas` (default: as many as fit) pipelines of `pp` stages of `tp` GPUs, a
-    trainer rank beside every GPU; PlanError without the throughput inputs."""
+    trainer rank beside every GPU; PlanError without the throughput inputs. `padding_share` as in
+    plan/throughput.py `predict`."""
+    real = check_padding_share(padding_share)
     hw, tr = job.hw, job.train
     missing = [k for k in ("peak_tflops", "memory_gbps", "link_gbps") if getattr(hw, k) <= 0]
     if missing:
@@ -249,15 +253,15 @@ def predict_pipeline(job, facts: TargetFacts, pp: int, tp: int = 1, replicas: in
     remote = 1.0 - 1.0 / pp  # tokens whose trainer rank sits on another stage's GPUs
     # trainer (as the colocated layout): 1/N of it per token on each GPU
     steps = method.plan.draft_step_flops(cfg, B, L, K, tr.activation_checkpointing)
-    c_compute = steps["total"] / (B * L) / (peak * hw.trainer_efficiency)
+    c_compute = steps["total"] / (B * L) / (peak * hw.trainer_efficiency) / real
     P = trainable_params(cfg, method)
     opt_s = -(-P // N) * GPU_ADAMW_S_PER_PARAM * H200_MEMORY_GBPS * 1e9 / mem
     grads_s = (4 * P + accum * a * P) * (N - 1) / N / link
-    step_tokens = B * L * accum
+    step_tokens = B * L * accum * real
 
     gpus, stage_seconds = [], []
     for s, (lo, hi) in enumerate(split):
-        compute = max(flops[s] / tp / (peak * hw.target_efficiency), weights[s] / mem / micro)
+        compute = max(flops[s] / tp / (peak * hw.target_efficiency), weights[s] / mem / (micro * real))
         ar_layers = 2 * (hi - lo) + (1 if s == 0 else 0)
         allreduce = ar_layers * Ht * elem * 2 * (tp - 1) / tp / link if tp > 1 else 0.0
         # per GPU of the stage, bytes per replica token
@@ -282,7 +286,7 @@ def predict_pipeline(job, facts: TargetFacts, pp: int, tp: int = 1, replicas: in
     rate = 1.0 / max(stage_seconds)
     target_s = [sum(g.parts[k] for k in (TARGET_COMPUTE, TARGET_ALLREDUCE, STAGE_TRANSFERS)) for g in gpus[:pp * tp:tp]]
     fill = (pp - 1) * micro * max(target_s)  # the trainer ranks have nothing to train yet
-    c_flops = steps["total"] / (B * L)
+    c_flops = steps["total"] / (B * L) / real
     balanced = N / (sum(g.parts[TARGET_COMPUTE] + g.parts[TARGET_ALLREDUCE] + g.parts[STAGE_TRANSFERS]
                         for g in gpus[:pp * tp]) + c_compute)
     src = f"conf/hw/{hw.name}.yaml"
@@ -383,7 +387,7 @@ def longest_pipeline_length(job, facts: TargetFacts, pp: int, tp: int = 1, repli
     """The longest data.max_length (multiple of 256) whose pipeline memory fits, or None."""
     def fits(length: int) -> bool:
         return not pipeline_memory(job, facts, pp, tp, replicas, partition, max_length=length)[1]
-    return _largest_fitting(fits, facts.max_position_embeddings + 1)
+    return largest_fitting(fits, facts.max_position_embeddings + 1)
 
 
 def first_stages_partition(num_layers: int, pp: int) -> Optional[list[int]]:
@@ -431,7 +435,7 @@ def check_pipeline_fits(job, facts: TargetFacts) -> None:
         raise PlanError(f"hw.target_pp={hw.target_pp} with hw.trainer_layout={hw.trainer_layout}: the plan covers "
                         f"trainer ranks beside the stages (hw.trainer_layout=colocated); launch without a memory "
                         f"plan with hw.gpu_memory_mib=0")
-    partition = _env_partition(facts.num_layers, hw.target_pp)
+    partition = env_partition(facts.num_layers, hw.target_pp)
     _, problems, frac = pipeline_memory(job, facts, hw.target_pp, hw.target_tp, partition=partition)
     if frac is not None and frac < 1 and hw.mem_fraction_static < frac:
         problems.append(f"hw.mem_fraction_static={hw.mem_fraction_static} is below what SGLang needs for the fullest "
@@ -442,7 +446,7 @@ def check_pipeline_fits(job, facts: TargetFacts) -> None:
         raise PlanError("the pipeline run does not fit:\n" + "\n".join(f"  - {p}" for p in problems) + fix)
 
 
-def _env_partition(num_layers: int, pp: int) -> Optional[list[int]]:
+def env_partition(num_layers: int, pp: int) -> Optional[list[int]]:
     """SGLANG_PP_LAYER_PARTITION as the stage processes will read it (they inherit the environment)."""
     import os
 

@@ -26,9 +26,9 @@ from typing import Optional
 
 from ..draft.method import DraftMethod
 from ..draft.registry import METHODS
-from .budget import (LAYOUTS, longest_fitting_length, node_layout, optimizer_device, plan_memory, with_layout,
-                     target_batch_tokens)
+from .budget import LAYOUTS, node_layout, optimizer_device, plan_memory, target_batch_tokens, with_layout
 from .facts import PlanError, TargetFacts, draft_of, method_of_config, trainable_params
+from .fit import longest_fitting_length
 
 # NVIDIA H200 SXM datasheet: dense BF16 tensor-core peak and HBM3e bandwidth; the GPU the trainer was measured on
 H200_PEAK_TFLOPS = 989.5
@@ -167,9 +167,22 @@ class Throughput:
         return g, max(g.parts, key=g.parts.get)
 
 
-def predict(job, facts: TargetFacts, layout: str | None = None) -> Throughput:
+def check_padding_share(padding_share: float) -> float:
+    """The trained share of the trainer's padded positions (1 - padding_share); ValueError outside [0, 1)."""
+    if not 0.0 <= padding_share < 1.0:
+        raise ValueError(f"padding share {padding_share} outside [0, 1)")
+    return 1.0 - padding_share
+
+
+def predict(job, facts: TargetFacts, layout: str | None = None, padding_share: float = 0.0) -> Throughput:
     """The throughput of `job` in `layout` (default hw.trainer_layout); PlanError when the profile
-    has no throughput inputs (hw.peak_tflops, hw.memory_gbps, hw.link_gbps)."""
+    has no throughput inputs (hw.peak_tflops, hw.memory_gbps, hw.link_gbps).
+
+    `padding_share`: of the positions a trainer rank computes, the share that is padding (the run
+    plan's, train/schedule.py `padding_share`; 0: every micro-batch full). The target prefills only
+    real tokens (its batches are packed), so padding costs the trainer: per real token its compute
+    grows by 1 / (1 - share), and a step holds that much fewer real tokens. Tokens/s counts real ones."""
+    real = check_padding_share(padding_share)
     hw = job.hw if layout is None else with_layout(job.hw, layout)
     missing = [k for k in ("peak_tflops", "memory_gbps", "link_gbps") if getattr(hw, k) <= 0]
     if missing:
@@ -192,14 +205,14 @@ def predict(job, facts: TargetFacts, layout: str | None = None) -> Throughput:
     tflops = target_flops_per_token(facts, L)
     batch = target_batch_tokens(hw, B, L)
     t_compute = max(tflops["total"] / tp / (peak * hw.target_efficiency),
-                    facts.weight_bytes_per_gpu(hw.target_tp) / mem / batch)
+                    facts.weight_bytes_per_gpu(hw.target_tp) / mem / (batch * real))
     ar_bytes = allreduce_bytes_per_token(facts, elem)
     t_allreduce = ar_bytes * 2 * (tp - 1) / tp / link
 
     # trainer, per token it trains; optimizer and gradient traffic once per step of `step_tokens`
     flops = method.plan.draft_step_flops(cfg, B, L, K, tr.activation_checkpointing)
-    c_compute = flops["total"] / (B * L) / (peak * hw.trainer_efficiency)
-    step_tokens = B * L * accum
+    c_compute = flops["total"] / (B * L) / (peak * hw.trainer_efficiency) / real
+    step_tokens = B * L * accum * real
     gpu_adamw = GPU_ADAMW_S_PER_PARAM * H200_MEMORY_GBPS * 1e9 / mem  # seconds per parameter on this GPU
     opt_dev = None if coloc else optimizer_device(tr.optimizer_device, hw.device, trainers)
     if coloc:  # FSDP2: AdamW on this rank's shard; reduce-scatter fp32 grads per step, all-gather params per micro-batch
@@ -256,13 +269,16 @@ def predict(job, facts: TargetFacts, layout: str | None = None) -> Throughput:
          f"draft_step_flops, T {L}, K {K}, checkpointing {'on' if tr.activation_checkpointing else 'off'}"),
         ("optimizer step", f"{opt_s:.4f} s", f"{opt_how}; H200 measured (plan/throughput.py)"),
         ("gradient traffic per step", f"{grads_s:.4f} s", grads_how),
-        ("tokens per optimizer step per rank", f"{step_tokens:,}", "batch_size x max_length x grad_accum"),
+        ("tokens per optimizer step per rank", f"{step_tokens:,.0f}",
+         "batch_size x max_length x grad_accum" + (" x (1 - padding share)" if padding_share else "")),
+        ("padding share", f"{padding_share:.0%}", "the run plan's (train/schedule.py padding_share)" if padding_share
+         else "none: every micro-batch full at max_length (the run plan prints the run's share)"),
     ]
     notes = []
     if t_compute > tflops["total"] / tp / (peak * hw.target_efficiency):
         notes.append(f"the target reads its weights slower than it computes at {batch} tokens per batch")
     return Throughput(hw.trainer_layout, sorted(gpus.values(), key=lambda g: g.gpu), len(groups), balanced, inputs,
-                      notes, compute_bound_tokens_per_s(hw, facts, L, flops["total"] / (B * L)))
+                      notes, compute_bound_tokens_per_s(hw, facts, L, flops["total"] / (B * L) / real))
 
 
 def predict_layouts(job, facts: TargetFacts) -> dict[str, Throughput]:

@@ -4,7 +4,9 @@ from __future__ import annotations
 from pathlib import Path
 
 from ..config import JobConfig
+from ..plan import PlanError, TargetFacts, facts_from_folder, predict, with_hw_overrides
 from ..plan.budget import node_layout, trainer_seq_len
+from ..plan.pipeline import env_partition, predict_pipeline
 from ..setup.run import RunSetup
 from .schedule import BatchItem, padding_share
 
@@ -18,6 +20,26 @@ def eval_line(ev: dict, K: int) -> str:
     return f"tau_sim {ev['tau_sim']:.3f}  acc_0..{K - 1} [{accs}]  positions {int(ev['positions'])}"
 
 
+def throughput_line(job: JobConfig, facts: TargetFacts, padding: float) -> str | None:
+    """The node tokens/s the throughput plan predicts at the schedule's padding share and with none,
+    or None where the hw profile has no throughput inputs (the cpu profile)."""
+    hw = job.hw
+
+    def rate(share: float) -> float:
+        if hw.target_pp > 1:
+            return predict_pipeline(job, facts, hw.target_pp, hw.target_tp, hw.num_gpus // (hw.target_pp * hw.target_tp),
+                                    env_partition(facts.num_layers, hw.target_pp), memory=False,
+                                    padding_share=share).throughput.tokens_per_s
+        return predict(job, facts, padding_share=share).tokens_per_s
+
+    try:
+        padded, full = rate(padding), rate(0.0)
+    except PlanError:
+        return None
+    return (f"throughput  planned {padded:,.0f} tokens/s per node at this schedule's {padding:.0%} padding "
+            f"({full:,.0f} with none: {padded / full:.2f} of it; `python -m specforge_k25.plan` has the parts)")
+
+
 def print_overview(job: JobConfig, setup: RunSetup, schedule: list[BatchItem], steps: int, draft, run_dir: Path,
                    world: int = 1) -> None:
     """What the run is about to do, printed before the engine starts."""
@@ -26,6 +48,7 @@ def print_overview(job: JobConfig, setup: RunSetup, schedule: list[BatchItem], s
     train_tokens = sum(len(setup.data.train[i].input_ids) for p in train_items for i in p.sample_ids
                        if i < len(setup.data.train))
     H = setup.info.hidden_size
+    padding = padding_share(schedule, [len(s.input_ids) for s in setup.data.train], job.train.batch_size)
     depth = setup.method.depth(setup.draft_cfg, job.train.ttt_length)
     lines = [
         "== specforge_k25 run plan ==",
@@ -40,13 +63,16 @@ def print_overview(job: JobConfig, setup: RunSetup, schedule: list[BatchItem], s
         f"skipped {dict(setup.data.skipped) or 'none'}",
         f"schedule    {steps} optimizer steps = {len(train_items)} micro-batches of {job.train.batch_size} "
         f"x accum {job.train.grad_accum}, {train_tokens} tokens, "
-        f"{padding_share(schedule, [len(s.input_ids) for s in setup.data.train], job.train.batch_size):.0%} padding"
+        f"{padding:.0%} padding"
         f"{' (grouped by length)' if job.train.group_by_length and job.train.batch_size * world > 1 else ''}; depth {depth}; lr {job.train.lr}",
         f"stream      {job.train.stream_slots} shared-memory slots of up to "
         f"{job.train.batch_size * trainer_seq_len(job.hw, job.data.max_length, depth)} tokens x "
         f"{(setup.method.num_aux(setup.draft_cfg) + 1) * H} floats",
         f"outputs     {run_dir}",
     ]
+    planned = throughput_line(job, with_hw_overrides(job, facts_from_folder(setup.model_path, job.target.name)), padding)
+    if planned:
+        lines.insert(-2, planned)
     layout = node_layout(job.hw)
     cp = job.hw.context_parallel
     if world > 1 and layout.colocated and cp > 1:

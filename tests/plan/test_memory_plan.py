@@ -384,7 +384,7 @@ def test_cli_prints_the_plan_and_refuses():
 
 
 def test_length_binding_names_the_gpu_that_overflows_and_what_grows_there():
-    from specforge_k25.plan.budget import length_binding, longest_fitting_length
+    from specforge_k25.plan.fit import length_binding, longest_fitting_length
     job = _compose(["+hw=rtxpro6000x8", *KIMI_DRAFT])
     longest = longest_fitting_length(job, KIMI_K25)
     text = length_binding(job, KIMI_K25, longest)

@@ -28,6 +28,7 @@ from specforge_k25.config import compose_job
 from specforge_k25.plan import (KIMI_K25, PlanError, allreduce_bytes_per_token, draft_step_flops, facts_from_folder,
                                 predict, predict_layouts, resolve_draft, target_flops_per_token,
                                 target_params_per_token)
+from specforge_k25.plan.pipeline import predict_pipeline
 
 ROOT = Path(__file__).resolve().parents[2]
 KIMI_DRAFT = ["target=kimi_k25", "draft=kimi"]
@@ -156,6 +157,28 @@ def test_rtx_dedicated_hand_computed():
     # all 8 GPUs busy with the prefill and the trainer's FLOPs
     assert t.balanced_tokens_per_s == pytest.approx(8 / (8 * (target + allreduce) + trainer), rel=1e-12)
     assert round(t.balanced_tokens_per_s) == 5417
+
+
+def test_padding_costs_the_trainer_only_hand_computed():
+    """A quarter of the trainer's positions padding: per real token its compute and its per-step
+    optimizer share grow by 1 / 0.75; the target, which prefills packed real tokens, is unchanged."""
+    job = _job("rtxpro6000x8")
+    full, padded = predict(job, KIMI_K25, "dedicated"), predict(job, KIMI_K25, "dedicated", padding_share=0.25)
+    g0, p0 = full.gpu(0).parts, padded.gpu(0).parts
+    for part in ("trainer compute", "optimizer step"):
+        assert p0[part] == pytest.approx(g0[part] / 0.75, rel=1e-12)
+    for part in ("target compute", "target all-reduce"):
+        assert p0[part] == pytest.approx(g0[part], rel=1e-12)
+    assert padded.gpu(1).parts == pytest.approx(full.gpu(1).parts, rel=1e-12)
+    trainer = 102_877_500_312_832 / 2048 / (503.8e12 * 0.425)  # as in test_rtx_dedicated_hand_computed
+    target, allreduce = 63_584_243_712 / 8 / (503.8e12 * 0.35), 1_763_328 * 2 * 7 / 8 / 28e9
+    assert padded.tokens_per_s == pytest.approx(1 / (target + allreduce + (trainer + 0.367 / 2048) / 0.75), rel=1e-12)
+    assert ("padding share", "25%") == next(r[:2] for r in padded.inputs if r[0] == "padding share")
+    pipe = [predict_pipeline(job, KIMI_K25, 2, 4, memory=False, padding_share=s).throughput for s in (0.0, 0.25)]
+    assert pipe[1].gpu(0).parts["trainer compute"] == pytest.approx(pipe[0].gpu(0).parts["trainer compute"] / 0.75)
+    assert pipe[1].gpu(0).parts["target compute"] == pytest.approx(pipe[0].gpu(0).parts["target compute"])
+    with pytest.raises(ValueError, match="padding share"):
+        predict(job, KIMI_K25, padding_share=1.0)
 
 
 def test_b300_colocated_hand_computed():
