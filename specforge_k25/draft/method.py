@@ -119,6 +119,8 @@ class DraftMethod:
     #   ttt_saved_bytes(cfg, batch, seq_len, depth, bf16, checkpoint=False) -> {..., "total": bytes}
     #   ttt_backward_working_bytes(cfg, batch, seq_len, depth, bf16) -> bytes
     #   draft_step_flops(cfg, batch, seq_len, depth, checkpoint=False) -> {"teacher", ..., "total"}
+    #   context_parallel_values(cfg, size) -> values a rank sends per position per step forward
+    #     (methods with `context_parallel` only)
     # A "step" is what the method unrolls or stacks: EAGLE-3's TTT step, DFlash's draft layer (what
     # per-layer activation checkpointing recomputes at a time; its depth arguments are unused).
     plan: Any = None

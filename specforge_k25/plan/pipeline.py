@@ -50,12 +50,13 @@ from .fit import largest_fitting
 from .kernels import MARLIN, int4_moe_backend, marlin_scratch_bytes
 from .memory import Item, trainer_items
 from .throughput import (GPU_ADAMW_S_PER_PARAM, H200_MEMORY_GBPS, TARGET_ALLREDUCE, TARGET_COMPUTE, TRAINER_COMPUTE,
-                         TRAINER_GRADS, TRAINER_OPTIMIZER, GpuTime, Throughput, check_padding_share,
+                         TRAINER_EXCHANGE, TRAINER_GRADS, TRAINER_OPTIMIZER, GpuTime, Throughput, check_padding_share,
                          compute_bound_tokens_per_s, target_flops_per_token, target_params_per_token)
 from ..target_engine.layers import resolve_capture_points
 
 STAGE_TRANSFERS = "stage transfers"
-PIPELINE_PARTS = (TARGET_COMPUTE, TARGET_ALLREDUCE, STAGE_TRANSFERS, TRAINER_COMPUTE, TRAINER_OPTIMIZER, TRAINER_GRADS)
+PIPELINE_PARTS = (TARGET_COMPUTE, TARGET_ALLREDUCE, STAGE_TRANSFERS, TRAINER_COMPUTE, TRAINER_EXCHANGE, TRAINER_OPTIMIZER,
+                  TRAINER_GRADS)
 NOT_RUNNABLE = "predicted; runs with hw.target_pp (CPU-tested; no GPU run yet)"
 
 

@@ -13,7 +13,9 @@ Arithmetic on the target's facts, the draft's shapes and the hw profile; nothing
   trainer's kernels could fill the target's all-reduce waits.
 - Idle share of a GPU = 1 - busy x rate. The balanced bound is the node with every GPU busy on the
   work each layout must do (the prefill with its all-reduces, the trainer's FLOPs): optimizer
-  steps and gradient traffic, which the layouts pay differently, are left out of it. The compute
+  steps, gradient traffic and context parallelism's sequence exchanges (the attention all-to-alls
+  of hw.context_parallel, over hw.link_gbps like the rest), which the layouts pay differently, are
+  left out of it. The compute
   bound (`compute_bound_tokens_per_s`) is the node busy on FLOPs only, the same for every layout.
 - The target as pipeline stages (hw.target_pp; predicted here) is planned in
   plan/pipeline.py on the same parts.
@@ -26,7 +28,8 @@ from typing import Optional
 
 from ..draft.method import DraftMethod
 from ..draft.registry import METHODS
-from .budget import LAYOUTS, node_layout, optimizer_device, plan_memory, target_batch_tokens, with_layout
+from .budget import (LAYOUTS, context_parallel, node_layout, optimizer_device, plan_memory, target_batch_tokens,
+                     with_layout)
 from .facts import PlanError, TargetFacts, draft_of, method_of_config, trainable_params
 from .fit import longest_fitting_length
 
@@ -41,7 +44,8 @@ HOST_ADAMW_S_PER_PARAM = 0.367 / 963_407_872  # the H200 host's; the profiles' h
 
 TARGET_COMPUTE, TARGET_ALLREDUCE = "target compute", "target all-reduce"
 TRAINER_COMPUTE, TRAINER_OPTIMIZER, TRAINER_GRADS = "trainer compute", "optimizer step", "gradient traffic"
-PARTS = (TARGET_COMPUTE, TARGET_ALLREDUCE, TRAINER_COMPUTE, TRAINER_OPTIMIZER, TRAINER_GRADS)
+TRAINER_EXCHANGE = "sequence exchange"  # hw.context_parallel's all-to-alls
+PARTS = (TARGET_COMPUTE, TARGET_ALLREDUCE, TRAINER_COMPUTE, TRAINER_EXCHANGE, TRAINER_OPTIMIZER, TRAINER_GRADS)
 
 
 # ------------------------------------------------------------------------------- trainer
@@ -230,6 +234,13 @@ def predict(job, facts: TargetFacts, layout: str | None = None, padding_share: f
         grads_s = 4 * P * 2 * (ranks - 1) / ranks / link if ranks > 1 else 0.0
         grads_how = f"DDP all-reduce of 4P over {ranks} ranks" if ranks > 1 else "none (one rank)"
 
+    # context parallelism: per position a rank holds, the attention exchanges of every TTT step, forward
+    # and backward (and the recompute's forward with checkpointing), over the same link
+    cp = context_parallel(hw)
+    exchange_values = method.plan.context_parallel_values(cfg, cp) if cp > 1 and method.context_parallel else 0.0
+    passes = 3 if tr.activation_checkpointing else 2
+    x_exchange = exchange_values * a * K * passes / link / real
+
     gpus: dict[int, GpuTime] = {}
 
     def add(gpu: int, role: str, part: str, seconds: float) -> None:
@@ -245,6 +256,7 @@ def predict(job, facts: TargetFacts, layout: str | None = None, padding_share: f
             add(gpu, "TP rank", TARGET_ALLREDUCE, t_allreduce)
     for gpu in trainers:
         add(gpu, "trainer rank", TRAINER_COMPUTE, share * c_compute)
+        add(gpu, "trainer rank", TRAINER_EXCHANGE, share * x_exchange)
         add(gpu, "trainer rank", TRAINER_OPTIMIZER, share * opt_s / step_tokens)
         add(gpu, "trainer rank", TRAINER_GRADS, share * grads_s / step_tokens)
     for g in gpus.values():
@@ -271,6 +283,10 @@ def predict(job, facts: TargetFacts, layout: str | None = None, padding_share: f
         ("gradient traffic per step", f"{grads_s:.4f} s", grads_how),
         ("tokens per optimizer step per rank", f"{step_tokens:,.0f}",
          "batch_size x max_length x grad_accum" + (" x (1 - padding share)" if padding_share else "")),
+        ("sequence exchange per position", f"{exchange_values * a * K * passes / 1e3:.1f} KB",
+         f"hw.context_parallel={cp}: {exchange_values:,.0f} values x {a} B x {K} steps x {passes} "
+         f"(forward, backward{', recompute' if passes == 3 else ''}; method plan context_parallel_values)"
+         if exchange_values else "none (hw.context_parallel=1: whole sequences per rank)"),
         ("padding share", f"{padding_share:.0%}", "the run plan's (train/schedule.py padding_share)" if padding_share
          else "none: every micro-batch full at max_length (the run plan prints the run's share)"),
     ]

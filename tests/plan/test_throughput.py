@@ -194,7 +194,8 @@ def test_b300_colocated_hand_computed():
     gpu5 = t.gpu(5)
     assert gpu5.role == "TP rank + trainer rank"
     assert gpu5.parts == pytest.approx({"target compute": target, "target all-reduce": allreduce,
-                                        "trainer compute": trainer / 4, "optimizer step": optimizer / 8192 / 4,
+                                        "trainer compute": trainer / 4, "sequence exchange": 0.0,
+                                        "optimizer step": optimizer / 8192 / 4,
                                         "gradient traffic": grads / 8192 / 4}, rel=1e-12)
     assert t.tokens_per_s == pytest.approx(2 / gpu5.busy, rel=1e-12)  # two replicas, all GPUs alike
     assert round(t.tokens_per_s) == 52883 and all(abs(t.idle(g)) < 1e-12 for g in t.gpus)
@@ -248,3 +249,20 @@ def test_cli_prints_the_throughput_of_both_layouts():
                    "73 %", "balanced bound 5,417 tokens/s", "colocated is faster: 2.90x",
                    "this run: hw.trainer_layout=colocated", "hw.link_gbps (conf/hw/rtxpro6000x8.yaml)", "fits."):
         assert needle in text, needle
+
+
+def test_context_parallel_exchange_hand_computed():
+    """README's rtxpro6000x8 long-context run (C = 8, checkpointing on): per position a rank holds,
+    q, k, v and the output of every TTT step cross 7/8 of the way, forward, backward and recompute."""
+    job = _job("rtxpro6000x8", "hw.context_parallel=8", "data.max_length=16384")
+    assert job.train.ttt_length == 7 and job.train.activation_checkpointing and job.hw.autocast == "bf16"
+    per_position = 7 / 8 * 128 * (2 * 56 + 2 * 8) * 2 * 7 * 3  # 56 heads, 8 KV heads, head dim 128; bf16
+    t = predict(job, KIMI_K25)
+    assert t.gpu(3).parts["sequence exchange"] == pytest.approx(per_position / 28e9 / 8, rel=1e-12)
+    assert 0.01 < t.gpu(3).parts["sequence exchange"] / t.gpu(3).busy < 0.02  # docs/ARCHITECTURE.md: ~1 %
+    # MLA: q and the output by heads, the latent and rope key gathered from the 7 other ranks
+    mla = predict(_job("rtxpro6000x8", "hw.context_parallel=8", "data.max_length=16384", "draft.method=eagle3_mla"),
+                  KIMI_K25)
+    values = 7 / 8 * 56 * (128 + 64 + 128) + 7 * (512 + 64)  # draft=kimi: 56 heads; Kimi MLA dn 128, dr 64, dv 128, r 512
+    assert mla.gpu(3).parts["sequence exchange"] == pytest.approx(values * 2 * 7 * 3 / 28e9 / 8, rel=1e-12)
+    assert predict(_job("rtxpro6000x8"), KIMI_K25).gpu(3).parts["sequence exchange"] == 0.0

@@ -1,4 +1,4 @@
-"""Faults during a real run (CLI, SGLang target on the tiny DeepSeek): kill -9 and resume exactly,
+"""Faults during a real run (CLI, SGLang target on the tiny DeepSeek, chunked prefill): kill -9 and resume exactly,
 SIGTERM saves and leaves no processes behind, a dead engine is reported and progress saved, and a
 checkpoint from another run is refused."""
 from __future__ import annotations
@@ -16,9 +16,11 @@ import pytest
 
 pytestmark = [pytest.mark.engine, pytest.mark.e2e]
 
+# batch 2 grouped by length (train.group_by_length), and a batch of up to 128 tokens prefilled in chunks of
+# 48 (hw.target_prefill_chunk): a resume must reproduce both
 BASE = ["target=tiny_deepseek", "data.num_samples=16", "data.heldout_samples=2", "data.max_length=64",
         "draft.vocab_size=1024", "train.batch_size=2", "train.ttt_length=3", "train.log_every=1",
-        "train.checkpoint_every=2", "train.progress=false", "train.logger=none"]
+        "hw.target_prefill_chunk=48", "train.checkpoint_every=2", "train.progress=false", "train.logger=none"]
 
 
 def _cmd(run_dir: Path, *extra: str) -> list[str]:
@@ -70,7 +72,7 @@ def test_kill9_then_resume_gives_identical_losses(tmp_path, base_reference_run):
     resumed = subprocess.run(_cmd(run_dir, "train.resume=auto"), capture_output=True, text=True, timeout=900,
                              env=_env())
     assert resumed.returncode == 0, resumed.stderr[-3000:]
-    assert "resuming from" in resumed.stdout
+    assert "resuming from" in resumed.stdout and "prefill in chunks of 48 tokens" in resumed.stdout
     summary = json.loads((run_dir / "summary.json").read_text())
     assert summary["steps"] == 8 and summary["samples_trained"] == 16
     got = _losses(run_dir)
