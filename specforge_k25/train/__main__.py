@@ -34,6 +34,7 @@ def print_summary(summary: dict) -> None:
     table.add_row("optimizer steps", str(summary["steps"]))
     table.add_row("tokens/s (online, wall clock)", f"{summary['tokens_per_s']:.1f}")
     table.add_row("trainer waiting on target", f"{100 * summary['stream_wait_frac']:.0f}%")
+    table.add_row("padding in the trainer's batches", f"{100 * summary['padding_share']:.1f}%")
     table.add_row("rows skipped (by reason)", str(data["skipped"] or "none"))
     for tag in ("start", "end"):
         ev = summary["eval"].get(tag)

@@ -130,6 +130,7 @@ class Trainer:
         self._t_train: float | None = None  # set at the first training batch: throughput excludes start-up
         self._wait_at_train_start = 0.0
         self._session_tokens = self._tokens_streamed = 0
+        self._positions = [0, 0]  # this session's real and padded positions of this rank's training batches
         self.regenerated = RegenerationLog(self.run_dir / "regenerated.jsonl", setup.tokenizer,
                                            write=setup.regeneration is not None and ranks.main)
 
@@ -164,6 +165,9 @@ class Trainer:
         if self._t_train is None:
             self._t_train, self._wait_at_train_start = time.perf_counter(), self.stream.wait_s
         res = self.learner.train_micro(batch)  # None: no share of this micro-batch (it still joins the counts)
+        if batch is not None:
+            self._positions[0] += int(batch.lengths.sum())
+            self._positions[1] += batch.input_ids.numel()
         if res is not None:
             self._train_stats.add(res)
         p = self.progress
@@ -370,14 +374,17 @@ class Trainer:
         token_bytes = 4 * setup.info.hidden_size * elem_bytes
         smallest_batch = min(sum(self._floor_tokens(i) for i in item.sample_ids) for item in self.schedule)
         # summed over the data-parallel ranks: every target process and every trainer
-        hidden_disk, startup_disk, trainer_written = self.ranks.sum_ints(
-            [stream.target_io.streaming_write_bytes, stream.target_io.startup_write_bytes, trainer_written], self.device)
+        hidden_disk, startup_disk, trainer_written, real, padded = self.ranks.sum_ints(
+            [stream.target_io.streaming_write_bytes, stream.target_io.startup_write_bytes, trainer_written,
+             *self._positions], self.device)
         summary = {
             "target": job.target.name, "trainer_ranks": self.ranks.world, "steps": p.step,
             "samples_trained": p.samples_trained, "tokens_trained": p.tokens_trained,
             "resumed_from": str(self.resumed_from) if self.resumed_from else None,
             "train_wall_s": round(train_wall, 1), "tokens_per_s": round(self._session_tokens / train_wall, 1),
             "stream_wait_frac": round((stream.wait_s - self._wait_at_train_start) / train_wall, 3),
+            # of the positions the trainer ranks computed on in this session, the share that was padding
+            "padding_share": round(1 - real / padded, 4) if padded else 0.0,
             "total_wall_s": round(time.perf_counter() - self.t_start, 1),
             "eval": self.evals, "data": setup.data.summary(),
             # Measured from the processes' I/O counters (/proc/<pid>/io write_bytes) over the streaming
@@ -398,7 +405,7 @@ class Trainer:
             self.logger.table("regenerated", COLUMNS, self.regenerated.rows)
         if self.ranks.main:
             (self.run_dir / "summary.json").write_text(json.dumps(summary, indent=1))
-        self.logger.summary({"tokens_per_s": summary["tokens_per_s"],
+        self.logger.summary({"tokens_per_s": summary["tokens_per_s"], "padding_share": summary["padding_share"],
                              **{f"final/{k}": v for k, v in self.evals.get("end", {}).items()}})
         self.logger.close()
         return summary

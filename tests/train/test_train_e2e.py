@@ -57,6 +57,8 @@ def test_cli_trains_through_sglang_and_exports(tmp_path):
     assert "run plan" in out.stdout and "run summary" in out.stdout
     summary = json.loads((run_dir / "summary.json").read_text())
     assert summary["steps"] == 6 and summary["samples_trained"] == 12
+    (row,) = [line for line in out.stdout.splitlines() if "padding in the trainer's batches" in line]
+    assert f" {100 * summary['padding_share']:.1f}% " in row
     assert summary["tokens_trained"] > 0 and summary["tokens_per_s"] > 0
     assert summary["disk"]["hidden_state_bytes_on_disk"] == 0
     assert summary["disk"]["hidden_state_bytes_streamed_in_memory"] > 0

@@ -5,6 +5,7 @@ a slot handed back before its copy, the global loss-count normaliser, the data c
 from __future__ import annotations
 
 import copy
+import json
 import dataclasses
 from dataclasses import dataclass, field
 
@@ -25,6 +26,7 @@ from specforge_k25.draft.registry import get_method, method_of
 from specforge_k25.export.serving import load_exported_draft
 from specforge_k25.train.step import DraftLearner
 from specforge_k25.train.feed import take_batches
+from specforge_k25.train.schedule import padding_share
 from specforge_k25.train.trainer import Trainer, build_learner
 
 V, H = 96, 32
@@ -235,6 +237,11 @@ def test_resume_continues_from_the_step_boundary_exactly(tiny_setup, tmp_path, m
     for (name, a), b in zip(full.learner.draft.state_dict().items(), resumed.learner.draft.state_dict().values()):
         assert torch.equal(a, b), name
     assert resumed.evals["end"] == full.evals["end"]
+    # the padding the batches carried, counted in the loop, is what the schedule's lengths imply
+    (summary,) = (tmp_path / "full").rglob("summary.json")
+    lengths = [len(s.input_ids) for s in tiny_setup.data.train]
+    share = padding_share(full.schedule, lengths, 2)
+    assert share > 0 and json.loads(summary.read_text())["padding_share"] == round(share, 4)
     (export,) = (tmp_path / "full").rglob("export/config.json")
     embed = full.learner.draft.embed_tokens.weight
     back = load_exported_draft(export.parent, embed)
@@ -254,7 +261,6 @@ def test_resume_continues_from_the_step_boundary_exactly(tiny_setup, tmp_path, m
 def test_the_export_ends_a_served_turn_at_the_runs_end_of_turn_token(tiny_setup, tmp_path):
     """The export's eos is the run's end-of-turn token first (Kimi-K2.5: <|im_end|>, not its
     config's [EOS]), then the target config's eos."""
-    import json
 
     _run(_job(tmp_path, grad_accum=1), dataclasses.replace(tiny_setup, end_of_turn_id=5))
     (config,) = tmp_path.rglob("export/config.json")
@@ -310,7 +316,6 @@ def test_regenerated_answers_are_what_the_loop_trains_on_and_a_resume_redoes_the
     """The trainer builds each sample from the target's conversation (prompt + its answer): the
     loss covers the answer, tokens are counted from it, every answer is written to
     regenerated.jsonl; a run that dies and resumes regenerates the rest identically."""
-    import json
 
     from specforge_k25.data.regenerate import regeneration_prompt
     from specforge_k25.target_engine.sampling import Regeneration
