@@ -13,6 +13,7 @@ from .memory import gib
 
 
 def fits_with(job, facts, **kw) -> bool:
+    """Whether the memory plan fits with the keyword arguments in place of the job's values."""
     return plan_memory(job, facts, **kw).capacity_ok
 
 
@@ -82,7 +83,7 @@ def suggest_override(job, facts: TargetFacts) -> Optional[str]:
             batch = "" if B == tr.batch_size else f"train.batch_size=1 train.grad_accum={tr.grad_accum * tr.batch_size} "
             return f"{batch}lower data.max_length to {best} (data.max_length={best})"
     best = largest_fitting(lambda width: fits_with(job, facts, intermediate_size=width),
-                            draft_of(job, facts)[1].intermediate_size)
+                           draft_of(job, facts)[1].intermediate_size)
     if best:
         return f"a smaller draft MLP: draft.intermediate_size={best} (at data.max_length={L})"
     return None

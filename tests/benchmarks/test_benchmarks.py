@@ -362,3 +362,15 @@ def test_colocated_benchmark_smoke(tmp_path, tiny_deepseek_path):
     assert sorted(colocated["busy_share"]) == ["launcher 0", "target 0", "target 1", "trainer 0", "trainer 1"]
     assert all(finite(v) and v >= 0 for r in (dedicated, colocated) for v in r["busy_share"].values())
     assert finite(result["colocated_over_dedicated_tokens_per_s"])
+
+
+# ------------------------------------------------------------------------------ padding
+def test_padding_small(tmp_path, capsys):
+    out = tmp_path / "padding.json"
+    result = bench("padding").main(["--small", "--lengths", "256", "--batches", "1,4", "--out", str(out)])
+    assert "grouped by length" in capsys.readouterr().out and out.with_suffix(".png").stat().st_size > 0
+    (point,) = json.loads(out.read_text())["points"]
+    assert point == result["points"][0] and point["max_length"] == 256 and point["samples"] > 0
+    one, four = point["rows"]
+    assert one["shuffled"] == one["grouped"] == 0.0  # batch 1 pads nothing
+    assert 0.0 <= four["grouped"] <= four["shuffled"] < 1.0
