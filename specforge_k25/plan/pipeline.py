@@ -50,8 +50,8 @@ from .fit import largest_fitting
 from .kernels import MARLIN, int4_moe_backend, marlin_scratch_bytes
 from .memory import Item, trainer_items
 from .throughput import (GPU_ADAMW_S_PER_PARAM, H200_MEMORY_GBPS, TARGET_ALLREDUCE, TARGET_COMPUTE, TRAINER_COMPUTE,
-                         TRAINER_EXCHANGE, TRAINER_GRADS, TRAINER_OPTIMIZER, GpuTime, Throughput, check_padding_share,
-                         compute_bound_tokens_per_s, target_flops_per_token, target_params_per_token)
+                         TRAINER_EXCHANGE, TRAINER_GRADS, TRAINER_OPTIMIZER, GpuTime, Throughput,
+                         compute_bound_tokens_per_s, target_flops_per_token, target_params_per_token, trained_share)
 from ..target_engine.layers import resolve_capture_points
 
 STAGE_TRANSFERS = "stage transfers"
@@ -226,7 +226,7 @@ def predict_pipeline(job, facts: TargetFacts, pp: int, tp: int = 1, replicas: in
     """The node in `replicas` (default: as many as fit) pipelines of `pp` stages of `tp` GPUs, a
     trainer rank beside every GPU; PlanError without the throughput inputs. `padding_share` as in
     plan/throughput.py `predict`."""
-    real = check_padding_share(padding_share)
+    real = trained_share(padding_share)
     hw, tr = job.hw, job.train
     missing = [k for k in ("peak_tflops", "memory_gbps", "link_gbps") if getattr(hw, k) <= 0]
     if missing:

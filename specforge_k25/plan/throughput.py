@@ -15,8 +15,8 @@ Arithmetic on the target's facts, the draft's shapes and the hw profile; nothing
   work each layout must do (the prefill with its all-reduces, the trainer's FLOPs): optimizer
   steps, gradient traffic and context parallelism's sequence exchanges (the attention all-to-alls
   of hw.context_parallel, over hw.link_gbps like the rest), which the layouts pay differently, are
-  left out of it. The compute
-  bound (`compute_bound_tokens_per_s`) is the node busy on FLOPs only, the same for every layout.
+  left out of it. The compute bound (`compute_bound_tokens_per_s`) is the node busy on FLOPs only,
+  the same for every layout.
 - The target as pipeline stages (hw.target_pp; predicted here) is planned in
   plan/pipeline.py on the same parts.
 """
@@ -171,8 +171,9 @@ class Throughput:
         return g, max(g.parts, key=g.parts.get)
 
 
-def check_padding_share(padding_share: float) -> float:
-    """The trained share of the trainer's padded positions (1 - padding_share); ValueError outside [0, 1)."""
+def trained_share(padding_share: float) -> float:
+    """The share of the trainer's positions that are real tokens (1 - padding_share); ValueError
+    outside [0, 1)."""
     if not 0.0 <= padding_share < 1.0:
         raise ValueError(f"padding share {padding_share} outside [0, 1)")
     return 1.0 - padding_share
@@ -186,7 +187,7 @@ def predict(job, facts: TargetFacts, layout: str | None = None, padding_share: f
     plan's, train/schedule.py `padding_share`; 0: every micro-batch full). The target prefills only
     real tokens (its batches are packed), so padding costs the trainer: per real token its compute
     grows by 1 / (1 - share), and a step holds that much fewer real tokens. Tokens/s counts real ones."""
-    real = check_padding_share(padding_share)
+    real = trained_share(padding_share)
     hw = job.hw if layout is None else with_layout(job.hw, layout)
     missing = [k for k in ("peak_tflops", "memory_gbps", "link_gbps") if getattr(hw, k) <= 0]
     if missing:
