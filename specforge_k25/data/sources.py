@@ -125,7 +125,8 @@ def iter_json_array(path: Path, chunk_chars: int = 1 << 20) -> Iterator[object]:
 
 def iter_jsonl(path: Path) -> Iterator[object]:
     """Rows of a JSONL file; a line that is not JSON yields a `BadRow` marker instead."""
-    with open(path, encoding="utf-8", errors="replace") as fh:
+    # utf-8-sig: a byte-order mark opening the file (some editors write one) is not part of row 1
+    with open(path, encoding="utf-8-sig", errors="replace") as fh:
         for line in fh:
             if not line.strip():
                 continue
