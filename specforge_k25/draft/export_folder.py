@@ -16,11 +16,15 @@ from ..paths import write_atomic, write_text_atomic
 
 def publish_folder(out_dir: str | Path, tensors: dict[str, torch.Tensor], config: dict,
                    validate: Callable[[Path], None]) -> Path:
-    """<out_dir>/{config.json, model.safetensors}, built in <out_dir>.tmp, `validate`d, then renamed
-    into place; a folder that fails validation is removed and the error raised."""
+    """<out_dir>/{config.json, model.safetensors}, built in <out_dir>.tmp, `validate`d, then swapped
+    in (the previous export aside as <out_dir>.old until the new one is in place); a folder that
+    fails validation is removed and the error raised."""
     out = Path(out_dir)
-    tmp = out.with_name(out.name + ".tmp")
+    tmp, old = out.with_name(out.name + ".tmp"), out.with_name(out.name + ".old")
+    if old.is_dir() and not out.exists():  # a publish died between its two renames: the old export is whole
+        os.replace(old, out)
     shutil.rmtree(tmp, ignore_errors=True)
+    shutil.rmtree(old, ignore_errors=True)
     tmp.mkdir(parents=True)
     # the umask's mode: a server running as another user reads the folder (save_file alone makes 0600)
     write_atomic(tmp / "model.safetensors", lambda f: save_file(tensors, f, metadata={"format": "pt"}))
@@ -30,9 +34,14 @@ def publish_folder(out_dir: str | Path, tensors: dict[str, torch.Tensor], config
     except ValueError:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
+    # the old folder moved aside whole, the new one renamed in, then the old removed: a reader or a
+    # crash never meets a half-deleted export (removing it in place first would)
     if out.exists():
-        shutil.rmtree(out)
-    os.replace(tmp, out)
+        os.replace(out, old)
+        os.replace(tmp, out)
+        shutil.rmtree(old, ignore_errors=True)
+    else:
+        os.replace(tmp, out)
     return out
 
 
