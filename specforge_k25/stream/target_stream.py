@@ -41,7 +41,7 @@ from .target_process import GROUP_SIGNALS, run_producer, run_tp_rank, sequence_r
 
 class Rendezvous:
     """Where the TP ranks of a one-node target meet: a TCPStore this (the trainer's) process serves,
-    bound to a port the kernel picks (port 0) and kept until the ranks are gone. Picking a free port,
+    on 127.0.0.1 only, bound to a port the kernel picks (port 0) and kept until the ranks are gone. Picking a free port,
     releasing it and letting rank 0 bind it would race with any other process; a store that is
     already listening cannot be taken. The ranks reach it through torch's env:// rendezvous as
     clients (TORCHELASTIC_USE_AGENT_STORE), and SGLang 0.5.23 uses env:// when
@@ -49,11 +49,26 @@ class Rendezvous:
 
     def __init__(self, timeout_s: float):
         import datetime
+        import socket
 
         from torch.distributed import TCPStore
 
-        self.store = TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False,
-                              timeout=datetime.timedelta(seconds=timeout_s))
+        # The store is unauthenticated: it listens on loopback only. Given a host and port, torch
+        # binds every interface; a socket bound here and handed over (master_listen_fd, which
+        # torch's libuv server supports) keeps it to 127.0.0.1. The store owns the socket from
+        # then on and closes it with itself.
+        listener = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        try:
+            listener.bind(("127.0.0.1", 0))
+            listener.listen(socket.SOMAXCONN)
+            port = listener.getsockname()[1]
+            self.store = TCPStore("127.0.0.1", port, is_master=True, wait_for_workers=False,
+                                  timeout=datetime.timedelta(seconds=timeout_s),
+                                  master_listen_fd=listener.fileno(), use_libuv=True)
+        except BaseException:
+            listener.close()
+            raise
+        listener.detach()  # the fd is the store's now: closing it here too would close it twice
 
     def env(self) -> dict[str, str]:
         """What a rank's environment needs to join (set in the parent around process start)."""
