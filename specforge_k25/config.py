@@ -189,7 +189,7 @@ class EvalConfig:
     max_running_requests: int = doc(8, "SGLang batch size (requests decoded together)")
     untrained_seed: int = doc(0, "seed of the untrained head's random init")
     draft_attention_backend: Optional[str] = doc(None, "SGLang speculative_draft_attention_backend (GPU; a GQA draft behind Kimi, whose MLA backend does not fit it: e.g. fa3); null = SGLang's choice")
-    output: Optional[str] = doc(None, "folder for eval.json / eval.md; null = the Hydra run folder")
+    output: Optional[str] = doc(None, "folder for eval.json / eval.md, and Hydra's run folder (.hydra/, log); null = outputs/eval/<date>/<time>")
 
 
 @dataclass
@@ -223,8 +223,13 @@ def compose_job(overrides: list[str], config_name: str = "config"):
 
 def register_schemas() -> None:
     """The typed schemas the YAML files extend (`defaults: [job_schema, ...]`): unknown keys and
-    wrong types fail at composition."""
+    wrong types fail at composition; and `${first_set:a,b}` (a unless null, else b), with which
+    conf/eval.yaml puts Hydra's run folder at eval.output when one is given."""
     from hydra.core.config_store import ConfigStore
+    from omegaconf import OmegaConf
+
+    if not OmegaConf.has_resolver("first_set"):
+        OmegaConf.register_new_resolver("first_set", lambda first, then: then if first is None else first)
 
     ConfigStore.instance().store(name="job_schema", node=JobConfig)
     ConfigStore.instance().store(name="eval_schema", node=EvalJobConfig)
