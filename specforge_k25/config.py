@@ -12,49 +12,80 @@ from typing import Optional
 CONF_DIR = str(Path(__file__).resolve().parents[1] / "conf")
 
 
-def doc(default, help: str, **kw):
+def doc(default, help: str, at_least=None, above=None, **kw):
+    """A field with its one-line help; `at_least` / `above`: the smallest value a size, count,
+    interval or timeout may take (inclusive / exclusive; null stays allowed where the type is
+    Optional), checked when the config is composed (`check_limits`)."""
+    meta = {"help": help, **({"at_least": at_least} if at_least is not None else {}),
+            **({"above": above} if above is not None else {})}
     if isinstance(default, (list, dict)):
-        return field(default_factory=lambda: type(default)(default), metadata={"help": help}, **kw)
-    return field(default=default, metadata={"help": help}, **kw)
+        return field(default_factory=lambda: type(default)(default), metadata=meta, **kw)
+    return field(default=default, metadata=meta, **kw)
+
+
+def limit_problems(cfg, prefix: str = "") -> list[str]:
+    """Every field of `cfg` (nested configs included) below its `at_least` / `above`, named as
+    an override (`train.stream_slots must be >= 1 (got 0)`)."""
+    problems = []
+    for f in fields(cfg):
+        value, name = getattr(cfg, f.name), prefix + f.name
+        if is_dataclass(value):
+            problems += limit_problems(value, name + ".")
+            continue
+        if value is None or isinstance(value, bool) or not isinstance(value, (int, float)):
+            continue
+        if "at_least" in f.metadata and value < f.metadata["at_least"]:
+            problems.append(f"{name} must be >= {f.metadata['at_least']} (got {value!r}): {f.metadata['help']}")
+        if "above" in f.metadata and not value > f.metadata["above"]:
+            problems.append(f"{name} must be > {f.metadata['above']} (got {value!r}): {f.metadata['help']}")
+    return problems
+
+
+def check_limits(cfg) -> None:
+    """Refuse a zero or negative size, count, interval or timeout before any process starts (one
+    would otherwise divide by zero, hang or fail mid-run), naming each field."""
+    problems = limit_problems(cfg)
+    if problems:
+        raise ValueError("invalid configuration:\n  " + "\n  ".join(problems))
 
 
 @dataclass
 class HwConfig:
     name: str = doc("cpu", "hardware profile name")
     device: str = doc("cpu", "device of the target engine and the trainer: cpu | cuda")
-    target_tp: int = doc(1, "tensor-parallel size of the SGLang target")
-    target_pp: int = doc(1, "pipeline-parallel stages of the SGLang target (one node; target_pp x target_tp ranks, stage s on GPUs target_gpu+s*target_tp..); the last stage hands the states to a dedicated trainer rank; no regeneration; 1 = no pipeline")
-    target_gpu: int = doc(0, "first GPU id of the target (TP ranks use target_gpu..target_gpu+tp-1)")
-    target_nnodes: int = doc(1, "nodes the target's TP group spans (SGLang nnodes; target_tp/target_nnodes ranks each); node 0 also runs the trainer")
-    target_node_rank: int = doc(0, "this node's index in the target's TP group (SGLang node_rank); 0 = the trainer's node")
+    target_tp: int = doc(1, "tensor-parallel size of the SGLang target", at_least=1)
+    target_pp: int = doc(1, "pipeline-parallel stages of the SGLang target (one node; target_pp x target_tp ranks, stage s on GPUs target_gpu+s*target_tp..); the last stage hands the states to a dedicated trainer rank; no regeneration; 1 = no pipeline", at_least=1)
+    target_gpu: int = doc(0, "first GPU id of the target (TP ranks use target_gpu..target_gpu+tp-1)", at_least=0)
+    target_nnodes: int = doc(1, "nodes the target's TP group spans (SGLang nnodes; target_tp/target_nnodes ranks each); node 0 also runs the trainer", at_least=1)
+    target_node_rank: int = doc(0, "this node's index in the target's TP group (SGLang node_rank); 0 = the trainer's node", at_least=0)
     target_dist_init_addr: Optional[str] = doc(None, "HOST:PORT on node 0 where the target's TP ranks meet (SGLang dist_init_addr); needed when target_nnodes > 1")
-    target_dist_timeout_s: Optional[float] = doc(None, "SGLang dist_timeout of the target's TP group: its setup and collectives fail after this long (a rank that never arrives or hangs); null = train.dist_timeout_s")
-    target_load_threads: int = doc(8, "shards SGLang's multithreaded safetensors loader reads at a time per TP rank (its default 8; host memory while loading: up to threads + 2 shards per rank)")
+    target_dist_timeout_s: Optional[float] = doc(None, "SGLang dist_timeout of the target's TP group: its setup and collectives fail after this long (a rank that never arrives or hangs); null = train.dist_timeout_s", above=0)
+    target_load_threads: int = doc(8, "shards SGLang's multithreaded safetensors loader reads at a time per TP rank (its default 8; host memory while loading: up to threads + 2 shards per rank)", at_least=1)
     gpu_arch: Optional[str] = doc(None, "compute capability of the node's GPUs, e.g. sm90 (H100/H200), sm100 (B200), sm103 (B300), sm120 (RTX PRO 6000): which INT4 MoE kernels SGLang runs (memory plan, kernel checks); null = not known")
-    trainer_gpu: int = doc(0, "GPU id of the dedicated trainer rank")
+    trainer_gpu: int = doc(0, "GPU id of the dedicated trainer rank", at_least=0)
     target_dtype: str = doc("float32", "target compute dtype in SGLang: float32 | bfloat16")
-    target_threads: int = doc(1, "CPU threads of the target process (cpu only)")
-    trainer_threads: int = doc(1, "CPU threads of the trainer process (cpu only)")
-    mem_fraction_static: float = doc(0.15, "SGLang static memory fraction (weights + KV pool); on CPU a share of system memory, the pool capped by max_total_tokens")
-    kv_pool_margin_gib: float = doc(1.0, "memory plan: GiB the derived mem_fraction_static keeps above SGLang's minimum (weights + KV pool + multimodal reservation), so a slightly low estimate does not fail the engine at start")
+    target_threads: int = doc(1, "CPU threads of the target process (cpu only)", at_least=1)
+    trainer_threads: int = doc(1, "CPU threads of the trainer process (cpu only)", at_least=1)
+    mem_fraction_static: float = doc(0.15, "SGLang static memory fraction (weights + KV pool); on CPU a share of system memory, the pool capped by max_total_tokens", above=0)
+    kv_pool_margin_gib: float = doc(1.0, "memory plan: GiB the derived mem_fraction_static keeps above SGLang's minimum (weights + KV pool + multimodal reservation), so a slightly low estimate does not fail the engine at start", at_least=0)
     target_attention_backend: Optional[str] = doc(None, "SGLang attention_backend of the target (e.g. fa3, triton, trtllm_mla, flashinfer); null = SGLang's choice per GPU (cpu: torch_native)")
-    target_prefill_chunk: Optional[int] = doc(None, "tokens per target forward: a longer batch is prefilled in chunks, each extending the KV of the earlier ones (as SGLang's chunked_prefill_size), bounding one forward's activations; null = the whole batch in one forward")
-    max_total_tokens: int = doc(16384, "SGLang KV pool cap in tokens; raised to one whole target batch (train.batch_size x data.max_length, x target_tp when colocated) when smaller")
+    target_prefill_chunk: Optional[int] = doc(None, "tokens per target forward: a longer batch is prefilled in chunks, each extending the KV of the earlier ones (as SGLang's chunked_prefill_size), bounding one forward's activations; null = the whole batch in one forward", at_least=1)
+    max_total_tokens: int = doc(16384, "SGLang KV pool cap in tokens; raised to one whole target batch (train.batch_size x data.max_length, x target_tp when colocated) when smaller", at_least=1)
     autocast: str = doc("none", "trainer autocast dtype: none | bf16")
-    gpu_memory_mib: int = doc(0, "memory per GPU in MiB as nvidia-smi reports it (memory plan); 0 = not planned")
-    num_gpus: int = doc(1, "GPUs on the node (memory plan)")
-    target_replicas: int = doc(1, "data-parallel target copies per node, one trainer rank each (torchrun --nproc-per-node); replica r on GPUs target_gpu+r*tp..")
+    gpu_memory_mib: int = doc(0, "memory per GPU in MiB as nvidia-smi reports it (memory plan); 0 = not planned", at_least=0)
+    num_gpus: int = doc(1, "GPUs on the node (memory plan)", at_least=1)
+    target_replicas: int = doc(1, "data-parallel target copies per node, one trainer rank each (torchrun --nproc-per-node); replica r on GPUs target_gpu+r*tp..", at_least=1)
     trainer_gpus: Optional[list] = doc(None, "GPU of each data-parallel trainer rank on a node (rank r reads the replica starting on its GPU); null = [trainer_gpu]")
-    cuda_context_gib: float = doc(0.75, "memory plan: CUDA context per process per GPU (GiB)")
-    target_runtime_gib: float = doc(2.0, "memory plan: SGLang non-static memory per TP rank: activations, workspaces (GiB)")
-    target_weight_gb: Optional[float] = doc(None, "memory plan: target weight size in GB (all ranks); null = its safetensors files / known default")
+    cuda_context_gib: float = doc(0.75, "memory plan: CUDA context per process per GPU (GiB)", at_least=0)
+    target_runtime_gib: float = doc(2.0, "memory plan: SGLang non-static memory per TP rank: activations, workspaces (GiB)", at_least=0)
+    target_weight_gb: Optional[float] = doc(None, "memory plan: target weight size in GB (all ranks); null = its safetensors files / known default", above=0)
     trainer_layout: str = doc("dedicated", "dedicated = one trainer rank per replica, on trainer_gpus | colocated = one trainer rank beside every TP rank (torchrun --nproc-per-node replicas x target_tp), each reading its TP rank's copy of the hidden states, the draft state sharded over them (FSDP2)")
-    context_parallel: int = doc(1, "co-located trainer ranks that split each sequence's positions (Ulysses attention: each holds 1/C of the positions' activations, attends with 1/C of the heads); divides the replica's trainer ranks; train.batch_size is then per group of C; eagle3 / eagle3_mla; 1 = whole sequences per rank")
-    peak_tflops: float = doc(0.0, "throughput plan: dense bf16 tensor-core peak of one GPU in TFLOP/s (datasheet); 0 = no throughput plan")
-    memory_gbps: float = doc(0.0, "throughput plan: memory bandwidth of one GPU in GB/s (datasheet): the target's weight reads, the GPU AdamW step")
-    link_gbps: float = doc(0.0, "throughput plan: all-reduce bus bandwidth between the node's GPUs in GB/s (nccl-tests busbw; PCIe or NVLink): TP all-reduce, gradient traffic")
-    trainer_efficiency: float = doc(0.433, "throughput plan: share of peak_tflops the trainer's step reaches (teacher + TTT fwd/bwd; measured on an H200, docs/PERFORMANCE.md §3)")
-    target_efficiency: float = doc(0.35, "throughput plan: share of peak_tflops SGLang's prefill matmuls and attention reach, all-reduce apart (assumed; docs/PERFORMANCE.md §5)")
+    context_parallel: int = doc(1, "co-located trainer ranks that split each sequence's positions (Ulysses attention: each holds 1/C of the positions' activations, attends with 1/C of the heads); divides the replica's trainer ranks; train.batch_size is then per group of C; eagle3 / eagle3_mla; 1 = whole sequences per rank", at_least=1)
+    peak_tflops: float = doc(0.0, "throughput plan: dense bf16 tensor-core peak of one GPU in TFLOP/s (datasheet); 0 = no throughput plan", at_least=0)
+    memory_gbps: float = doc(0.0, "throughput plan: memory bandwidth of one GPU in GB/s (datasheet): the target's weight reads, the GPU AdamW step", at_least=0)
+    link_gbps: float = doc(0.0, "throughput plan: all-reduce bus bandwidth between the node's GPUs in GB/s (nccl-tests busbw; PCIe or NVLink): TP all-reduce, gradient traffic", at_least=0)
+    trainer_efficiency: float = doc(0.433, "throughput plan: share of peak_tflops the trainer's step reaches (teacher + TTT fwd/bwd; measured on an H200, docs/PERFORMANCE.md §3)", above=0)
+    target_efficiency: float = doc(0.35, "throughput plan: share of peak_tflops SGLang's prefill matmuls and attention reach, all-reduce apart (assumed; docs/PERFORMANCE.md §5)", above=0)
 
     def trainer_gpu_ids(self) -> list[int]:
         """The GPU of each trainer rank on a node (rank r reads the replica starting there)."""
@@ -80,8 +111,8 @@ class TargetConfig:
     kimi_supervise_history: bool = doc(True, "kimi format: train on earlier assistant turns too (their reasoning dropped), not only the final turn(s)")
     kimi_missing_reasoning: str = doc("error", "kimi format, thinking: a kept turn without reasoning_content is refused (error) or rendered <think></think> (empty)")
     kimi_add_bos: bool = doc(False, "kimi format: prepend [BOS] (the template does not)")
-    tiny_layers: int = doc(8, "tiny_deepseek / tiny_kimi: number of decoder layers")
-    tiny_hidden: int = doc(128, "tiny_deepseek / tiny_kimi: hidden size")
+    tiny_layers: int = doc(8, "tiny_deepseek / tiny_kimi: number of decoder layers", at_least=1)
+    tiny_hidden: int = doc(128, "tiny_deepseek / tiny_kimi: hidden size", at_least=1)
 
 
 @dataclass
@@ -89,72 +120,72 @@ class DataConfig:
     source: str = doc("sharegpt", "sharegpt (packaged ShareGPT V3) | jsonl | hf")
     path: Optional[str] = doc(None, "file (jsonl), dataset name/folder or save_to_disk folder (hf); null = the packaged ShareGPT")
     split: str = doc("train", "split name for source=hf")
-    max_length: int = doc(256, "tokens per sample; a longer conversation becomes what trains the most of it (see fit_long_rows)")
+    max_length: int = doc(256, "tokens per sample; a longer conversation becomes what trains the most of it (see fit_long_rows)", at_least=1)
     fit_long_rows: bool = doc(True, "a conversation over max_length: the whole one cut at max_length, or a suffix of its whole turns (from a user turn, system kept, rendered as served) cut there, whichever trains more tokens; false: the cut only")
-    num_samples: int = doc(200, "training conversations to use")
-    heldout_samples: int = doc(20, "held-out conversations for evaluation (never trained on)")
+    num_samples: int = doc(200, "training conversations to use", at_least=1)
+    heldout_samples: int = doc(20, "held-out conversations for evaluation (never trained on)", at_least=0)
     seed: int = doc(0, "shuffle seed of the train/held-out split")
     regenerate: bool = doc(False, "train on the target's own answers: each sample's final assistant turn is regenerated by the target engine (online, nothing on disk) and its hidden states prefilled")
-    regen_max_new_tokens: Optional[int] = doc(128, "regeneration: most new tokens per answer (also bounded by max_length); null = up to max_length, for thinking-mode targets whose answers run to thousands of tokens")
-    regen_temperature: float = doc(0.0, "regeneration: sampling temperature as served (0 = greedy, as the eval decodes)")
-    regen_top_p: float = doc(1.0, "regeneration: nucleus sampling mass as served")
+    regen_max_new_tokens: Optional[int] = doc(128, "regeneration: most new tokens per answer (also bounded by max_length); null = up to max_length, for thinking-mode targets whose answers run to thousands of tokens", at_least=1)
+    regen_temperature: float = doc(0.0, "regeneration: sampling temperature as served (0 = greedy, as the eval decodes)", at_least=0)
+    regen_top_p: float = doc(1.0, "regeneration: nucleus sampling mass as served", above=0)
     regen_seed: int = doc(0, "regeneration: seed of the per-prompt random streams (a resume regenerates identically)")
-    regen_group: int = doc(16, "regeneration: prompts the target decodes together, ahead of training (one decode step costs about the same for 1 or 16; memory bounded by one group)")
+    regen_group: int = doc(16, "regeneration: prompts the target decodes together, ahead of training (one decode step costs about the same for 1 or 16; memory bounded by one group)", at_least=1)
     regen_cut: str = doc("keep", "regeneration: an answer cut at its budget is kept with its mask (keep) or masked out and counted (drop)")
 
 
 @dataclass
 class DraftConfigSpec:
     method: str = doc("eagle3", "draft method (specforge_k25/draft/registry.py): eagle3 (Llama attention, LlamaForCausalLMEagle3) | eagle3_mla (DeepSeek MLA attention, Eagle3DeepseekV2ForCausalLM) | dflash (block drafter, DFlashDraftModel; train it with data.regenerate=true)")
-    vocab_size: int = doc(32000, "draft vocabulary size Vd (most frequent supervised target tokens)")
-    intermediate_size: Optional[int] = doc(None, "MLP width; null = the target's")
-    num_attention_heads: Optional[int] = doc(None, "null = the target's (text) attention heads")
-    num_key_value_heads: Optional[int] = doc(None, "null = the target's KV heads")
-    head_dim: Optional[int] = doc(None, "null = hidden / heads")
-    rope_theta: float = doc(10000.0, "RoPE base of the draft (written to the export)")
-    max_position_embeddings: Optional[int] = doc(None, "null = the target's")
+    vocab_size: int = doc(32000, "draft vocabulary size Vd (most frequent supervised target tokens)", at_least=1)
+    intermediate_size: Optional[int] = doc(None, "MLP width; null = the target's", at_least=1)
+    num_attention_heads: Optional[int] = doc(None, "null = the target's (text) attention heads", at_least=1)
+    num_key_value_heads: Optional[int] = doc(None, "null = the target's KV heads", at_least=1)
+    head_dim: Optional[int] = doc(None, "null = hidden / heads", at_least=1)
+    rope_theta: float = doc(10000.0, "RoPE base of the draft (written to the export)", above=0)
+    max_position_embeddings: Optional[int] = doc(None, "null = the target's", at_least=1)
     fc_norm: bool = doc(False, "EAGLE-3.1: one RMSNorm per captured target state before fc (export: fc_norm, fc_norm.{0,1,2}.weight)")
     norm_output: bool = doc(False, "EAGLE-3.1: each draft step hands the next its final-normed state instead of the pre-norm one (export: norm_output)")
-    q_lora_rank: Optional[int] = doc(None, "eagle3_mla: query latent width; null = an MLA target's (Kimi-K2.5 1536), else 12 x head dim")
-    kv_lora_rank: Optional[int] = doc(None, "eagle3_mla: KV latent width (what a server caches per token); null = an MLA target's (Kimi-K2.5 512), else 4 x head dim")
-    qk_nope_head_dim: Optional[int] = doc(None, "eagle3_mla: per-head query/key width without RoPE; null = an MLA target's (128), else head dim")
-    qk_rope_head_dim: Optional[int] = doc(None, "eagle3_mla: per-head RoPE width (one shared key part); null = an MLA target's (64), else head dim / 2")
-    v_head_dim: Optional[int] = doc(None, "eagle3_mla: per-head value width; null = an MLA target's (128), else head dim")
-    block_size: int = doc(8, "dflash: tokens per drafted block (the last accepted token + block_size-1 drafts; SGLang's speculative_num_draft_tokens); the loss counts positions 1..block_size-1 (train.ttt_length does not apply)")
-    num_layers: Optional[int] = doc(None, "dflash: draft decoder layers; null = one per capture point (K = len(target.aux_layers))")
-    num_anchors: int = doc(512, "dflash: training blocks per sequence, anchored at random supervised positions drawn per batch (fewer when a sequence has fewer)")
-    loss_gamma: Optional[float] = doc(None, "dflash: block position j's CE weighs exp(-(j-1)/gamma) (train.loss_decay does not apply); null = 7 for blocks >= 16, 5 for >= 10, else 4")
-    mask_token_id: Optional[int] = doc(None, "dflash: token id of the block's MASK slots, < the target vocab and absent from real input (a run whose data holds it is refused); null = the tokenizer's highest-id special token the data never holds (not bos/eos/pad/end of turn), else vocab - 1")
-    logits_chunk: int = doc(2048, "dflash: block positions per chunk of [chunk, V] logits in the loss (each chunk recomputed in backward)")
-    attention_tile_rows: int = doc(512, "dflash: block queries per tile of the exact block attention (whole blocks; bounds its [rows, keys] fp32 scores per head)")
-    attention_tile_keys: int = doc(1024, "dflash: context keys per chunk of the block attention's tile")
+    q_lora_rank: Optional[int] = doc(None, "eagle3_mla: query latent width; null = an MLA target's (Kimi-K2.5 1536), else 12 x head dim", at_least=1)
+    kv_lora_rank: Optional[int] = doc(None, "eagle3_mla: KV latent width (what a server caches per token); null = an MLA target's (Kimi-K2.5 512), else 4 x head dim", at_least=1)
+    qk_nope_head_dim: Optional[int] = doc(None, "eagle3_mla: per-head query/key width without RoPE; null = an MLA target's (128), else head dim", at_least=1)
+    qk_rope_head_dim: Optional[int] = doc(None, "eagle3_mla: per-head RoPE width (one shared key part); null = an MLA target's (64), else head dim / 2", at_least=1)
+    v_head_dim: Optional[int] = doc(None, "eagle3_mla: per-head value width; null = an MLA target's (128), else head dim", at_least=1)
+    block_size: int = doc(8, "dflash: tokens per drafted block (the last accepted token + block_size-1 drafts; SGLang's speculative_num_draft_tokens); the loss counts positions 1..block_size-1 (train.ttt_length does not apply)", at_least=2)
+    num_layers: Optional[int] = doc(None, "dflash: draft decoder layers; null = one per capture point (K = len(target.aux_layers))", at_least=1)
+    num_anchors: int = doc(512, "dflash: training blocks per sequence, anchored at random supervised positions drawn per batch (fewer when a sequence has fewer)", at_least=1)
+    loss_gamma: Optional[float] = doc(None, "dflash: block position j's CE weighs exp(-(j-1)/gamma) (train.loss_decay does not apply); null = 7 for blocks >= 16, 5 for >= 10, else 4", above=0)
+    mask_token_id: Optional[int] = doc(None, "dflash: token id of the block's MASK slots, < the target vocab and absent from real input (a run whose data holds it is refused); null = the tokenizer's highest-id special token the data never holds (not bos/eos/pad/end of turn), else vocab - 1", at_least=0)
+    logits_chunk: int = doc(2048, "dflash: block positions per chunk of [chunk, V] logits in the loss (each chunk recomputed in backward)", at_least=1)
+    attention_tile_rows: int = doc(512, "dflash: block queries per tile of the exact block attention (whole blocks; bounds its [rows, keys] fp32 scores per head)", at_least=1)
+    attention_tile_keys: int = doc(1024, "dflash: context keys per chunk of the block attention's tile", at_least=1)
 
 
 @dataclass
 class TrainConfig:
-    ttt_length: int = doc(7, "TTT unroll steps K")
-    loss_decay: float = doc(0.8, "weight of step k is decay^k")
-    lr: float = doc(5e-5, "peak learning rate (AdamW)")
+    ttt_length: int = doc(7, "TTT unroll steps K", at_least=1)
+    loss_decay: float = doc(0.8, "weight of step k is decay^k", above=0)
+    lr: float = doc(5e-5, "peak learning rate (AdamW)", above=0)
     betas: list = doc([0.9, 0.95], "AdamW betas")
-    weight_decay: float = doc(0.0, "AdamW weight decay")
-    warmup_ratio: float = doc(0.015, "fraction of optimizer steps of linear warmup, then cosine to 0")
-    grad_clip: float = doc(0.5, "max gradient norm")
-    batch_size: int = doc(1, "sequences per micro-batch per trainer rank (global batch = batch_size x ranks)")
+    weight_decay: float = doc(0.0, "AdamW weight decay", at_least=0)
+    warmup_ratio: float = doc(0.015, "fraction of optimizer steps of linear warmup, then cosine to 0", at_least=0)
+    grad_clip: float = doc(0.5, "max gradient norm", above=0)
+    batch_size: int = doc(1, "sequences per micro-batch per trainer rank (global batch = batch_size x ranks)", at_least=1)
     group_by_length: bool = doc(True, "micro-batches of similar lengths (each window of 32 global batches sorted by length, its batches shuffled), so less of a batch is padding; the run plan prints the padding share")
-    grad_accum: int = doc(1, "micro-batches per optimizer step")
-    epochs: int = doc(1, "passes over the training samples")
-    max_steps: Optional[int] = doc(None, "stop after this many optimizer steps (null = epochs)")
-    teacher_chunk: int = doc(1024, "positions per teacher logits chunk ([chunk, V] at most)")
+    grad_accum: int = doc(1, "micro-batches per optimizer step", at_least=1)
+    epochs: int = doc(1, "passes over the training samples", at_least=1)
+    max_steps: Optional[int] = doc(None, "stop after this many optimizer steps (null = epochs)", at_least=1)
+    teacher_chunk: int = doc(1024, "positions per teacher logits chunk ([chunk, V] at most)", at_least=1)
     activation_checkpointing: bool = doc(False, "recompute each TTT step in backward instead of keeping its activations (~1 more forward; the memory plan shows the saving)")
     optimizer_device: Optional[str] = doc(None, "where AdamW's fp32 master weights and m/v live: null = the trainer's device | cpu (host memory) | cuda:N (another GPU)")
-    stream_slots: int = doc(3, "shared-memory slots between target and trainer (backpressure bound)")
-    stream_timeout_s: float = doc(600.0, "fail if the target produces no batch for this long (after the first)")
-    engine_start_timeout_s: float = doc(3600.0, "fail if the engine's first batch takes longer (load + warm-up)")
-    dist_timeout_s: float = doc(1800.0, "trainer ranks (and the target TP group unless hw.target_dist_timeout_s is set): fail a collective that waits longer (a dead or hung rank); must exceed the spread of engine start times")
-    log_every: int = doc(10, "optimizer steps between metric logs")
-    eval_every: Optional[int] = doc(None, "optimizer steps between held-out evaluations (null: start and end only)")
-    checkpoint_every: Optional[int] = doc(None, "optimizer steps between checkpoints (null: end only)")
-    keep_checkpoints: int = doc(2, "checkpoints kept on disk")
+    stream_slots: int = doc(3, "shared-memory slots between target and trainer (backpressure bound)", at_least=1)
+    stream_timeout_s: float = doc(600.0, "fail if the target produces no batch for this long (after the first)", above=0)
+    engine_start_timeout_s: float = doc(3600.0, "fail if the engine's first batch takes longer (load + warm-up)", above=0)
+    dist_timeout_s: float = doc(1800.0, "trainer ranks (and the target TP group unless hw.target_dist_timeout_s is set): fail a collective that waits longer (a dead or hung rank); must exceed the spread of engine start times", above=0)
+    log_every: int = doc(10, "optimizer steps between metric logs", at_least=1)
+    eval_every: Optional[int] = doc(None, "optimizer steps between held-out evaluations (null: start and end only)", at_least=1)
+    checkpoint_every: Optional[int] = doc(None, "optimizer steps between checkpoints (null or 0: end only)", at_least=0)
+    keep_checkpoints: int = doc(2, "checkpoints kept on disk", at_least=1)
     resume: str = doc("none", "none | auto (newest complete checkpoint in out_dir) | a checkpoint folder")
     seed: int = doc(0, "seed of draft init and sample order")
     out_dir: Optional[str] = doc(None, "run folder (checkpoints, export); null = Hydra's output dir")
@@ -172,21 +203,24 @@ class JobConfig:
     draft: DraftConfigSpec = field(default_factory=DraftConfigSpec)
     train: TrainConfig = field(default_factory=TrainConfig)
 
+    def __post_init__(self):  # OmegaConf.to_object builds it: composition refuses a bad size by name
+        check_limits(self)
+
 
 @dataclass
 class EvalConfig:
     """`python -m specforge_k25.eval`: acceptance length measured by SGLang's own speculative decoding."""
 
     prompt_sets: list = doc(["mtbench", "humaneval", "heldout"], "prompt sets: mtbench | humaneval | heldout (the training data's held-out split)")
-    num_prompts: int = doc(8, "prompts per set (the first n; MT-bench: first turns)")
-    max_new_tokens: int = doc(64, "greedy tokens generated per prompt")
+    num_prompts: int = doc(8, "prompts per set (the first n; MT-bench: first turns)", at_least=1)
+    max_new_tokens: int = doc(64, "greedy tokens generated per prompt", at_least=1)
     chains: list = doc([[3, 1, 4], [7, 1, 8]], "speculative settings as [num_steps, eagle_topk, num_draft_tokens]; topk must be 1 on CPU")
     dflash_blocks: list = doc([4, 8], "block sizes a DFlash head is served at (SGLang DFLASH speculative_num_draft_tokens: the last token + size-1 drafts), one engine run each; other heads use `chains`")
     methods: list = doc(["nospec", "ngram", "untrained", "trained"], "rows of the table: nospec | ngram | untrained (a fresh head of draft.method) | trained (export_dir, any method)")
     heads: dict = doc({}, "more exported heads (any draft method) evaluated beside export_dir on the same greedy outputs, one row each: +eval.heads.NAME=FOLDER")
-    ngram_max: int = doc(3, "prompt-lookup baseline: longest n-gram matched")
-    ngram_min: int = doc(1, "prompt-lookup baseline: shortest n-gram matched")
-    max_running_requests: int = doc(8, "SGLang batch size (requests decoded together)")
+    ngram_max: int = doc(3, "prompt-lookup baseline: longest n-gram matched", at_least=1)
+    ngram_min: int = doc(1, "prompt-lookup baseline: shortest n-gram matched", at_least=1)
+    max_running_requests: int = doc(8, "SGLang batch size (requests decoded together)", at_least=1)
     untrained_seed: int = doc(0, "seed of the untrained head's random init")
     draft_attention_backend: Optional[str] = doc(None, "SGLang speculative_draft_attention_backend (GPU; a GQA draft behind Kimi, whose MLA backend does not fit it: e.g. fa3); null = SGLang's choice")
     output: Optional[str] = doc(None, "folder for eval.json / eval.md, and Hydra's run folder (.hydra/, log); null = outputs/eval/<date>/<time>")

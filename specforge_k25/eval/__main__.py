@@ -24,9 +24,9 @@ def main(cfg) -> None:
 
     from .run import run_eval
 
-    job: EvalJobConfig = OmegaConf.to_object(cfg)
-    out_dir = Path(job.eval.output or HydraConfig.get().runtime.output_dir)
     try:
+        job: EvalJobConfig = OmegaConf.to_object(cfg)  # a size out of range is refused here, by name
+        out_dir = Path(job.eval.output or HydraConfig.get().runtime.output_dir)
         results = run_eval(job, out_dir)
     except (ValueError, FileNotFoundError) as err:
         print(f"specforge_k25.eval: {err}", file=sys.stderr)

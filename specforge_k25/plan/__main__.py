@@ -342,7 +342,11 @@ def main(argv: list[str]) -> int:
               "draft.*, data.max_length and train.{batch_size,grad_accum,ttt_length,teacher_chunk,stream_slots,"
               "activation_checkpointing,optimizer_device}; hw.trainer_layout=colocated plans the co-located layout.")
         return 0
-    job = compose_job(argv)
+    try:
+        job = compose_job(argv)  # a size out of range is refused here, by name
+    except ValueError as err:
+        print(f"\nrefused: {err}", file=sys.stderr)
+        return 2
     try:
         facts = with_hw_overrides(job, target_facts_for(job))
         if job.hw.target_pp > 1:

@@ -86,10 +86,10 @@ def main(cfg) -> None:
     from .stop import TrainingInterrupted
     from .trainer import run_training
 
-    job: JobConfig = OmegaConf.to_object(cfg)
     try:
+        job: JobConfig = OmegaConf.to_object(cfg)  # a size out of range is refused here, by name
         relaunch_under_torchrun(job, sys.argv[1:])
-    except ValueError as err:  # hw.trainer_layout not dedicated | colocated
+    except ValueError as err:  # a field out of range; hw.trainer_layout not dedicated | colocated
         print(f"\nerror: {err}", file=sys.stderr)
         sys.exit(2)
     run_dir = job.train.out_dir or HydraConfig.get().runtime.output_dir

@@ -1,0 +1,86 @@
+"""Every size, count, interval and timeout is checked when the config is composed, before any
+process starts, and a bad one is refused naming the field (a zero stream_slots used to block the
+producer for engine_start_timeout_s; a zero log_every or grad_accum divided by zero after the engine
+had started; a zero batch_size was a traceback inside the plan)."""
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import fields, is_dataclass
+
+import pytest
+
+from specforge_k25.config import EvalJobConfig, compose_job
+
+# numeric fields with no bound: seeds (any integer is one)
+UNBOUNDED = {"data.seed", "data.regen_seed", "train.seed", "eval.untrained_seed"}
+
+
+def _numeric_fields(cls=EvalJobConfig, prefix: str = ""):
+    """(dotted name, dataclass field) of every int / float field, nested configs walked."""
+    for f in fields(cls):
+        default = f.default_factory() if callable(f.default_factory) else f.default  # type: ignore[misc]
+        if is_dataclass(default):
+            yield from _numeric_fields(type(default), prefix + f.name + ".")
+        elif isinstance(f.type, str) and any(t in f.type for t in ("int", "float")) and f.type != "bool":
+            yield prefix + f.name, f
+
+
+NUMERIC = dict(_numeric_fields())
+
+
+def _with(name: str, value) -> EvalJobConfig:
+    """The default eval job (the training tree plus eval) with one field set: built as OmegaConf
+    builds it, so the check runs as at composition."""
+    group, key = name.split(".")
+    job = EvalJobConfig()
+    return dataclasses.replace(job, **{group: dataclasses.replace(getattr(job, group), **{key: value})})
+
+
+def test_every_numeric_field_has_a_bound_or_is_a_seed():
+    unbounded = {n for n, f in NUMERIC.items() if "at_least" not in f.metadata and "above" not in f.metadata}
+    assert unbounded == UNBOUNDED
+
+
+@pytest.mark.parametrize("name", sorted(set(NUMERIC) - UNBOUNDED))
+def test_a_value_below_the_bound_is_refused_by_name_and_the_bound_itself_accepted(name):
+    meta = NUMERIC[name].metadata
+    if "at_least" in meta:
+        low, bad = meta["at_least"], meta["at_least"] - 1
+        expected = f"{name} must be >= {low} (got {bad})"
+    else:
+        low, bad = meta["above"] + 0.5, meta["above"]
+        expected = f"{name} must be > {meta['above']} (got {bad})"
+    with pytest.raises(ValueError, match="invalid configuration") as err:
+        _with(name, bad)
+    assert expected in str(err.value)
+    assert [line for line in str(err.value).splitlines()[1:]] == [f"  {expected}: {meta['help']}"]  # only it
+    _with(name, low)  # the bound itself passes
+
+
+@pytest.mark.parametrize("override", ["train.stream_slots=0", "train.log_every=0", "train.grad_accum=0",
+                                      "train.ttt_length=0", "train.teacher_chunk=0", "train.batch_size=0",
+                                      "train.checkpoint_every=-1", "train.eval_every=0", "train.keep_checkpoints=0",
+                                      "train.stream_timeout_s=0", "draft.logits_chunk=0", "hw.target_tp=0"])
+def test_composition_refuses_the_override_naming_it(override):
+    name, value = override.split("=")
+    with pytest.raises(ValueError, match=rf"{name} must be >?=? ?-?\d.* \(got {value}(\.0)?\)"):
+        compose_job([override])
+
+
+def test_several_bad_fields_are_all_named_and_null_stays_allowed():
+    with pytest.raises(ValueError) as err:
+        compose_job(["train.log_every=0", "train.grad_accum=0"])
+    assert "train.log_every must be >= 1 (got 0)" in str(err.value)
+    assert "train.grad_accum must be >= 1 (got 0)" in str(err.value)
+    job = compose_job(["train.checkpoint_every=null", "train.eval_every=null", "train.max_steps=null"])
+    assert (job.train.checkpoint_every, job.train.eval_every, job.train.max_steps) == (None, None, None)
+    assert compose_job(["train.checkpoint_every=0"]).train.checkpoint_every == 0  # end only, as null
+
+
+def test_the_plan_refuses_a_zero_batch_size_by_name(capsys):
+    from specforge_k25.plan.__main__ import main
+
+    assert main(["train.batch_size=0"]) == 2
+    err = capsys.readouterr().err
+    assert "refused: invalid configuration" in err and "train.batch_size must be >= 1 (got 0)" in err
+    assert "Traceback" not in err
