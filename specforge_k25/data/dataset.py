@@ -24,11 +24,11 @@ class TokenizedData:
     def train_sha1(self) -> str:
         """The resume fingerprint's hash of the training split, as checkpoints have always recorded
         it (token ids and loss masks, in order)."""
-        digest = hashlib.sha1()
-        for s in self.train:
-            digest.update(s.input_ids.numpy().tobytes())
-            digest.update(s.loss_mask.numpy().tobytes())
-        return digest.hexdigest()
+        return _split_sha1(self.train)
+
+    def heldout_sha1(self) -> str:
+        """The same hash of the held-out split: a resume's restored evaluations are of these samples."""
+        return _split_sha1(self.heldout)
 
     def sha1(self) -> str:
         """A hash of everything prepared (both splits; each sample's length, token ids and loss
@@ -152,3 +152,11 @@ def build_dataset(
     random.Random(seed).shuffle(samples)
     n_held = min(heldout_samples, len(samples) // 5) if len(samples) < want else heldout_samples
     return TokenizedData(samples[n_held:], samples[:n_held], skipped, truncated, rows, turns_dropped)
+
+
+def _split_sha1(samples: list[Sample]) -> str:
+    digest = hashlib.sha1()
+    for s in samples:
+        digest.update(s.input_ids.numpy().tobytes())
+        digest.update(s.loss_mask.numpy().tobytes())
+    return digest.hexdigest()

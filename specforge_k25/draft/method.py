@@ -50,6 +50,9 @@ class DraftMethod:
     config_class: type = object  # what `resolve_config` returns (registry.method_of_config)
     needs_teacher: bool = True  # the loss reads DraftBatch.teacher (the trainer computes it from the final states)
     context_parallel: bool = False  # the loss takes a DraftBatch whose `seq` splits the positions over ranks
+    # config fields that bound memory (chunk and tile sizes), not what is learned: a resume may
+    # change them (train/fingerprint.py), e.g. to get past an out-of-memory error
+    memory_only: tuple[str, ...] = ()
 
     # ------------------------------------------------------------------ shape
     def resolve_config(self, spec, target, num_aux: int = 3) -> Any:

@@ -26,7 +26,8 @@ from ..stream.target_stream import StreamError, StreamInterrupted, TargetStream
 from .checkpoint import (check_draft_keys, list_checkpoints, optimizer_state_for, read_checkpoint, read_state,
                          save_checkpoint)
 from .distributed import RankFailed, Ranks, launcher_env_hidden, start_ranks, stop_ranks
-from .fingerprint import RESHARDABLE, check_fingerprint, fingerprint_defaults, run_fingerprint
+from .fingerprint import (RESHARDABLE, check_fingerprint, fingerprint_defaults, run_fingerprint, unrecorded,
+                          with_recorded_optimizer)
 from .feed import rebuild_regenerated, take_batches
 from .metrics import MetricsLogger, NullLogger, TTTStats
 from .regenerated import COLUMNS, RegenerationLog
@@ -139,7 +140,8 @@ class Trainer:
         """Weights, Adam, LR, RNG, vocab maps and the data cursor from the newest checkpoint (train.resume)."""
         path = find_resume_checkpoint(self.job.train.resume, self.run_dir)
         if path is not None:
-            saved = fingerprint_defaults(read_state(path).get("fingerprint", {}))
+            state = read_state(path)
+            saved = fingerprint_defaults(with_recorded_optimizer(state.get("fingerprint", {}), state))
             check_fingerprint(saved, self.fingerprint, path)
             t = self.learner
             state, tensors, optim = read_checkpoint(path)
@@ -153,6 +155,9 @@ class Trainer:
             if self.ranks.main:
                 print(f"resuming from {path} at optimizer step {self.saved.step} "
                       f"(schedule item {self.saved.schedule_item})")
+                if unrecorded(saved):
+                    print(f"  note: this checkpoint predates recording {', '.join(unrecorded(saved))}: not "
+                          f"compared, the current values apply")
                 if any(saved[k] != self.fingerprint[k] for k in RESHARDABLE):
                     print(f"  saved by {saved['trainer_ranks']} {saved['trainer_layout']} trainer rank(s) x batch "
                           f"{saved['batch_size']}, resumed on {self.ranks.world} {self.job.hw.trainer_layout} x batch "

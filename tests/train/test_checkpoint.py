@@ -322,7 +322,8 @@ def _fingerprint(ranks: int = 1, batch_size: int = 4, layout: str = "dedicated",
                               hw=dataclasses.replace(job.hw, trainer_layout=layout, context_parallel=context_parallel),
                               data=dataclasses.replace(job.data, regen_cut=regen_cut))
     sample = Sample(torch.arange(6), torch.ones(6, dtype=torch.bool))
-    setup = SimpleNamespace(info=SimpleNamespace(architecture="LlamaForCausalLM", num_layers=4, hidden_size=H,
+    setup = SimpleNamespace(model_path=str(Path(__file__).parent),  # no model files: one fixed digest
+                            info=SimpleNamespace(architecture="LlamaForCausalLM", num_layers=4, hidden_size=H,
                                                  vocab_size=V),
                             capture_points=[1, 2, 3], draft_cfg=make_cfg(), data=TokenizedData([sample], [sample]),
                             method=get_method(method),

@@ -52,6 +52,8 @@ class DFlashMethod(DraftMethod):
     config_class = DFlashConfig  # what resolve_config returns (registry.method_of_config)
     plan = plan
     needs_teacher = False  # CE against the sequence's own tokens
+    # the loss's logits chunk and the block attention's tile: the same sums, computed in pieces
+    memory_only = ("logits_chunk", "attention_tile_rows", "attention_tile_keys")
 
     def resolve_config(self, spec, target, num_aux: int = 5) -> DFlashConfig:
         if num_aux < 1:
