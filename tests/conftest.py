@@ -9,6 +9,7 @@ import pytest
 
 os.environ.setdefault("WANDB_SILENT", "true")
 sys.path.insert(0, str(Path(__file__).resolve().parent / "fixtures"))  # helper modules and scripts
+from parallel_groups import start_rank, xdist_group_of  # noqa: E402
 
 try:  # property tests: the same examples on every run (CI must not turn red by chance);
     # HYPOTHESIS_PROFILE=explore draws new ones when hunting for counterexamples
@@ -19,6 +20,22 @@ try:  # property tests: the same examples on every run (CI must not turn red by 
     settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "repeatable"))
 except ImportError:
     pass
+
+
+def pytest_xdist_auto_num_workers(config):
+    """`-n auto`: one worker per core, at most 4 (every engine test starts processes of its own)."""
+    return max(1, min(4, len(os.sched_getaffinity(0))))
+
+
+def pytest_itemcollected(item):
+    # here, not in pytest_collection_modifyitems: xdist reads the marks in its own modifyitems hook,
+    # which runs before any conftest's
+    if item.get_closest_marker("xdist_group") is None:
+        item.add_marker(pytest.mark.xdist_group(xdist_group_of(item)))
+
+
+def pytest_collection_modifyitems(config, items):
+    items.sort(key=start_rank)  # stable: the order within a group is kept
 
 
 @pytest.fixture(scope="module")

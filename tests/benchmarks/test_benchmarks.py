@@ -27,6 +27,7 @@ def finite(x) -> bool:
 
 
 # ------------------------------------------------------------------------------ gpu_kimi_shapes
+@pytest.mark.slow
 @pytest.mark.parametrize("flags", [[], ["--activation-checkpointing", "--optimizer-device", "cpu"]])
 def test_gpu_kimi_shapes_small_cpu(flags, tmp_path, capsys, one_torch_thread):
     g = bench("gpu_kimi_shapes")
@@ -165,6 +166,7 @@ def test_oom_is_reported_not_raised(tmp_path, monkeypatch, capsys, one_torch_thr
 
 
 # ------------------------------------------------------------------------------- teacher_memory
+@pytest.mark.slow
 def test_teacher_memory_child_process():
     """One memory config in its own process (the full run does 8 of these)."""
     t = bench("teacher_memory")
@@ -241,6 +243,7 @@ def image_only_env() -> dict:
             "PYTHONWARNINGS": "ignore"}
 
 
+@pytest.mark.engine
 def test_gpu_e2e_cpu_mode(tmp_path):
     """The GPU check's CPU mode: every check passes (CUDA-only parts say SKIP), with the image's packages
     and the carried wheels only."""
@@ -263,6 +266,7 @@ def test_gpu_e2e_cpu_mode(tmp_path):
     assert d["identical"] == d["prompts"] == 4 and d["cuda_graph"] is False and d["completion_tokens"] > 0
 
 
+@pytest.mark.slow
 def test_gpu_e2e_slot_check_catches_a_copy_tied_to_the_slot(tmp_path, one_torch_thread):
     """c) can fail: a trainer whose DraftBatch still reads the slot after release (what an unfinished
     CUDA copy does) is caught, because the producer refills the slot while the consumer sleeps."""
@@ -327,6 +331,7 @@ _CUDA_IMPORTS = """
 """
 
 
+@pytest.mark.slow
 def test_gpu_wheels_cover_sglang_cuda_imports():
     """SGLang's CUDA-side modules (CUDA faked, the GPU stand-in for sgl_kernel) import with the image's
     packages and the carried wheels only."""

@@ -2,6 +2,8 @@
 functions there (tests/benchmarks/sglang_cuda_path.py), and the walker that finds them."""
 from __future__ import annotations
 
+import pytest
+
 import json
 import os
 import subprocess
@@ -30,6 +32,7 @@ def _describe(failed: list[dict]) -> str:
                      for f in failed)
 
 
+@pytest.mark.slow
 def test_sglang_cuda_path_imports_only_what_the_image_has():
     """Every import on the check's CUDA path (module level and inside the functions the engines run)
     works with the image's packages, the carried wheels and sglang_cpu_compat.apply_gpu()."""

@@ -167,6 +167,7 @@ print(json.dumps({"module": type(tok).__module__,
 """
 
 
+@pytest.mark.slow
 def test_loads_offline_in_a_fresh_process(remote_dir, local, tmp_path):
     """HF_HUB_OFFLINE=1 and an empty modules cache: the remote code is copied from the folder
     into HF_MODULES_CACHE and imported from there; no hub access is attempted."""

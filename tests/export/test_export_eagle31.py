@@ -163,6 +163,7 @@ def test_vllm_reads_the_options_and_every_tensor(tmp_path, variant):
         assert seen["num_aux"] == 3
 
 
+@pytest.mark.slow
 def test_sglang_draft_class_runs_each_variant_as_ours(tmp_path):
     """SGLang 0.5.23's LlamaForCausalLMEagle3, built from each variant's export by its own config and
     load_weights, through a 3-step draft chain (tests/fixtures/sglang_eagle3_steps.py; no engine):

@@ -1,6 +1,8 @@
 """launch/multinode.py: the per-node commands of a dry run, and clear errors for bad input."""
 from __future__ import annotations
 
+import pytest
+
 import subprocess
 import sys
 from pathlib import Path
@@ -18,6 +20,7 @@ def _commands(out: subprocess.CompletedProcess) -> list[str]:
     return [line for line in out.stdout.splitlines() if not line.startswith("#")]
 
 
+@pytest.mark.slow
 def test_one_node_dry_run():
     out = _launch("--nodes", "1", "--dry-run", "--", "+hw=b300x8", "train.lr=1e-4")
     assert _commands(out) == [
@@ -30,6 +33,7 @@ def test_one_node_dry_run():
     assert dedicated.stdout.startswith("# node 0 of 1: 2 trainer rank(s), each with a TP 4 target replica")
 
 
+@pytest.mark.slow
 def test_two_nodes_data_parallel_dry_run():
     out = _launch("--nodes", "2", "--master-addr", "10.0.0.1", "--dry-run", "--", *KIMI)
     assert _commands(out) == [
@@ -56,6 +60,7 @@ def test_two_nodes_one_target_over_both_dry_run():
     assert "# node 1 of 2: target TP ranks 8..15 of 16 (no trainer)" in out.stdout
 
 
+@pytest.mark.slow
 def test_bad_input_is_refused_clearly():
     cases = [
         (["--nodes", "2", "--node-rank", "2", "--master-addr", "h", "--dry-run"], "--node-rank 2 is out of range"),

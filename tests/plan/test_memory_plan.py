@@ -370,6 +370,7 @@ def test_every_hw_profile_composes_with_every_target():
     assert kimi.target.end_of_turn_token == "<|im_end|>" and kimi.target.builtin == "none"
 
 
+@pytest.mark.slow
 def test_cli_prints_the_plan_and_refuses():
     cmd = [sys.executable, "-m", "specforge_k25.plan", "+hw=b300x8", *KIMI_DRAFT]
     out = subprocess.run(cmd, capture_output=True, text=True, timeout=300, cwd=ROOT)

@@ -31,6 +31,7 @@ def plans():
     return {hw: plan_memory(compose_job([f"+hw={hw}", *KIMI]), KIMI_K25) for hw in ("rtxpro6000x8", "b300x8")}
 
 
+@pytest.mark.slow
 def test_the_derived_fraction_leaves_the_planned_pool_and_the_margin(plans, tmp_path):
     cases, expect = [], []
     for hw, plan in plans.items():

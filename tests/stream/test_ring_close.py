@@ -13,6 +13,8 @@ which the tracker then reports as leaked at the trainer's exit (a flaky README-c
 """
 from __future__ import annotations
 
+import pytest
+
 import json
 import os
 import subprocess
@@ -78,6 +80,7 @@ def _stop_while_ending(tmp_path, grace_s: float) -> subprocess.CompletedProcess:
                           env=env)
 
 
+@pytest.mark.slow
 def test_stop_lets_an_ending_target_process_release_its_semaphores(tmp_path):
     out = _stop_while_ending(tmp_path, 30.0)
     assert "exit 0" in out.stdout, out.stdout + out.stderr

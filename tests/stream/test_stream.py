@@ -28,6 +28,7 @@ def _seqs(n, vocab, seed=0):
     return [torch.randint(3, vocab, (int(torch.randint(4, 30, (1,), generator=g)),), generator=g) for _ in range(n)]
 
 
+@pytest.mark.slow
 def test_stream_delivers_plan_in_order_with_exact_tensors(tiny_deepseek_path):
     spec, info = _spec(tiny_deepseek_path)
     seqs = _seqs(7, info.vocab_size)
@@ -48,6 +49,7 @@ def test_stream_delivers_plan_in_order_with_exact_tensors(tiny_deepseek_path):
     assert stream.target_io is not None and stream.target_io.streaming_write_bytes == 0
 
 
+@pytest.mark.slow
 def test_backpressure_bounds_batches_in_flight(tiny_deepseek_path):
     """With S slots the target can never be more than S batches ahead of a slow trainer."""
     spec, info = _spec(tiny_deepseek_path)
@@ -66,6 +68,7 @@ def test_backpressure_bounds_batches_in_flight(tiny_deepseek_path):
     assert max(depths) >= 1  # and the target did run ahead (the pipeline overlaps)
 
 
+@pytest.mark.slow
 def test_slow_consumer_copies_what_the_producer_wrote_checksum_every_slot(tiny_deepseek_path):
     """Stress the slot hand-off: 2 slots, 16 batches, a consumer slower than the target. The
     producer records a float64 checksum of every slot it fills; the consumer copies the batch out,
@@ -87,6 +90,7 @@ def test_slow_consumer_copies_what_the_producer_wrote_checksum_every_slot(tiny_d
     assert checked == 16
 
 
+@pytest.mark.slow
 def test_five_aux_states_cross_the_ring_intact(tiny_deepseek_path):
     """K=5 capture points: the spec's K sizes the ring's slots [max_tokens, 5Ht]; every batch arrives
     whole (the consumer's copy has the producer's checksum) and equal to HF's five states in order."""
@@ -130,6 +134,7 @@ def test_ring_refuses_states_of_another_count_before_taking_a_slot():
         ring.close()
 
 
+@pytest.mark.slow
 def test_group_signals_leave_the_target_serving(tiny_deepseek_path):
     """SIGTERM and SIGINT reach a rank's whole process group (torchrun, Slurm, Ctrl-C); the target
     ignores them, also while it starts up, and serves every batch until the trainer stops it."""
@@ -149,6 +154,7 @@ def test_group_signals_leave_the_target_serving(tiny_deepseek_path):
     assert not stream.process.is_alive()
 
 
+@pytest.mark.slow
 def test_dead_target_process_is_reported_quickly(tiny_deepseek_path):
     spec, info = _spec(tiny_deepseek_path)
     seqs = _seqs(40, info.vocab_size, seed=2)
@@ -165,6 +171,7 @@ def test_dead_target_process_is_reported_quickly(tiny_deepseek_path):
     assert not stream.process.is_alive()
 
 
+@pytest.mark.slow
 def test_engine_start_failure_names_the_stage(tmp_path, tiny_deepseek_path):
     spec, info = _spec(tiny_deepseek_path)
     spec.model_path = str(tmp_path / "no-such-model")

@@ -2,6 +2,8 @@
 reference's generation against transformers' own greedy `generate`."""
 from __future__ import annotations
 
+import pytest
+
 import torch
 
 from specforge_k25.target_engine.sampling import (Regeneration, generate_with, generation_slots, kv_slots,
@@ -85,6 +87,7 @@ def test_generation_fits_the_pool_its_admission_counts():
     assert max(engine.lengths) < regen.max_length  # no sequence outgrows prompt + budget
 
 
+@pytest.mark.slow
 def test_hf_reference_generates_what_transformers_generates(smollm2_path):
     """Greedy answers of our decode loop on HF's model == transformers' own greedy generate."""
     from transformers import AutoTokenizer

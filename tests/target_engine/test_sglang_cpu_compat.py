@@ -24,6 +24,7 @@ def _run(code: str, timeout: int = 600) -> subprocess.CompletedProcess:
     return subprocess.run([PY, "-c", textwrap.dedent(code)], capture_output=True, text=True, timeout=timeout, env=env)
 
 
+@pytest.mark.slow
 def test_sgl_kernel_stand_in_needed_and_working():
     # needed: no CPU build of sgl_kernel is importable, and SGLang's model runner imports it
     without = _run("import sglang.srt.model_executor.model_runner")
@@ -43,6 +44,7 @@ def test_sgl_kernel_stand_in_needed_and_working():
     assert "RAISED" in with_.stdout and "fused_add_rmsnorm" in with_.stdout
 
 
+@pytest.mark.slow
 def test_sglang_still_lacks_torch_native_mla_handler():
     """Needed: SGLang registers no DeepSeek attention handler for torch_native (falls back to triton's)."""
     out = _run("""
@@ -97,6 +99,7 @@ def test_deepseek_config_check():
 
 
 # ------------------------------------------------------------------ 4. speculative decoding
+@pytest.mark.slow
 def test_spec_ops_equal_sglang_triton_kernels():
     """Our pure-torch `*_cpu` ops against SGLang's own Triton kernels, run by the Triton
     interpreter on CPU, on random cases (trees with topk 1-3 included)."""
@@ -176,6 +179,7 @@ _SPEC_PATCHES = """
 """
 
 
+@pytest.mark.slow
 def test_spec_patches_needed_and_working():
     without = _run(_SPEC_PATCHES.format(patched=False))
     assert without.returncode == 0, without.stderr[-3000:]
@@ -213,6 +217,7 @@ _MLA_DRAFT = """
 """
 
 
+@pytest.mark.slow
 def test_mla_draft_set_embed_needed_and_working():
     """Needed: SGLang's MLA draft takes over the target's embedding (and head), then calls
     torch.cuda.synchronize, which CPU torch refuses. Works: patched, both take the target's
@@ -254,6 +259,7 @@ def _sglang_source(relative: str) -> str:
     return Path(importlib.util.find_spec("sglang").submodule_search_locations[0], relative).read_text()
 
 
+@pytest.mark.slow
 def test_gpu_stand_in_needed():
     """sglang 0.5.23 on CUDA imports the three submodules and asserts the sglang-kernel package;
     its fused ops go to sgl_kernel unless forced to torch (see the works test); its default
@@ -329,6 +335,7 @@ _GPU_WORKS = """
 """
 
 
+@pytest.mark.slow
 def test_gpu_stand_in_works():
     out = _run_cuda(_GPU_WORKS.format(imports=_GPU_IMPORTS))
     assert out.returncode == 0, out.stderr[-3000:]
@@ -421,6 +428,7 @@ _GPU_LAZY_NEEDED = _CUDA_BUILD + """
 """
 
 
+@pytest.mark.slow
 def test_gpu_lazy_imports_needed():
     """sglang 0.5.23 on CUDA: every LlamaMLP's DualGemm imports the cutlass kernel module; the EAGLE
     worker's graph set-up imports flashmla_backend (flash_mla); the prefill graph defaults to
@@ -481,6 +489,7 @@ _GPU_LAZY_WORKS = _CUDA_BUILD + """
 """
 
 
+@pytest.mark.slow
 def test_gpu_lazy_imports_workarounds_work():
     """Built on CPU through SGLang's CUDA code: the target and the EAGLE-3 draft take the plain MLP path
     (equal to the float64 reference), the fused call says why it is missing; flashmla_backend is a
@@ -549,6 +558,7 @@ _DFLASH = """
 """
 
 
+@pytest.mark.slow
 def test_dflash_on_cpu_needed_and_working(smollm2_path, tmp_path):
     """Workaround 7 against SGLang's own functions (each patch's `__wrapped__`, the shipped choices
     list): needed, SGLang refuses DFLASH on cpu, has no torch_native draft backend, record_stream

@@ -201,9 +201,10 @@ def test_context_parallel_ranks_equal_one_dedicated_rank_and_resume_bit_exact(co
         assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a if k != "rng.torch"), name
 
 
-# a run long enough to be killed mid-way: 60 training samples x 4 epochs, a checkpoint every 2 steps
-LONGER = [*COLOCATED, "data.num_samples=60", "train.epochs=4", "train.checkpoint_every=2", "train.lr=1e-3",
+# a run long enough to be killed mid-way: 32 training samples x 2 epochs (16 steps of 4), a checkpoint every 2 steps
+LONGER = [*COLOCATED, "data.num_samples=32", "train.epochs=2", "train.checkpoint_every=2", "train.lr=1e-3",
           "train.grad_clip=0.5"]
+LONGER_SAMPLES = 2 * 32
 
 
 def _signal_when(run: Path, overrides: list[str], ready, victim, sig=signal.SIGKILL) -> str:
@@ -277,7 +278,7 @@ def test_killed_colocated_trainer_rank_is_named_and_the_run_resumes(tiny_deepsee
     assert "local_rank: 1" in out and "Signal 9 (SIGKILL)" in out, out[-5000:]
     saved = sorted(p.name for p in run.glob("checkpoints/step_*"))
     summary = _resume_to_end(run, LONGER)
-    assert Path(summary["resumed_from"]).name in saved and summary["samples_trained"] == 4 * 60
+    assert Path(summary["resumed_from"]).name in saved and summary["samples_trained"] == LONGER_SAMPLES
 
 
 @pytest.mark.e2e
@@ -294,7 +295,7 @@ def test_sigterm_to_torchrun_saves_the_sharded_state_together(tiny_deepseek_path
     assert len(saved) == 1 and f"checkpoint: {saved[0]}" in out, out[-5000:]
     assert int(saved[0].name.split("_")[1]) >= 2
     summary = _resume_to_end(run, overrides)
-    assert Path(summary["resumed_from"]) == saved[0] and summary["samples_trained"] == 4 * 60
+    assert Path(summary["resumed_from"]) == saved[0] and summary["samples_trained"] == LONGER_SAMPLES
 
 
 @pytest.mark.e2e

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from rank_runs import rank_env
+from rank_runs import worker_env
 from specforge_k25.config import HwConfig
 from specforge_k25.train.context_parallel import SeqShard, shard_of
 from specforge_k25.plan.budget import node_layout
@@ -26,13 +26,14 @@ WORKER = ROOT / "tests" / "fixtures" / "context_parallel_worker.py"
 @pytest.fixture(scope="module")
 def two_rank_result(tmp_path_factory) -> dict:
     out = tmp_path_factory.mktemp("cp") / "result.json"
-    env = {**rank_env(), "PYTHONPATH": str(ROOT / "tests" / "fixtures")}
+    env = worker_env()
     proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
                            str(WORKER), str(out)], capture_output=True, text=True, timeout=300, cwd=ROOT, env=env)
     assert proc.returncode == 0, (proc.stdout + proc.stderr)[-4000:]
     return json.loads(out.read_text())
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("case", ["llama", "gqa_repeat", "mla"])
 def test_split_positions_give_one_ranks_loss_and_gradients_float64(two_rank_result, case):
     """Llama GQA heads that split (2 KV heads / 2 ranks), one KV head repeated for 2 ranks, and the

@@ -215,6 +215,7 @@ def _torchrun(nproc: int, *args: str) -> list[str]:
     return [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}", *args]
 
 
+@pytest.mark.slow
 def test_cli_under_torchrun_refuses_a_world_that_does_not_match(tmp_path):
     """The real CLI: one rank started for a two-replica profile stops before any engine starts."""
     t0 = time.monotonic()
@@ -385,6 +386,7 @@ def _rank_main(rank: int, port: int, results) -> None:
     stop_ranks()
 
 
+@pytest.mark.slow
 def test_a_hung_rank_makes_the_collective_fail_after_the_timeout():
     """Two gloo ranks: the prepared-data check (one all_gather) accepts equal hashes and refuses
     different ones on both ranks; then rank 1 hangs, and rank 0's next collective fails after

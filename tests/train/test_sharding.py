@@ -10,16 +10,17 @@ from pathlib import Path
 
 import pytest
 
-from rank_runs import rank_env
+from rank_runs import worker_env
 
 ROOT = Path(__file__).resolve().parents[2]
 WORKER = ROOT / "tests" / "fixtures" / "sharding_worker.py"
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("checkpoint", [False, True], ids=["plain", "activation_checkpointing"])
 def test_sharded_updates_equal_unsharded_with_one_gather_per_unit(tmp_path, checkpoint):
     out = tmp_path / "result.json"
-    env = {**rank_env(), "PYTHONPATH": str(ROOT / "tests" / "fixtures")}
+    env = worker_env()
     proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
                            str(WORKER), str(out), *(["checkpoint"] if checkpoint else [])],
                           capture_output=True, text=True, timeout=300, cwd=ROOT, env=env)
