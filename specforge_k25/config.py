@@ -66,7 +66,7 @@ class HwConfig:
     target_dtype: str = doc("float32", "target compute dtype in SGLang: float32 | bfloat16")
     target_threads: int = doc(1, "CPU threads of the target process (cpu only)", at_least=1)
     trainer_threads: int = doc(1, "CPU threads of the trainer process (cpu only)", at_least=1)
-    mem_fraction_static: float = doc(0.15, "SGLang static memory fraction (weights + KV pool); on CPU a share of system memory, the pool capped by max_total_tokens", above=0)
+    mem_fraction_static: float = doc(0.6, "SGLang static memory fraction (weights + KV pool); on CPU a share of system memory (other processes drawing on it during the weight load count against it), the pool capped by max_total_tokens", above=0)
     kv_pool_margin_gib: float = doc(1.0, "memory plan: GiB the derived mem_fraction_static keeps above SGLang's minimum (weights + KV pool + multimodal reservation), so a slightly low estimate does not fail the engine at start", at_least=0)
     target_attention_backend: Optional[str] = doc(None, "SGLang attention_backend of the target (e.g. fa3, triton, trtllm_mla, flashinfer); null = SGLang's choice per GPU (cpu: torch_native)")
     target_prefill_chunk: Optional[int] = doc(None, "tokens per target forward: a longer batch is prefilled in chunks, each extending the KV of the earlier ones (as SGLang's chunked_prefill_size), bounding one forward's activations; null = the whole batch in one forward", at_least=1)

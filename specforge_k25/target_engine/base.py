@@ -7,6 +7,14 @@ from typing import Protocol
 import torch
 
 
+# SGLang's mem_fraction_static for an engine on CPU. SGLang sizes the KV pool from free memory
+# measured before and after the weight load (KVCacheConfigurator._profile_available_bytes) and
+# fails when more than this share of it vanished meanwhile; on CPU that is system memory, which
+# every other process (a second engine loading, a trainer, a parallel test) draws on too, and
+# 0.15 failed under two test workers. The pool stays capped by max_total_tokens, so a large value
+# costs nothing on CPU; on a GPU the run passes hw.mem_fraction_static, derived by the plan.
+CPU_MEM_FRACTION_STATIC = 0.6
+
 @dataclass
 class TargetOutput:
     """Hidden states of a batch of sequences, packed along tokens (no padding).

@@ -6,7 +6,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .base import TargetEngine
+from .base import CPU_MEM_FRACTION_STATIC, TargetEngine
 from .sampling import Regeneration
 
 
@@ -24,7 +24,7 @@ class TargetSpec:
     pp_size: int = 1  # pipeline stages (SGLang PP, target_engine/sglang_pipeline.py); world = pp_size * tp_size processes
     gpu_id: int = 0  # GPU of this node's first TP rank; the others use the next ones
     max_total_tokens: int = 16384
-    mem_fraction_static: float = 0.05
+    mem_fraction_static: float = CPU_MEM_FRACTION_STATIC  # the run passes hw.mem_fraction_static
     attention_backend: str | None = None  # None: SGLang's choice per GPU (torch_native on CPU)
     num_threads: int = 1
     trust_remote_code: bool = False

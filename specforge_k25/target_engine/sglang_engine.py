@@ -33,7 +33,7 @@ from array import array
 
 import torch
 
-from .base import TargetOutput
+from .base import CPU_MEM_FRACTION_STATIC, TargetOutput
 from .layers import layer_id_rule, sglang_layer_ids
 from .sampling import Regeneration, generate_with, generation_slots
 from .sglang_cpu_compat import SGLANG_VERSION
@@ -253,7 +253,7 @@ class SGLangTarget:
         tp_rank: int = 0,
         gpu_id: int = 0,
         max_total_tokens: int = 16384,
-        mem_fraction_static: float = 0.05,
+        mem_fraction_static: float = CPU_MEM_FRACTION_STATIC,
         num_threads: int | None = None,
         attention_backend: str | None = None,
         trust_remote_code: bool = False,

@@ -48,7 +48,7 @@ import inspect
 
 import torch
 
-from .base import TargetOutput
+from .base import CPU_MEM_FRACTION_STATIC, TargetOutput
 from .layers import capture_points_of_sglang_ids, layer_id_rule, sglang_layer_ids
 from .sglang_engine import (
     _text_model,
@@ -94,7 +94,7 @@ class SGLangPipelineStage:
         tp_rank: int = 0,
         gpu_id: int = 0,
         max_total_tokens: int = 16384,
-        mem_fraction_static: float = 0.05,
+        mem_fraction_static: float = CPU_MEM_FRACTION_STATIC,
         num_threads: int | None = None,
         attention_backend: str | None = None,
         trust_remote_code: bool = False,

@@ -10,6 +10,7 @@ SPECFORGE_SGLANG_CPU=1.
 """
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import subprocess
@@ -18,6 +19,8 @@ import tempfile
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
+
+from specforge_k25.target_engine.base import CPU_MEM_FRACTION_STATIC
 
 if os.environ.get("SPECFORGE_SGLANG_CPU") == "1":
     from specforge_k25.target_engine import sglang_cpu_compat
@@ -107,7 +110,7 @@ def engine_kwargs(spec) -> dict:
 
 def generate(model_path: str, prompts: list[list[int]], *, max_new_tokens: int, device: str = "cpu",
              dtype: str = "float32", draft_path: str | None = None, draft_args: dict | None = None,
-             max_running_requests: int = 8, mem_fraction_static: float = 0.05, max_total_tokens: int = 16384,
+             max_running_requests: int = 8, mem_fraction_static: float = CPU_MEM_FRACTION_STATIC, max_total_tokens: int = 16384,
              num_threads: int = 1, gpu_id: int = 0, tp_size: int = 1, trust_remote_code: bool = False,
              attention_backend: str | None = None, draft_attention_backend: str | None = None,
              load_threads: int | None = None, dist_timeout: int | None = None,
@@ -149,23 +152,28 @@ def generate(model_path: str, prompts: list[list[int]], *, max_new_tokens: int, 
     elif device == "cuda":
         env["SPECFORGE_SGLANG_GPU"] = "1"
     with tempfile.TemporaryDirectory(prefix="specforge-eval-") as tmp:
-        request, result = Path(tmp, "request.json"), Path(tmp, "result.json")
+        request, result, ids = Path(tmp, "request.json"), Path(tmp, "result.json"), Path(tmp, "instance_ids")
         request.write_text(json.dumps({"engine": engine_args, "prompts": prompts, "max_new_tokens": max_new_tokens,
                                        "speculative": speculative}))
         try:
-            proc = subprocess.run([sys.executable, "-m", "specforge_k25.target_engine.sglang_spec", str(request), str(result)],
+            proc = subprocess.run([sys.executable, "-m", "specforge_k25.target_engine.sglang_spec", str(request),
+                                   str(result), str(ids)],
                                   env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                                   timeout=timeout_s)
         except subprocess.TimeoutExpired:
             raise RuntimeError(f"SGLang engine ({what}) did not finish in {timeout_s:.0f} s") from None
+        finally:
+            _remove_load_snapshots(ids)
         if proc.returncode != 0 or not result.is_file():
             raise RuntimeError(f"SGLang engine ({what}) failed (exit {proc.returncode}):\n{proc.stdout[-4000:]}")
         return Generation(**json.loads(result.read_text()))
 
 
-def _run_engine(engine_args: dict, prompts: list[list[int]], max_new_tokens: int, speculative: bool) -> Generation:
+def _run_engine(engine_args: dict, prompts: list[list[int]], max_new_tokens: int, speculative: bool,
+                instance_ids: Path) -> Generation:
     import sglang
 
+    _record_instance_ids(instance_ids)
     t0 = time.perf_counter()
     engine = sglang.Engine(**engine_args)
     start_s = time.perf_counter() - t0
@@ -176,26 +184,48 @@ def _run_engine(engine_args: dict, prompts: list[list[int]], max_new_tokens: int
         generate_s = time.perf_counter() - t0
     finally:
         engine.shutdown()
-        _remove_load_snapshot(engine)
     meta = [r["meta_info"] for r in results]
     verify = [int(m.get("spec_verify_ct") or 0) for m in meta] if speculative else None
     return Generation([list(r["output_ids"]) for r in results], [int(m["completion_tokens"]) for m in meta],
                       verify, start_s, generate_s)
 
 
-def _remove_load_snapshot(engine) -> None:
-    """Remove the load-snapshot file this engine's scheduler created in /dev/shm
+def _record_instance_ids(path: Path) -> None:
+    """Append to `path` the instance id of each engine this process starts, as SGLang draws it
+    (`PortArgs.init_new`), before the engine starts: a scheduler that fails at start (say, no
+    memory for the KV pool) makes SGLang SIGKILL this whole process, so the parent cleans up."""
+    from sglang.srt.server_args import PortArgs
+
+    init_new = PortArgs.init_new
+
+    def recording(*args, **kwargs):
+        port_args = init_new(*args, **kwargs)
+        with open(path, "a") as f:
+            f.write(port_args.instance_id + "\n")
+        return port_args
+
+    PortArgs.init_new = staticmethod(recording)
+
+
+def _remove_load_snapshots(instance_ids: Path) -> None:
+    """Remove the load-snapshot files of the engines listed in `instance_ids` from /dev/shm
     (`sglang_loads_<name>_<hash>.shm`, SGLang's managers/load_snapshot.py): `shutdown` SIGKILLs the
-    scheduler, which never removes it. Its name derives from this engine's own instance id, so
-    no other engine's file is touched."""
-    from sglang.srt.managers.load_snapshot import shm_path_for
+    scheduler, which never removes its file, and one that fails at start leaves it too. The names
+    derive from these engines' own instance ids, so no other engine's file is touched."""
+    if instance_ids.is_file():
+        for instance_id in instance_ids.read_text().split():
+            Path(load_snapshot_path(instance_id)).unlink(missing_ok=True)
 
-    port_args = getattr(engine, "port_args", None)
-    if port_args is not None:
-        Path(shm_path_for(port_args.instance_id)).unlink(missing_ok=True)
 
+def load_snapshot_path(instance_id: str) -> str:
+    """SGLang 0.5.23's load_snapshot.shm_path_for(instance_id), without importing sglang into the
+    calling process (tests/target_engine/test_sglang_spec.py holds the two equal)."""
+    name = os.path.basename(instance_id.rstrip("/")) or "default"
+    safe = "".join(c if c.isalnum() or c in "._-" else "_" for c in name)
+    digest = hashlib.blake2s(instance_id.encode(), digest_size=4).hexdigest()
+    return f"/dev/shm/sglang_loads_{safe}_{digest}.shm"
 
 if __name__ == "__main__":
     req = json.loads(Path(sys.argv[1]).read_text())
-    out = _run_engine(req["engine"], req["prompts"], req["max_new_tokens"], req["speculative"])
+    out = _run_engine(req["engine"], req["prompts"], req["max_new_tokens"], req["speculative"], Path(sys.argv[3]))
     Path(sys.argv[2]).write_text(json.dumps(asdict(out)))

@@ -6,6 +6,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
+from specforge_k25.target_engine.base import CPU_MEM_FRACTION_STATIC
 from specforge_k25.target_engine.hf_config import load_embedding_and_head, read_target_info
 from specforge_k25.target_engine.hf_reference import HFTarget
 from specforge_k25.target_engine.layers import (
@@ -42,7 +43,7 @@ _CAPTURE_PROBE = """
         job = torch.load(io)
         job["regen"] = job["regen"] and Regeneration(**job["regen"])
         target = SGLangTarget(path, read_target_info(path).architecture, points, num_threads=2,
-                              mem_fraction_static=0.15)
+                              mem_fraction_static=CPU_MEM_FRACTION_STATIC)
         forwards = []  # tokens of each SGLang forward
         extend = target._runner.extend
         target._runner.extend = lambda reqs: forwards.append(sum(r.extend_len for r in reqs)) or extend(reqs)

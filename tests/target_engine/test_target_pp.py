@@ -14,6 +14,7 @@ import time
 import pytest
 import torch
 
+from specforge_k25.target_engine.base import CPU_MEM_FRACTION_STATIC
 from specforge_k25.target_engine.factory import TargetSpec, build_target, check_tp_layout
 from specforge_k25.target_engine.hf_config import read_target_info
 from specforge_k25.target_engine.hf_reference import HFTarget
@@ -71,7 +72,7 @@ def _run_pipeline(tmp_path, path, points, batches, *, pp_size=2, tp_size=1, pref
     info = read_target_info(path)
     spec = TargetSpec(engine="sglang", model_path=path, architecture=info.architecture, capture_points=points,
                       pp_size=pp_size, tp_size=tp_size, num_threads=1, prefill_chunk=prefill_chunk,
-                      mem_fraction_static=0.15, max_total_tokens=512, dist_timeout=timeout_s)
+                      mem_fraction_static=CPU_MEM_FRACTION_STATIC, max_total_tokens=512, dist_timeout=timeout_s)
     check_tp_layout(spec)
     rendezvous = Rendezvous(timeout_s)
     env = {**rendezvous.env(), "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"}

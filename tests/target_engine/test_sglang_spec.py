@@ -1,0 +1,34 @@
+"""The eval's engine process (target_engine/sglang_spec.py) when SGLang fails at start: the error
+names SGLang's reason, and the scheduler's load-snapshot file is not left in /dev/shm."""
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+import pytest
+
+from specforge_k25.target_engine.sglang_spec import generate, load_snapshot_path
+
+SHM = Path("/dev/shm")
+
+
+def _new_load_snapshots(since: float) -> set[str]:
+    return {p.name for p in SHM.glob("sglang_loads_*") if p.stat().st_mtime >= since}
+
+
+@pytest.mark.engine
+@pytest.mark.slow
+@pytest.mark.skipif(not SHM.is_dir(), reason="no /dev/shm")
+def test_an_engine_that_fails_at_start_names_why_and_leaves_no_load_snapshot(smollm2_path):
+    since = time.time() - 1
+    # A fraction that leaves nothing for the KV pool fails after the scheduler made its file.
+    with pytest.raises(RuntimeError, match="mem-fraction-static"):
+        generate(smollm2_path, [[1, 2, 3]], max_new_tokens=2, mem_fraction_static=0.001, timeout_s=600)
+    assert _new_load_snapshots(since) == set()
+
+
+def test_the_load_snapshot_path_is_sglangs():
+    from sglang.srt.managers.load_snapshot import shm_path_for
+
+    for instance_id in ("2075bec33d00", "a/b c", "x/", ""):
+        assert load_snapshot_path(instance_id) == shm_path_for(instance_id)
