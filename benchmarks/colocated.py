@@ -17,7 +17,7 @@ cores: the co-located layout cannot show its GPU advantage (a trainer rank per G
 busy shares say where the cores went.
 
     .venv/bin/python benchmarks/colocated.py                 # ~4 min on 2 cores
-    .venv/bin/python benchmarks/colocated.py --smoke         # 13 samples (tests/benchmarks)
+    .venv/bin/python benchmarks/colocated.py --smoke         # 13 samples: the structure only
 """
 from __future__ import annotations
 

@@ -25,6 +25,7 @@ and, at the end, /dev/shm for what the runs left behind with no process holding 
 from __future__ import annotations
 
 import dataclasses
+import json
 import os
 import re
 import shlex
@@ -75,6 +76,7 @@ DRY_RUN_DP = ("python launch/multinode.py --nodes 2 --master-addr 10.0.0.1 --dry
 DRY_RUN_TP16 = ("python launch/multinode.py --nodes 2 --master-addr 10.0.0.1 --target-nodes 2 --dry-run -- "
                 "+hw=rtxpro6000x8 target=kimi_k25 target.path=/models/Kimi-K2.5 hw.trainer_layout=dedicated "
                 "hw.target_tp=16")
+TORCHRUN_DP = "torchrun --standalone --nproc-per-node 2 -m specforge_k25.train hw.target_replicas=2 train.batch_size=1"
 COMMANDS: dict[str, Case] = {
     # Fresh machine
     "bash scripts/install.sh && .venv/bin/python -m specforge_k25.train":
@@ -109,7 +111,7 @@ COMMANDS: dict[str, Case] = {
     "specforge_k25.train +hw=b300x8 target=kimi_k25 draft=kimi train.out_dir=/shared/runs/a": FITS,
     "python -m specforge_k25.train target=tiny_deepseek hw.target_tp=2 hw.trainer_layout=colocated "
     "train.batch_size=1": TRAIN,
-    "torchrun --standalone --nproc-per-node 2 -m specforge_k25.train hw.target_replicas=2 train.batch_size=1": TRAIN,
+    TORCHRUN_DP: TRAIN,
     "torchrun --nproc-per-node 8 -m specforge_k25.train +hw=rtxpro6000x8 target=kimi_k25 draft=kimi hw.target_pp=8 "
     "hw.target_tp=1 hw.mem_fraction_static=0.87": FITS,
     "python -m specforge_k25.train target=tiny_deepseek hw.target_pp=2 hw.trainer_layout=colocated "
@@ -240,7 +242,7 @@ class Result:
 def readme_runs(tmp_path_factory):
     """Runs the RUN and PLAN cases (two at a time, dependent ones after their prerequisite) in one
     work folder with one empty cache; a command that is the same as an earlier one once shortened
-    runs once. Returns ({command: Result}, seconds, /dev/shm entries left, the cache)."""
+    runs once. Returns ({command: Result}, seconds, /dev/shm entries left, the cache, the work folder)."""
     work, cache = tmp_path_factory.mktemp("readme"), tmp_path_factory.mktemp("cache")
     (work / "my_chats.jsonl").write_text(CHAT * 3)
     env = {**os.environ, "SPECFORGE_CACHE": str(cache), "WANDB_MODE": "disabled"}
@@ -270,7 +272,7 @@ def readme_runs(tmp_path_factory):
     left = _shm_entries() - before
     for c in tried:
         results[c] = dataclasses.replace(results[ran_as[c]], ran_as=ran_as[c])
-    return results, seconds, left - _held(left), cache
+    return results, seconds, left - _held(left), cache, work
 
 
 @pytest.mark.e2e
@@ -296,7 +298,7 @@ def test_readme_shows_what_the_dry_run_prints(readme_runs, command):
 @pytest.mark.e2e
 @pytest.mark.engine
 def test_readme_runs_leave_no_shared_memory_and_build_each_target_once(readme_runs):
-    results, seconds, left, cache = readme_runs
+    results, seconds, left, cache, _ = readme_runs
     ran = {r.ran_as: r for r in results.values()}
     for r in sorted(ran.values(), key=lambda r: -r.cpu_s):
         print(f"{r.seconds:6.0f} s {r.cpu_s:6.0f} CPU s  {r.ran_as}")
@@ -308,3 +310,22 @@ def test_readme_runs_leave_no_shared_memory_and_build_each_target_once(readme_ru
     assert sorted(p.name for p in models.iterdir() if not p.name.startswith(".")) == [
         "SmolLM2-135M-Instruct", "tiny-deepseek-v3-L8-H128-s0"]
     assert not list(models.glob(".*.build-*")), "a build's staging folder left behind"
+
+
+@pytest.mark.e2e
+@pytest.mark.engine
+def test_readme_torchrun_run_has_rank_0_alone_print_and_write(readme_runs):
+    """The data-parallel example under torchrun: two ranks, two SGLang target processes; rank 0
+    alone prints the plan and the summary and writes the run folder, which holds both ranks' work."""
+    results, _, _, _, work = readme_runs
+    r = results[TORCHRUN_DP]
+    assert r.output.count("run plan") == 1 and r.output.count("run summary") == 1, r.output[-6000:]
+    runs = [p.parent for p in work.glob("outputs/**/summary.json")
+            if "hw.target_replicas=2" in (p.parent / ".hydra" / "overrides.yaml").read_text()]
+    assert len(runs) == 1, runs
+    summary = json.loads((runs[0] / "summary.json").read_text())
+    samples = int(SHORT_TRAIN["data.num_samples"])
+    assert summary["trainer_ranks"] == 2 and summary["samples_trained"] == samples and summary["steps"] == samples // 2
+    assert summary["disk"]["hidden_state_bytes_on_disk"] == 0 and summary["eval"]["end"]["positions"] > 0
+    records = [line for line in (runs[0] / "metrics.jsonl").read_text().splitlines() if "train/loss" in line]
+    assert len(records) == summary["steps"] and (runs[0] / "export" / "model.safetensors").is_file()

@@ -352,21 +352,70 @@ def test_gpu_wheel_list_is_pinned_and_small():
 
 
 # ------------------------------------------------------------------------------ colocated
-@pytest.mark.e2e
-def test_colocated_benchmark_smoke(tmp_path, tiny_deepseek_path):
-    """Both layouts run through the CLI; the result names every process's busy share."""
+# The layouts themselves run end to end in tests/train/test_colocated.py (which also checks the
+# summary fields read here); these tests run the benchmark's own parts: the sampler on a process
+# tree shaped like a co-located launch, and the result it assembles from two runs.
+FAKE_TREE = textwrap.dedent("""
+    import json, subprocess, sys, time
+    from pathlib import Path
+    def busy(s):
+        end = time.process_time() + s
+        while time.process_time() < end:
+            pass
+    level, out = sys.argv[1], Path(sys.argv[2])
+    if level == "torch.distributed.run":
+        kids = [subprocess.Popen([sys.executable, __file__, "specforge_k25.train", str(out)]) for _ in range(2)]
+        busy(0.2)
+        [k.wait() for k in kids]
+        out.joinpath("summary.json").write_text(json.dumps(
+            {"train_wall_s": 1.5, "tokens_trained": 640, "tokens_per_s": 426.7, "stream_wait_frac": 0.25}))
+    elif level == "specforge_k25.train":
+        kid = subprocess.Popen([sys.executable, __file__, "spawn_main", str(out)])
+        busy(0.6)
+        kid.wait()
+    else:
+        busy(0.6)
+""")
+
+
+@pytest.mark.slow
+def test_colocated_benchmark_samples_every_process_by_role(tmp_path):
+    """run() on a launcher -> 2 trainer ranks -> a target each: every process named by its role,
+    busy shares that add up to the CPU the tree spent, the summary's numbers passed on."""
+    b = bench("colocated")
+    script = tmp_path / "tree.py"
+    script.write_text(FAKE_TREE)
+    result = b.run("colocated", [sys.executable, str(script), "torch.distributed.run", str(tmp_path)], tmp_path,
+                   poll_s=0.05)
+    shares = result["busy_share"]
+    assert sorted(shares) == ["launcher 0", "target 0", "target 1", "trainer 0", "trainer 1"]
+    assert all(0.0 < v <= 1.0 for v in shares.values()), shares
+    assert shares["trainer 0"] > shares["launcher 0"] and shares["target 1"] > shares["launcher 0"]
+    assert result["tokens_trained"] == 640 and result["stream_wait_frac"] == 0.25
+    assert result["cpu_s_total"] >= 0.2 + 4 * 0.6
+
+
+def test_colocated_benchmark_result_from_two_runs(tmp_path, monkeypatch, capsys):
+    """main(): the dedicated then the co-located command, the ratio of their tokens/s, the JSON."""
+    b = bench("colocated")
+    commands = []
+
+    def fake_run(name, cmd, run_dir, poll_s=0.5):
+        commands.append(cmd)
+        return {"layout": name, "command": " ".join(cmd[1:]), "wall_s": 2.0, "train_wall_s": 1.0,
+                "tokens_trained": 600, "tokens_per_s": {"dedicated": 300.0, "colocated": 240.0}[name],
+                "stream_wait_frac": 0.1, "busy_share": {"trainer 0": 0.5}, "cpu_s_total": 3.0}
+
+    monkeypatch.setattr(b, "run", fake_run)
     out = tmp_path / "colocated.json"
-    proc = subprocess.run([sys.executable, str(BENCHMARKS / "colocated.py"), "--smoke", "--out", str(out)],
-                          capture_output=True, text=True, timeout=900, cwd=BENCHMARKS.parent)
-    assert proc.returncode == 0, (proc.stdout + proc.stderr)[-4000:]
-    result = json.loads(out.read_text())
-    dedicated, colocated = result["runs"]
-    assert (dedicated["layout"], colocated["layout"]) == ("dedicated", "colocated")
-    assert dedicated["tokens_trained"] == colocated["tokens_trained"] > 0
-    assert sorted(dedicated["busy_share"]) == ["target 0", "target 1", "trainer 0"]
-    assert sorted(colocated["busy_share"]) == ["launcher 0", "target 0", "target 1", "trainer 0", "trainer 1"]
-    assert all(finite(v) and v >= 0 for r in (dedicated, colocated) for v in r["busy_share"].values())
-    assert finite(result["colocated_over_dedicated_tokens_per_s"])
+    result = b.main(["--smoke", "--out", str(out)])
+    dedicated, colocated = commands
+    assert "torch.distributed.run" not in dedicated and "train.batch_size=4" in dedicated
+    assert "--nproc-per-node=2" in colocated and "hw.trainer_layout=colocated" in colocated
+    assert "train.batch_size=2" in colocated and "hw.target_tp=2" in dedicated and "hw.target_tp=2" in colocated
+    assert result["colocated_over_dedicated_tokens_per_s"] == 0.8
+    assert json.loads(out.read_text())["runs"] == result["runs"]
+    assert "co-located / dedicated tokens/s: 0.800" in capsys.readouterr().out
 
 
 # ------------------------------------------------------------------------------ padding

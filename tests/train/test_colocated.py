@@ -5,6 +5,7 @@ reading the same TP2 target with the same global batch."""
 from __future__ import annotations
 
 import json
+import math
 import shutil
 import signal
 import subprocess
@@ -77,6 +78,10 @@ COMMON = ["target=tiny_deepseek", "hw.target_tp=2", "data.num_samples=13", "data
 COLOCATED = [*COMMON, "hw.trainer_layout=colocated", "train.batch_size=2"]
 
 
+def finite(x) -> bool:
+    return isinstance(x, (int, float)) and math.isfinite(x)
+
+
 def _cli(run_dir: Path, overrides: list[str], nproc: int = 1) -> list[str]:
     launch = ([sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}"]
               if nproc > 1 else [sys.executable])
@@ -107,6 +112,8 @@ def test_two_colocated_ranks_equal_one_dedicated_rank(colocated_runs):
         assert s1[key] == s2[key], key
     assert s1["steps"] == 4 and s1["samples_trained"] == 26
     assert s2["disk"]["hidden_state_bytes_on_disk"] == 0
+    # what benchmarks/colocated.py reads from each layout's summary
+    assert all(finite(s[k]) for s in (s1, s2) for k in ("train_wall_s", "tokens_per_s", "stream_wait_frac"))
     assert json.loads((two / "checkpoints" / "step_00000004" / "state.json").read_text()
                       )["fingerprint"]["trainer_layout"] == "colocated"
 
@@ -236,10 +243,12 @@ def _checkpointed(run: Path):
 
 
 def _trained_steps(run: Path, n: int):
-    def ready(_pid) -> bool:
+    """Ready once `n` more optimizer steps than now are logged (metrics.jsonl is appended to on resume)."""
+    def logged() -> int:
         metrics = run / "metrics.jsonl"
-        return metrics.is_file() and sum('"train/loss"' in line for line in metrics.read_text().splitlines()) >= n
-    return ready
+        return sum('"train/loss"' in line for line in metrics.read_text().splitlines()) if metrics.is_file() else 0
+    before = logged()
+    return lambda _pid: logged() >= before + n
 
 
 def _tp_ranks_started(launcher_pid: int) -> bool:
@@ -258,44 +267,63 @@ def _resume_to_end(run: Path, overrides: list[str]) -> dict:
     return json.loads((run / "summary.json").read_text())
 
 
+@pytest.fixture(scope="module")
+def interrupted_run(tiny_deepseek_path, tmp_path_factory):
+    """One co-located run interrupted twice, then finished: SIGKILL the TP rank beside trainer
+    rank 1 after the first checkpoint; resume with periodic checkpoints off and SIGTERM the launcher
+    after two more steps; resume to the end. Returns (run dir, the three outputs, the checkpoints
+    the kill left, the SIGTERM checkpoint or None, the final summary)."""
+    run = tmp_path_factory.mktemp("interrupted") / "run"
+    killed = _signal_when(run, LONGER, _checkpointed(run), lambda pid: _tp_process_of_trainer_rank(pid, 1))
+    saved = sorted(p.name for p in run.glob("checkpoints/step_*"))
+    no_periodic = [o for o in LONGER if not o.startswith("train.checkpoint_every=")] + ["train.checkpoint_every=0"]
+    stopped = _signal_when(run, [*no_periodic, "train.resume=auto"], _trained_steps(run, 2), psutil.Process,
+                           signal.SIGTERM)
+    new = [p for p in run.glob("checkpoints/step_*") if p.name not in saved and (p / "state.json").is_file()]
+    summary = _resume_to_end(run, LONGER)
+    return run, (killed, stopped), saved, (new[0] if len(new) == 1 else None), summary
+
+
 @pytest.mark.e2e
-def test_killed_colocated_tp_rank_is_named_with_progress_saved(tiny_deepseek_path, tmp_path):
+def test_killed_colocated_tp_rank_is_named_with_progress_saved(interrupted_run):
     """SIGKILL the TP rank beside trainer rank 1 after the first checkpoint: the launch ends within
-    30 s, names that TP rank, and points at the saved checkpoint."""
-    run = tmp_path / "killed"
-    out = _signal_when(run, LONGER, _checkpointed(run), lambda pid: _tp_process_of_trainer_rank(pid, 1))
+    30 s, leaves no process behind (`_signal_when`), names that TP rank, and points at the saved
+    checkpoint."""
+    _, (out, _), saved, _, _ = interrupted_run
     assert "TP rank 1 of 2" in out and "died" in out, out[-5000:]
-    assert "progress saved" in out and "step_0000000" in out, out[-5000:]
+    assert "progress saved" in out and saved and saved[-1] in out, out[-5000:]
 
 
 @pytest.mark.e2e
-def test_killed_colocated_trainer_rank_is_named_and_the_run_resumes(tiny_deepseek_path, tmp_path):
+def test_sigterm_to_torchrun_saves_the_sharded_state_together(interrupted_run):
+    """SIGTERM to the launcher of the resumed run, which passes it to each trainer rank's process
+    group (its TP rank included): the TP ranks keep serving, the trainer ranks agree to stop at the
+    same batch, gather their shards and save (periodic checkpoints off, so the one new checkpoint
+    is the SIGTERM one), and nothing is left running."""
+    _, (_, out), saved, stopped_at, _ = interrupted_run
+    assert "resuming from" in out and "stopped by SIGTERM; checkpoint: " in out, out[-5000:]
+    assert stopped_at is not None and f"checkpoint: {stopped_at}" in out, out[-5000:]
+    assert int(stopped_at.name.split("_")[1]) >= int(saved[-1].split("_")[1]) + 2
+
+
+@pytest.mark.e2e
+def test_a_killed_then_stopped_run_resumes_to_the_end(interrupted_run):
+    """The same launch line with train.resume=auto continues from the SIGTERM checkpoint and trains
+    every sample of the schedule."""
+    _, _, _, stopped_at, summary = interrupted_run
+    assert stopped_at is not None and Path(summary["resumed_from"]) == stopped_at
+    assert summary["samples_trained"] == LONGER_SAMPLES and summary["steps"] == LONGER_SAMPLES // 4
+
+
+@pytest.mark.e2e
+def test_killed_colocated_trainer_rank_is_named(tiny_deepseek_path, tmp_path):
     """SIGKILL trainer rank 1 itself after the first checkpoint: the launch ends within 30 s,
-    names the dead rank, leaves no target process behind, and the same launch line with
-    train.resume=auto continues from the saved checkpoint to the end."""
+    names the dead rank and leaves no target process behind (the resume of a killed run is
+    test_a_killed_then_stopped_run_resumes_to_the_end's)."""
     run = tmp_path / "killed"
     out = _signal_when(run, LONGER, _checkpointed(run), lambda pid: _trainer_rank(pid, 1))
     assert "local_rank: 1" in out and "Signal 9 (SIGKILL)" in out, out[-5000:]
-    saved = sorted(p.name for p in run.glob("checkpoints/step_*"))
-    summary = _resume_to_end(run, LONGER)
-    assert Path(summary["resumed_from"]).name in saved and summary["samples_trained"] == LONGER_SAMPLES
-
-
-@pytest.mark.e2e
-def test_sigterm_to_torchrun_saves_the_sharded_state_together(tiny_deepseek_path, tmp_path):
-    """SIGTERM to the launcher, which passes it to each trainer rank's process group (its TP rank
-    included): the TP ranks keep serving, the trainer ranks agree to stop at the same batch, gather
-    their shards and save (no periodic checkpoints here, so the checkpoint is the SIGTERM one),
-    nothing is left running, and a resume finishes the run."""
-    run = tmp_path / "stopped"
-    overrides = [o for o in LONGER if not o.startswith("train.checkpoint_every=")] + ["train.checkpoint_every=0"]
-    out = _signal_when(run, overrides, _trained_steps(run, 2), psutil.Process, signal.SIGTERM)
-    assert "stopped by SIGTERM; checkpoint: " in out, out[-5000:]
-    saved = [p for p in run.glob("checkpoints/step_*") if (p / "state.json").is_file()]
-    assert len(saved) == 1 and f"checkpoint: {saved[0]}" in out, out[-5000:]
-    assert int(saved[0].name.split("_")[1]) >= 2
-    summary = _resume_to_end(run, overrides)
-    assert Path(summary["resumed_from"]) == saved[0] and summary["samples_trained"] == LONGER_SAMPLES
+    assert list(run.glob("checkpoints/step_*"))
 
 
 @pytest.mark.e2e

@@ -436,27 +436,6 @@ def test_target_process_does_not_inherit_torchrun_variables(monkeypatch):
     assert os.environ["TORCHELASTIC_USE_AGENT_STORE"] == "True" and os.environ["RANK"] == "1"  # restored
 
 
-@pytest.mark.engine
-@pytest.mark.e2e
-def test_cli_under_torchrun_trains_two_ranks_through_sglang(tmp_path):
-    """`torchrun --nproc-per-node 2 -m specforge_k25.train`: two ranks, two SGLang target processes
-    (tiny DeepSeek), rank 0 alone prints and writes (~2 min on 2 cores)."""
-    run_dir = tmp_path / "run"
-    out = subprocess.run(_torchrun(2, "-m", "specforge_k25.train", "target=tiny_deepseek", "hw.target_replicas=2",
-                                   "data.num_samples=4", "data.heldout_samples=2", "data.max_length=64",
-                                   "draft.vocab_size=1024", "train.batch_size=1", "train.ttt_length=3",
-                                   "train.log_every=1", "train.progress=false", "train.logger=none",
-                                   f"train.out_dir={run_dir}", f"hydra.run.dir={tmp_path / 'hydra'}"),
-                         capture_output=True, text=True, timeout=900, env=rank_env(), cwd=ROOT)
-    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-5000:]
-    assert out.stdout.count("run plan") == 1 and out.stdout.count("run summary") == 1
-    summary = json.loads((run_dir / "summary.json").read_text())
-    assert summary["trainer_ranks"] == 2 and summary["steps"] == 2 and summary["samples_trained"] == 4
-    assert summary["disk"]["hidden_state_bytes_on_disk"] == 0
-    assert summary["eval"]["end"]["positions"] > 0
-    assert len(_train_records(run_dir)) == 2 and (run_dir / "export" / "model.safetensors").is_file()
-
-
 def _regenerated_rows(run_dir: Path) -> list[tuple]:
     rows = [json.loads(line) for line in (run_dir / "regenerated.jsonl").read_text().splitlines()]
     return sorted((r["kind"], r["sample"], r["status"], r["answer_tokens"], r["answer"]) for r in rows)
