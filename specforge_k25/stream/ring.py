@@ -3,7 +3,8 @@
 Each slot holds one target batch: aux [max_tokens, K*Ht] (K aux states, one per capture point) and
 final [max_tokens, Ht]. The producer takes a free slot (blocking when all are in use: that is the
 backpressure), writes, and announces it on `ready`; the consumer reads and hands the slot back on
-`free`. Only slot numbers and small metadata cross the queues; the tensors themselves are created
+`free`. Only slot numbers and small metadata cross these channels (pipes, stream/channel.py: no
+named semaphores to leave behind when a run is killed); the tensors themselves are created
 once and shared when the producer process starts: POSIX shared memory (tmpfs, never a disk) on CPU,
 CUDA IPC handles when `device` is a GPU (torch.multiprocessing does both).
 """
@@ -13,6 +14,8 @@ import queue as queue_module
 from dataclasses import dataclass, field
 
 import torch
+
+from .channel import Channel
 
 
 @dataclass
@@ -72,8 +75,9 @@ class SlotRing:
             for t in self.aux + self.final:
                 t.share_memory_()
         self.max_tokens, self.num_aux, self.hidden_size = max_tokens, num_aux, hidden_size
-        self.free = ctx.Queue()
-        self.ready = ctx.Queue(maxsize=num_slots + 1)
+        self.free, self.ready = Channel(ctx), Channel(ctx)  # producer and consumer: one each
+        self.sent = torch.zeros(1, dtype=torch.int64).share_memory_()  # batches announced (the producer counts)
+        self.taken = 0  # ... and received (the consumer's own count)
         for slot in range(num_slots):
             self.free.put(slot)
 
@@ -99,12 +103,15 @@ class SlotRing:
         if ids is not None:
             self.ids[slot][:n].copy_(ids)
         checksum = slot_checksum(self.aux[slot][:n], self.final[slot][:n])  # on CUDA: waits for the copies
+        self.sent += 1
         self.ready.put(SlotMessage(slot, item, lengths, checksum, prompt_lengths))
 
     # consumer side -----------------------------------------------------------------------
     def get(self, timeout: float):
         """Next message: SlotMessage | EndOfStream | ProducerFailed; raises queue.Empty on timeout."""
-        return self.ready.get(timeout=timeout)
+        msg = self.ready.get(timeout=timeout)
+        self.taken += isinstance(msg, SlotMessage)
+        return msg
 
     def view(self, msg: SlotMessage) -> tuple[torch.Tensor, torch.Tensor]:
         n = sum(msg.lengths)
@@ -118,21 +125,14 @@ class SlotRing:
 
     def depth(self) -> int:
         """Batches produced and not yet taken by the trainer."""
-        try:
-            return self.ready.qsize()
-        except NotImplementedError:  # macOS
-            return -1
+        return int(self.sent.item()) - self.taken
 
     def close(self) -> None:
-        """The trainer's side, once the target processes are gone: end the queues' feeder threads
-        and drop the queues. Each queue holds three named POSIX semaphores, which multiprocessing
-        unlinks when their last handle in this process is collected; left to interpreter exit,
-        which a torchrun rank skips (train/__main__.py `leave`), they stay in /dev/shm until
-        Python's resource tracker removes them with a "leaked semaphore objects" warning."""
-        for q in (self.free, self.ready):
-            if q is not None:
-                q.close()
-                q.join_thread()
+        """The trainer's side, once the target processes are gone: close the channels' pipes
+        (idempotent: TargetStream.close may run twice on a failure path)."""
+        for channel in (self.free, self.ready):
+            if channel is not None:
+                channel.close()
         self.free = self.ready = None
 
 

@@ -263,8 +263,9 @@ def run_tp_rank(spec: TargetSpec, tp_rank: int, report, parent_pid: int, ring: S
     forwards as rank 0, batch by batch as rank 0 broadcasts them, until rank 0 says the batches are
     done. Its outputs are dropped (rank 0 holds the full hidden states), unless it feeds a
     co-located trainer rank: then `ring` gets its share of each batch, `shares` = (prompt lengths of
-    every sample, the batches, keep, the SeqWindow of context parallelism or None). A failure goes to `report` (the trainer's ready queue on the
-    trainer's node; None elsewhere: the traceback and exit code tell)."""
+    every sample, the batches, keep, the SeqWindow of context parallelism or None). A failure goes
+    to `report` (a channel the trainer reads on the trainer's node; None elsewhere: the traceback
+    and exit code tell)."""
     bind_to_trainer()
     if os.getppid() != parent_pid:
         return

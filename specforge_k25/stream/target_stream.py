@@ -26,6 +26,7 @@ batch (`keep`: positions in the batch) and no hidden state crosses GPUs.
 from __future__ import annotations
 
 import os
+import queue
 import signal
 import time
 
@@ -33,6 +34,7 @@ import psutil
 import torch
 
 from ..target_engine.factory import TargetSpec, check_tp_layout
+from .channel import Channel, first_ready
 from .ring import EndOfStream, ProducerFailed, SeqWindow, SlotMessage, SlotRing
 from .target_process import GROUP_SIGNALS, run_producer, run_tp_rank, sequence_room
 
@@ -210,6 +212,7 @@ class TargetStream:
         self.ring = SlotRing(self.ctx, slots, max_tokens, hidden_size, dtype, device, num_aux=spec.num_aux)
         self.process = None  # TP rank 0: the one that fills the ring
         self.tp_processes: dict[int, object] = {}  # every TP rank started on this node, rank 0 included
+        self.reports: dict[int, Channel] = {}  # the failure channels of the ranks that do not fill the ring
         self.wait_s = 0.0  # trainer time spent waiting for the target
         self.target_io: EndOfStream | None = None  # the target's own write counters, sent at its end
         self.should_stop = lambda: False  # polled while waiting; True -> StreamInterrupted
@@ -250,7 +253,7 @@ class TargetStream:
                 process = self.ctx.Process(
                     target=run_producer, args=(spec, self.tokens, self.offsets, self.batches,
                                                  self.ring if fills else None, os.getpid(), self.keep, self.before,
-                                                 self.routes, rank, self.ring.ready),
+                                                 self.routes, rank, self.ring.ready if fills else self._report(rank)),
                     name=f"specforge-target-{self._rank_name(rank)}", daemon=True)
                 if fills:
                     self.process = process
@@ -267,11 +270,17 @@ class TargetStream:
                     name=f"specforge-target-{self._rank_name(rank)}", daemon=True)
                 self.process = process
             else:
-                process = self.ctx.Process(target=run_tp_rank, args=(spec, rank, self.ring.ready, os.getpid()),
+                process = self.ctx.Process(target=run_tp_rank, args=(spec, rank, self._report(rank), os.getpid()),
                                            name=f"specforge-target-{self._rank_name(rank)}", daemon=True)
             self.tp_processes[rank] = process
             _start_quietly(process, env)
         return self
+
+    def _report(self, rank: int) -> Channel:
+        """Where a rank that does not fill the ring reports its failure: a channel of its own (one
+        writer per channel: stream/channel.py), read beside the ring's `ready`."""
+        self.reports[rank] = Channel(self.ctx)
+        return self.reports[rank]
 
     def _rank_name(self, rank: int) -> str:
         """tp3, or with pipeline stages pp1-tp0 (rank = tp_size * stage + TP rank)."""
@@ -319,8 +328,9 @@ class TargetStream:
         try:
             while True:
                 try:
-                    msg = self.ring.get(timeout=self.poll_s)
-                except Exception:  # queue.Empty
+                    channel = first_ready([self.ring.ready, *self.reports.values()], self.poll_s)
+                    msg = self.ring.get(timeout=0) if channel is self.ring.ready else channel.get(timeout=0)
+                except queue.Empty:
                     waited += self.poll_s
                     if self.should_stop():
                         raise StreamInterrupted("stop requested while waiting for the target") from None
@@ -359,4 +369,7 @@ class TargetStream:
         """Stop the target processes (every TP rank on this node) and anything they started (no orphans)."""
         _stop(list(self.tp_processes.values()), grace_s=30.0 if self.target_io is not None else 0.0)
         self.ring.close()
+        for channel in self.reports.values():
+            channel.close()
+        self.reports = {}
         self.rendezvous = None  # closes the store's port

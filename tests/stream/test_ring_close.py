@@ -1,11 +1,9 @@
-"""The trainer's side of the stream leaves no semaphore for Python's resource tracker to warn about.
+"""The stream's channels create no named semaphore, so a run killed with `kill -9` of its whole
+process group (Slurm's escalation) leaves nothing in /dev/shm, and a torchrun rank that ends with
+os._exit (train/__main__.py `leave`) leaves nothing for Python's resource tracker to warn about.
 
-SlotRing.close releases the ring's named semaphores at once, not at interpreter exit.
-
-A torchrun rank ends with os._exit (train/__main__.py `leave`), which skips the finalizers that
-would unlink the semaphores of the ring's two multiprocessing queues; every co-located or
-data-parallel run then ended with Python's resource tracker warning "There appear to be 6 leaked
-semaphore objects". The test runs a ring's whole life in a process that ends the same way.
+With multiprocessing queues, each ring held six named semaphores (/dev/shm/sem.mp-*), unlinked only
+at a clean interpreter exit or by the resource tracker: a group SIGKILL killed both and left them.
 
 target_stream._stop waits for target processes that are ending on their own: a SIGKILL during their
 interpreter exit can land while multiprocessing releases a semaphore the process made (tqdm's lock),
@@ -21,31 +19,53 @@ import subprocess
 import sys
 import textwrap
 
-SCRIPT = textwrap.dedent("""
+RING_LIFE = textwrap.dedent("""
     import json, os, torch
-    from specforge_k25.stream.ring import SlotRing
+    from multiprocessing import synchronize
 
-    ring = SlotRing(torch.multiprocessing.get_context("spawn"), 2, 8, 4, torch.float32, num_aux=3)
-    ring.put(0, torch.ones(3, 12), torch.ones(3, 4), [3])  # both queues' feeder threads start
-    msg = ring.get(timeout=10)
-    assert ring.view(msg)[0].sum().item() == 36
-    ring.release(msg)
-    names = [lock._semlock.name for q in (ring.free, ring.ready) for lock in (q._rlock, q._wlock, q._sem)]
-    ring.close()
-    ring.close()  # idempotent (TargetStream.close may run twice on a failure path)
-    still = [n for n in names if os.path.exists("/dev/shm/sem." + n.lstrip("/"))]
-    print(json.dumps({"names": names, "still": still}), flush=True)
-    os._exit(0)  # as a torchrun rank leaves: no interpreter teardown
+    made = []  # every named semaphore this process creates
+    init = synchronize.SemLock.__init__
+    def recording(self, *args, **kwargs):
+        init(self, *args, **kwargs)
+        made.append(self._semlock.name)
+    synchronize.SemLock.__init__ = recording
+
+    from specforge_k25.stream.ring import EndOfStream, SlotRing
+
+    def produce(ring):
+        ring.put(0, torch.ones(3, 12), torch.ones(3, 4), [3])
+        ring.ready.put(EndOfStream(1, 0, 0))
+
+    if __name__ == "__main__":
+        ctx = torch.multiprocessing.get_context("spawn")
+        ring = SlotRing(ctx, 2, 8, 4, torch.float32, num_aux=3)
+        producer = ctx.Process(target=produce, args=(ring,))
+        producer.start()
+        producer.join(60)
+        depth = [ring.depth()]
+        msg = ring.get(timeout=10)
+        depth.append(ring.depth())
+        assert ring.view(msg)[0].sum().item() == 36
+        ring.release(msg)
+        end = ring.get(timeout=10)
+        ring.close()
+        ring.close()  # idempotent (TargetStream.close may run twice on a failure path)
+        print(json.dumps({"made": made, "depth": depth, "end": type(end).__name__, "exit": producer.exitcode}),
+              flush=True)
+        os._exit(0)  # as a torchrun rank leaves: no interpreter teardown
 """)
 
 
-def test_closed_ring_leaves_no_semaphore_behind():
+@pytest.mark.slow
+def test_a_ring_with_its_producer_creates_no_named_semaphore(tmp_path):
+    script = tmp_path / "ring_life.py"
+    script.write_text(RING_LIFE)
     env = {k: v for k, v in os.environ.items() if k != "PYTHONWARNINGS"}  # the tracker's warning must show
-    out = subprocess.run([sys.executable, "-c", SCRIPT], capture_output=True, text=True, timeout=120, env=env)
+    out = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=120, env=env)
     assert out.returncode == 0, out.stderr
     report = json.loads(out.stdout.strip().splitlines()[-1])
-    assert len(report["names"]) == 6
-    assert report["still"] == [], "semaphores still linked after close"
+    assert report["exit"] == 0 and report["end"] == "EndOfStream" and report["depth"] == [1, 0], report
+    assert report["made"] == [], "named semaphores (left in /dev/shm by a kill -9) created"
     assert "leaked" not in out.stderr and "resource_tracker" not in out.stderr, out.stderr
 
 
