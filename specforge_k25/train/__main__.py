@@ -21,9 +21,12 @@ from ..config import CONF_DIR, JobConfig, describe, register_schemas
 register_schemas()
 
 
-def print_summary(summary: dict) -> None:
+def print_summary(summary: dict, target=None) -> None:
+    """The end-of-run table; `target` (TargetConfig): a random embedded one says what its numbers mean."""
     from rich.console import Console
     from rich.table import Table
+
+    from .overview import random_target_note
 
     table = Table(title="specforge_k25 run summary", show_lines=False)
     table.add_column("metric")
@@ -55,6 +58,9 @@ def print_summary(summary: dict) -> None:
     table.add_row("export (SGLang/vLLM)", summary["export"])
     table.add_row("wall time (s)", f"{summary['total_wall_s']:.0f}")
     Console().print(table)
+    note = random_target_note(target) if target is not None else None
+    if note:  # under the table: it explains the held-out rows
+        print(f"note: {note}", flush=True)
 
 
 def relaunch_under_torchrun(job: JobConfig, argv: list[str]) -> None:
@@ -110,7 +116,7 @@ def main(cfg) -> None:
         print(f"\nerror: {err}", file=sys.stderr)
         leave(2)
     if World.from_env().rank == 0:
-        print_summary(summary)
+        print_summary(summary, job.target)
     leave(0)
 
 

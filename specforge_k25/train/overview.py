@@ -11,6 +11,19 @@ from ..setup.run import RunSetup
 from .schedule import BatchItem, padding_share
 
 
+# Embedded targets with seeded random weights (target_engine/models.py): their argmax tokens are
+# almost never in a draft vocabulary built from the data, so a run on one learns nothing.
+RANDOM_BUILTINS = ("tiny_deepseek", "tiny_kimi")
+
+
+def random_target_note(target) -> str | None:
+    """The line a run on a random embedded target prints beside its plan and its results."""
+    if target.path or target.builtin not in RANDOM_BUILTINS:
+        return None
+    return (f"target {target.name} is a random tiny fixture: acceptance ~0 is expected (its argmax tokens are "
+            "almost never in the draft vocabulary built from the data); it exercises Kimi's code path, not learning")
+
+
 def _fmt_params(n: int) -> str:
     return f"{n / 1e6:.2f}M" if n < 1e9 else f"{n / 1e9:.2f}B"
 
@@ -70,6 +83,9 @@ def print_overview(job: JobConfig, setup: RunSetup, schedule: list[BatchItem], s
         f"{(setup.method.num_aux(setup.draft_cfg) + 1) * H} floats",
         f"outputs     {run_dir}",
     ]
+    note = random_target_note(job.target)
+    if note:
+        lines.insert(2, f"note        {note}")
     planned = throughput_line(job, with_hw_overrides(job, facts_from_folder(setup.model_path, job.target.name)), padding)
     if planned:
         lines.insert(-2, planned)

@@ -183,7 +183,8 @@ def test_golden_instant_empty_think_not_supervised(tok, E):
 
 
 def _call(name, args):
-    return {"type": "function", "function": {"name": name, "arguments": json.dumps(args)}}
+    """An OpenAI-style call: its id is not of Kimi's form, so the renderer renumbers it."""
+    return {"id": f"call_{name}", "type": "function", "function": {"name": name, "arguments": json.dumps(args)}}
 
 
 TOOL_LOOP = [
@@ -708,8 +709,9 @@ def served(messages):
     """What SGLang 0.5.23 hands Kimi's template for these messages (serving_chat.py,
     `_apply_jinja_template`): an absent content becomes "", None-valued keys are dropped, a tool
     result's text parts are joined with " ", an assistant call's string arguments are parsed
-    (`normalize_assistant_tool_call_arguments`), and a user turn has no `name` (its pydantic model
-    has none)."""
+    (`normalize_assistant_tool_call_arguments`), a call without an id keeps `id: None` (its
+    pydantic model's dump; the template prints "None"), and a user turn has no `name` (its
+    pydantic model has none)."""
     out = []
     for m in copy.deepcopy(list(messages)):
         m = {k: v for k, v in m.items() if v is not None and k != "content_parts"}
@@ -719,6 +721,7 @@ def served(messages):
         if m["role"] == "tool" and isinstance(m["content"], list):
             m["content"] = " ".join(p["text"] if isinstance(p, dict) else p for p in m["content"])
         for call in m.get("tool_calls") or []:
+            call.setdefault("id", None)
             if isinstance(call["function"].get("arguments"), str):
                 call["function"]["arguments"] = json.loads(call["function"]["arguments"])
         out.append(m)
