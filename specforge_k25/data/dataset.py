@@ -1,6 +1,7 @@
 """Build the tokenized train / held-out splits from a configured source, counting skips."""
 from __future__ import annotations
 
+import copy
 import hashlib
 import random
 from collections import Counter
@@ -64,9 +65,10 @@ def fit_turns(render, messages: list[dict], max_length: int) -> tuple[Sample, bo
     that trains the most tokens, and whether earlier turns were left out. Candidates: the whole
     conversation and every suffix of it that starts at a user turn (leading system messages kept),
     each rendered as the server renders that conversation (a template's default system prompt
-    included) and cut at max_length; ties go to the longer context. A cut alone drops a row whose
-    first prompt fills max_length, and cuts a long early answer where a later exchange would train
-    more. Raises the whole row's BadRow when no candidate keeps a trainable token."""
+    and the row's `tools` included) and cut at max_length; ties go to the longer context. A cut
+    alone drops a row whose first prompt fills max_length, and cuts a long early answer where a
+    later exchange would train more. Raises the whole row's BadRow when no candidate keeps a
+    trainable token."""
     try:
         best, best_start = render(messages, max_length), 0
     except BadRow as bad:
@@ -80,8 +82,13 @@ def fit_turns(render, messages: list[dict], max_length: int) -> tuple[Sample, bo
         lead += 1
     first_user = next((i for i in range(lead, len(messages)) if messages[i]["role"] == "user"), len(messages))
     for j in (j for j in range(first_user + 1, len(messages)) if messages[j]["role"] == "user"):
+        # a copy, not a slice: a slice of a `Conversation` is a plain list without the row's
+        # `tools`, and a suffix rendered without its tool_declare turn is not what the server
+        # renders for it (a declaration that cannot fit then fails every candidate: BadRow)
+        candidate = copy.copy(messages)
+        del candidate[lead:j]
         try:
-            sample = render(messages[:lead] + messages[j:], max_length)
+            sample = render(candidate, max_length)
         except BadRow:
             continue
         if best is None or _trainable(sample) > _trainable(best):
