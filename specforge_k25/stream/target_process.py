@@ -26,6 +26,7 @@ import torch
 from ..target_engine.factory import TargetSpec, build_target
 from ..target_engine.sampling import generation_slots, kv_slots
 from .pipeline_shares import StageShares
+from .progress import BatchProgress
 from .ring import EndOfStream, ProducerFailed, SeqWindow, SlotRing
 
 
@@ -73,7 +74,8 @@ def put_share(ring: SlotRing, index: int, out, keep: list[int] | None, ids: torc
 
 def run_producer(spec: TargetSpec, tokens: torch.Tensor, offsets: torch.Tensor, batches: list,
                    ring: SlotRing | None, parent_pid: int, keep: list | None = None, before: list = (),
-                   routes: list | None = None, rank: int = 0, report=None, window: SeqWindow | None = None):
+                   routes: list | None = None, rank: int = 0, report=None, window: SeqWindow | None = None,
+                   progress: BatchProgress | None = None):
     """Entry point of the target process of TP rank 0, and of every rank of a pipeline-parallel target.
     tokens: all sequences concatenated; offsets [N+1]. keep: per batch, the positions its ring
     carries (co-located; None: every sequence), `window` its rows of each (context parallelism). before: the batches a resumed run already trained
@@ -84,7 +86,8 @@ def run_producer(spec: TargetSpec, tokens: torch.Tensor, offsets: torch.Tensor, 
     overlap (stage s forwards batch i while stage s+1 forwards batch i-1). `ring` is None on a rank
     that fills none (failures then go to `report`): with a dedicated trainer, the last stage's TP
     rank 0 fills it; co-located, `routes` (every rank's share of every batch) says what the last
-    stage sends each rank's ring (stream/pipeline_shares.py)."""
+    stage sends each rank's ring (stream/pipeline_shares.py). `progress`: this rank's row records the
+    batches it started and finished (stream/progress.py)."""
     bind_to_trainer()
     if os.getppid() != parent_pid:  # the trainer died before prctl took effect
         return
@@ -111,6 +114,8 @@ def run_producer(spec: TargetSpec, tokens: torch.Tensor, offsets: torch.Tensor, 
         sent = 0
         for item, batch in enumerate(batches):
             stage = f"target forward of batch {item}"
+            if progress is not None:
+                progress.started(rank, item)
             seqs = [tokens[offsets[i]:offsets[i + 1]] for i in batch]
             ids = prompt_lengths = None
             if ahead is not None:
@@ -126,6 +131,8 @@ def run_producer(spec: TargetSpec, tokens: torch.Tensor, offsets: torch.Tensor, 
             elif ring is not None and (keep is None or keep[item]):
                 put_share(ring, sent, out, keep[item] if keep is not None else None, ids, prompt_lengths, window)
                 sent += 1
+            if progress is not None:
+                progress.finished(rank, item)
         if broadcasts:
             stage = "end of the batches (telling the other TP ranks)"
             target.share_batch(None)
@@ -258,14 +265,15 @@ def regenerate(target, prompts: list[torch.Tensor], regen) -> list[torch.Tensor]
 
 
 def run_tp_rank(spec: TargetSpec, tp_rank: int, report, parent_pid: int, ring: SlotRing | None = None,
-                  shares: tuple | None = None):
+                  shares: tuple | None = None, progress: BatchProgress | None = None):
     """Entry point of a TP rank other than 0 (one pipeline stage): the same engine start, warm-up and
     forwards as rank 0, batch by batch as rank 0 broadcasts them, until rank 0 says the batches are
     done. Its outputs are dropped (rank 0 holds the full hidden states), unless it feeds a
     co-located trainer rank: then `ring` gets its share of each batch, `shares` = (prompt lengths of
     every sample, the batches, keep, the SeqWindow of context parallelism or None). A failure goes
     to `report` (a channel the trainer reads on the trainer's node; None elsewhere: the traceback
-    and exit code tell)."""
+    and exit code tell). `progress` (the trainer's node): the batches this rank started (a broadcast
+    of its forward or of its regeneration reached it) and finished."""
     bind_to_trainer()
     if os.getppid() != parent_pid:
         return
@@ -286,6 +294,8 @@ def run_tp_rank(spec: TargetSpec, tp_rank: int, report, parent_pid: int, ring: S
                 break
             op, seqs = message[0], message[1:]
             step += 1
+            if progress is not None:  # rank 0 regenerates batch `item`'s answers before its forward
+                progress.started(tp_rank, item)
             if torch.equal(op, GENERATE):  # every TP rank decodes in step with rank 0 (same tokens drawn)
                 regenerate(target, seqs, spec.regeneration)
                 continue
@@ -296,6 +306,8 @@ def run_tp_rank(spec: TargetSpec, tp_rank: int, report, parent_pid: int, ring: S
                 put_share(ring, sent, out, keep[item], torch.cat(seqs) if regen else None,
                            [prompt_len[i] for i in batches[item]] if regen else None, window)
                 sent += 1
+            if progress is not None:
+                progress.finished(tp_rank, item)
             item += 1
         target.close()
         if ring is not None:

@@ -35,6 +35,7 @@ import torch
 
 from ..target_engine.factory import TargetSpec, check_tp_layout
 from .channel import Channel, first_ready
+from .progress import BatchProgress
 from .ring import EndOfStream, ProducerFailed, SeqWindow, SlotMessage, SlotRing
 from .target_process import GROUP_SIGNALS, run_producer, run_tp_rank, sequence_room
 
@@ -213,6 +214,7 @@ class TargetStream:
         self.process = None  # TP rank 0: the one that fills the ring
         self.tp_processes: dict[int, object] = {}  # every TP rank started on this node, rank 0 included
         self.reports: dict[int, Channel] = {}  # the failure channels of the ranks that do not fill the ring
+        self.progress = BatchProgress(spec.world_size)  # each rank's batches started / finished: who is behind
         self.wait_s = 0.0  # trainer time spent waiting for the target
         self.target_io: EndOfStream | None = None  # the target's own write counters, sent at its end
         self.should_stop = lambda: False  # polled while waiting; True -> StreamInterrupted
@@ -254,23 +256,24 @@ class TargetStream:
                     target=run_producer, args=(spec, self.tokens, self.offsets, self.batches,
                                                  self.ring if fills else None, os.getpid(), self.keep, self.before,
                                                  self.routes, rank, self.ring.ready if fills else self._report(rank)),
-                    name=f"specforge-target-{self._rank_name(rank)}", daemon=True)
+                    kwargs={"progress": self.progress}, name=f"specforge-target-{self._rank_name(rank)}", daemon=True)
                 if fills:
                     self.process = process
             elif rank == 0:
                 process = self.ctx.Process(
                     target=run_producer, args=(spec, self.tokens, self.offsets, self.batches, self.ring, os.getpid(),
                                                  self.keep, self.before, self.routes),
-                    kwargs={"window": self.window}, name="specforge-target", daemon=True)
+                    kwargs={"window": self.window, "progress": self.progress}, name="specforge-target", daemon=True)
                 self.process = process
             elif self.tp_rank is not None:  # co-located: this rank fills the ring too
                 process = self.ctx.Process(
                     target=run_tp_rank, args=(spec, rank, self.ring.ready, os.getpid(), self.ring,
                                                 (self.prompt_lengths, self.batches, self.keep, self.window)),
-                    name=f"specforge-target-{self._rank_name(rank)}", daemon=True)
+                    kwargs={"progress": self.progress}, name=f"specforge-target-{self._rank_name(rank)}", daemon=True)
                 self.process = process
             else:
                 process = self.ctx.Process(target=run_tp_rank, args=(spec, rank, self._report(rank), os.getpid()),
+                                           kwargs={"progress": self.progress},
                                            name=f"specforge-target-{self._rank_name(rank)}", daemon=True)
             self.tp_processes[rank] = process
             _start_quietly(process, env)
@@ -301,6 +304,20 @@ class TargetStream:
         batches are done."""
         return [f"{self._describe(rank)} died with exit code {p.exitcode}" for rank, p in self.tp_processes.items()
                 if rank != but and not p.is_alive() and (rank == self.producer_rank or p.exitcode != 0)]
+
+    def _stalled(self, waited: float, knob: str) -> str:
+        """Why nothing came for `waited` s: the ranks of this node the filler waits on, when one is
+        behind it (stream/progress.py), else the filler itself."""
+        filler, progress = self.producer_rank, self.progress
+        behind = progress.behind(filler, self.tp_processes, self.spec.tp_size)
+        if not behind:
+            return f"{self._describe(filler)} produced nothing for {waited:.0f} s ({knob})"
+        late = "; ".join(f"{self._describe(rank)} is behind: it {progress.where(rank)}" for rank in behind)
+        tp = self.spec.tp_size
+        needs = ("which needs the earlier stage's states" if behind[0] // tp < filler // tp
+                 else "whose collectives need every TP rank")
+        return (f"{late}, while {self._describe(filler)} {progress.where(filler)}, {needs}; nothing reached "
+                f"the ring for {waited:.0f} s ({knob})")
 
     def __enter__(self):
         return self.start()
@@ -340,9 +357,7 @@ class TargetStream:
                     limit, knob = ((self.timeout_s, "train.stream_timeout_s") if self._received_any
                                    else (self.start_timeout_s, "train.engine_start_timeout_s"))
                     if waited >= limit:
-                        raise StreamError(
-                            f"{self._describe(self.producer_rank)} produced nothing for {waited:.0f} s ({knob})"
-                        ) from None
+                        raise StreamError(self._stalled(waited, knob)) from None
                     continue
                 self._received_any = True
                 if isinstance(msg, ProducerFailed):

@@ -15,14 +15,21 @@ along the sequence (backward: each rank gets the gradient of its own positions, 
 
 The draft models take a `SeqShard` as their `seq` argument and call its methods (draft/ stays free
 of torch.distributed); the trainer builds it per batch (train/step.py).
+
+An exchange that fails (gloo and NCCL raise plain RuntimeErrors when a rank of the group died or
+hung) raises RankFailed naming it and the group, in forward and in backward alike: the run then
+ends as every data-parallel failure does (train/__main__.py).
 """
 from __future__ import annotations
 
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 import torch.distributed as dist
+
+from .distributed import RankFailed
 
 
 @dataclass(frozen=True)
@@ -71,11 +78,28 @@ def shard_of(lengths: list[int], group: Any, rank: int, size: int) -> SeqShard:
     return SeqShard(group, rank, size, max(1, -(-max(lengths) // size)))
 
 
-def _exchange(x: torch.Tensor, group) -> torch.Tensor:
+@contextmanager
+def _named(what: str, shard: SeqShard):
+    """A failure of the collective inside as RankFailed naming `what` and the group's trainer ranks."""
+    try:
+        yield
+    except RuntimeError as err:
+        where = f"context-parallel rank {shard.rank} of {shard.size}"
+        try:  # the group's trainer ranks, when the process group can still say (it is local state)
+            group = shard.group if shard.group is not None else dist.group.WORLD
+            peers = dist.get_process_group_ranks(group)
+            where = f"trainer rank {dist.get_rank()} ({where}; the group: trainer ranks {peers})"
+        except Exception:  # only the message's detail
+            pass
+        raise RankFailed(f"{where}: {what} failed (another rank of the group died or hung): {err}") from None
+
+
+def _exchange(x: torch.Tensor, shard: SeqShard) -> torch.Tensor:
     """all_to_all over dim 0 (C equal blocks): block j goes to rank j, block i of the result came from rank i."""
     x = x.contiguous()
     out = torch.empty_like(x)
-    dist.all_to_all_single(out, x, group=group)
+    with _named("the attention's all-to-all (heads <-> positions)", shard):
+        dist.all_to_all_single(out, x, group=shard.group)
     return out
 
 
@@ -83,7 +107,7 @@ def _to_heads(x: torch.Tensor, shard: SeqShard) -> torch.Tensor:
     B, h, L, d = x.shape
     C = shard.size
     blocks = x.reshape(B, C, h // C, L, d).transpose(0, 1)  # [C(heads), B, h/C, L, d]
-    got = _exchange(blocks, shard.group)  # [C(positions), B, h/C, L, d]
+    got = _exchange(blocks, shard)  # [C(positions), B, h/C, L, d]
     return got.permute(1, 2, 0, 3, 4).reshape(B, h // C, C * L, d)
 
 
@@ -91,7 +115,7 @@ def _to_positions(y: torch.Tensor, shard: SeqShard) -> torch.Tensor:
     B, hc, T, d = y.shape
     C = shard.size
     blocks = y.reshape(B, hc, C, T // C, d).permute(2, 0, 1, 3, 4)  # [C(positions), B, h/C, L, d]
-    got = _exchange(blocks, shard.group)  # [C(heads), B, h/C, L, d]
+    got = _exchange(blocks, shard)  # [C(heads), B, h/C, L, d]
     return got.transpose(0, 1).reshape(B, C * hc, T // C, d)
 
 
@@ -122,11 +146,12 @@ class _GatherPositions(torch.autograd.Function):
     def forward(ctx, x, shard):
         ctx.shard = shard
         parts = [torch.empty_like(x) for _ in range(shard.size)]
-        dist.all_gather(parts, x.contiguous(), group=shard.group)
+        with _named("the all-gather of the MLA latents along the sequence", shard):
+            dist.all_gather(parts, x.contiguous(), group=shard.group)
         return torch.cat(parts, 1)
 
     @staticmethod
     def backward(ctx, grad):
         C = ctx.shard.size
         blocks = grad.unflatten(1, (C, grad.shape[1] // C)).transpose(0, 1)  # [C(positions), B, L, ...]
-        return _exchange(blocks, ctx.shard.group).sum(0), None
+        return _exchange(blocks, ctx.shard).sum(0), None

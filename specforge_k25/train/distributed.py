@@ -32,6 +32,24 @@ class RankFailed(RuntimeError):
     """A collective with the other trainer ranks failed (a rank died, hung or timed out)."""
 
 
+def torch_collective(err: BaseException) -> str | None:
+    """The torch.distributed function a RuntimeError came out of (its innermost frame there), or
+    None when it was raised elsewhere. gloo and NCCL raise plain RuntimeErrors ("Connection closed
+    by peer", "Timed out waiting"), from collectives that torch itself calls inside the draft's step
+    (FSDP2's all-gathers and reduce-scatters in its hooks, DTensor's all-reduce of the gradient
+    norm): where it was raised is what tells them from the step's own errors (a shape mismatch).
+    Out of memory is never a peer's fault, even inside an all-gather's allocation."""
+    if isinstance(err, torch.OutOfMemoryError):
+        return None
+    name, tb, inside = None, err.__traceback__, f"{os.sep}torch{os.sep}distributed{os.sep}"
+    while tb is not None:
+        code = tb.tb_frame.f_code
+        if inside in code.co_filename and code.co_name not in ("wrapper", "__call__"):  # not a decorator's
+            name = code.co_name
+        tb = tb.tb_next
+    return name
+
+
 @dataclass(frozen=True)
 class Ranks:
     """This process's place among the trainer ranks and the collectives over them.
@@ -109,6 +127,24 @@ class Ranks:
                 raise RankFailed(f"trainer rank {self.rank}: a collective with the other ranks failed "
                                  f"(another rank died or hung): {err}") from None
         return t
+
+    @contextmanager
+    def collectives(self, what: str):
+        """Run `what`, a part of the step in which torch runs collectives itself (FSDP2, DTensor):
+        one that fails (a peer died or hung: `torch_collective`) raises RankFailed naming it, as
+        the collectives called here do, so that the run ends as every data-parallel failure does
+        (the newest checkpoint and the resume command, train/__main__.py's exit). Any other error
+        passes unchanged."""
+        try:
+            yield
+        except RankFailed:
+            raise
+        except RuntimeError as err:
+            op = torch_collective(err) if self.world > 1 else None
+            if op is None:
+                raise
+            raise RankFailed(f"trainer rank {self.rank} of {self.world}: a collective with the other ranks (torch."
+                             f"distributed {op}) failed during {what}; another rank died or hung: {err}") from None
 
     def sum(self, t: torch.Tensor) -> torch.Tensor:
         """In place: t = Σ over ranks."""

@@ -56,6 +56,9 @@ class DraftLearner:
     the same sequences and each keeps its window of their positions: the aux states of its L
     positions and the teacher of those and the `depth` after them (what the loss's shifts read),
     never the whole sequence's [T, Vd] teacher.
+
+    The collectives torch runs inside a step (FSDP2's, DTensor's) raise RankFailed naming the step
+    when a peer is gone (`Ranks.collectives`), as the ones the learner calls do.
     """
 
     def __init__(self, method: DraftMethod, draft: torch.nn.Module, lm_head: torch.Tensor, optimizer, scheduler, *, ttt_length: int,
@@ -162,10 +165,12 @@ class DraftLearner:
             normalizer = self.ranks.sum(local)  # [K] loss positions of the whole global micro-batch
         if batch is None and not self.sharded:
             return None
-        res = self._loss(batch if batch is not None else self.empty_batch(), normalizer)
-        (res.loss / self.grad_accum).backward()
-        if self.sharded:
-            reshard(self.draft, self.method.fsdp_units(self.draft))
+        with self.ranks.collectives("a training micro-batch's forward and backward, where FSDP2 "
+                                    "all-gathers the weights and reduce-scatters the gradients"):
+            res = self._loss(batch if batch is not None else self.empty_batch(), normalizer)
+            (res.loss / self.grad_accum).backward()
+            if self.sharded:
+                reshard(self.draft, self.method.fsdp_units(self.draft))
         return res if batch is not None else None
 
     def loss_value(self, res: TTTResult | None) -> float:
@@ -187,30 +192,34 @@ class DraftLearner:
                 if p.grad is None:  # this rank had no sample in the step
                     p.grad = torch.zeros_like(p)
                 self.ranks.sum(p.grad)
-        grad_norm = torch.nn.utils.clip_grad_norm_(self.draft.trainable_parameters(), self.grad_clip)
-        self.optimizer.step()
-        self.optimizer.zero_grad(set_to_none=True)
-        self.scheduler.step()
-        return float(grad_norm)
+        with self.ranks.collectives("the optimizer step, whose gradient norm over the shards is an all-reduce"):
+            grad_norm = torch.nn.utils.clip_grad_norm_(self.draft.trainable_parameters(), self.grad_clip)
+            self.optimizer.step()
+            self.optimizer.zero_grad(set_to_none=True)
+            self.scheduler.step()
+            return float(grad_norm)
 
     @torch.no_grad()
     def evaluate(self, batch: DraftBatch | None) -> TTTResult | None:
         """None: this rank has no share of the batch (sharded: it still runs the forward)."""
-        if batch is None:
-            if self.sharded:
-                self._loss(self.empty_batch())
-            return None
-        return self._loss(batch)
+        with self.ranks.collectives("an evaluation forward, where FSDP2 all-gathers the weights"):
+            if batch is None:
+                if self.sharded:
+                    self._loss(self.empty_batch())
+                return None
+            return self._loss(batch)
 
     def state_dicts(self) -> tuple[dict, dict]:
         """(draft tensors, optimizer state), unsharded. Sharded: a collective, complete on rank 0."""
         if self.sharded:
-            return full_state(self.draft, self.optimizer)
+            with self.ranks.collectives("gathering the sharded state for a checkpoint"):
+                return full_state(self.draft, self.optimizer)
         return draft_state(self.draft), self.optimizer.state_dict()
 
     def load_state_dicts(self, tensors: dict, optim: dict) -> None:
         if self.sharded:
-            load_full_state(self.draft, self.optimizer, tensors, optim)
+            with self.ranks.collectives("loading the checkpoint into the shards"):
+                load_full_state(self.draft, self.optimizer, tensors, optim)
         else:
             self.draft.load_state_dict(tensors, strict=False)
             self.optimizer.load_state_dict(optim)
@@ -220,5 +229,6 @@ class DraftLearner:
         """The trained draft as a plain module on the host (sharded: a collective; None off rank 0)."""
         if not self.sharded:
             return self.draft.cpu()
-        model = full_model_state(self.draft)
+        with self.ranks.collectives("gathering the trained draft for its export"):
+            model = full_model_state(self.draft)
         return unsharded_copy(self.method, self.draft, model, self.lm_head.cpu()) if self.ranks.main else None

@@ -345,3 +345,43 @@ def test_regenerated_answers_are_what_the_loop_trains_on_and_a_resume_redoes_the
     assert none == [] and before == whole[:5] and rest == whole[5:]
     for (name, a), b in zip(full.learner.draft.state_dict().items(), resumed.learner.draft.state_dict().values()):
         assert torch.equal(a, b), name
+
+
+# ------------------------------------------- 4. a collective failing inside the step: a named failure
+@dataclass(frozen=True)
+class LoneRanks(Ranks):
+    """Rank 0 of 2 in one process, its peer adding nothing: the collectives the trainer calls return
+    this rank's own values."""
+
+    def _reduce(self, t: torch.Tensor, op) -> torch.Tensor:
+        return t
+
+
+def test_a_collective_failing_inside_the_step_ends_with_the_saved_progress_and_the_resume_command(
+        tiny_setup, tmp_path, monkeypatch):
+    """A RuntimeError out of torch.distributed's own code inside the draft's forward (where FSDP2's
+    hooks all-gather: gloo's "connection closed by peer") ends the run as every data-parallel
+    failure: RankFailed naming it, the progress saved, the resume command."""
+    import torch.distributed as dist
+
+    from specforge_k25.train.distributed import RankFailed
+
+    job = _job(tmp_path, grad_accum=1)  # 12 samples, 2 ranks x batch 2: 3 steps, after a held-out batch
+    trainer = Trainer(job, tiny_setup, tmp_path, LoneRanks(rank=0, world=2),
+                      lambda job_, setup_, samples, batches: FakeStream(samples, batches))
+    loss, calls = trainer.learner._loss, []
+
+    def peer_gone_at_the_third_step(batch, normalizer=None):
+        calls.append(batch)
+        if len(calls) == 4:
+            dist.rendezvous("nowhere://")  # a RuntimeError raised inside torch.distributed, as gloo's are
+        return loss(batch, normalizer)
+
+    monkeypatch.setattr(trainer.learner, "_loss", peer_gone_at_the_third_step)
+    with pytest.raises(RankFailed) as err:
+        trainer.run()
+    message = str(err.value)
+    assert message.startswith("trainer rank 0 of 2: a collective with the other ranks (torch.distributed "), message
+    assert "failed during a training micro-batch's forward and backward, where FSDP2 all-gathers" in message
+    assert f"progress saved: {tmp_path / 'checkpoints' / 'step_00000002'}" in message
+    assert message.endswith(f"(resume with train.resume=auto train.out_dir={tmp_path})"), message
