@@ -2,7 +2,7 @@
 SPECFORGE_CACHE for all of them, so the first commands build the embedded targets (two commands at
 a time: the co-located example's two ranks and another run ask for the same model folders at
 once), with short settings (2 training samples of 64 tokens, no logger, a 1-prompt eval) so that
-the whole README runs in about 5 minutes on 2 cores (~560 CPU seconds; the eval is a quarter).
+the whole README runs in about 5 minutes on 2 cores (~420 CPU seconds; the eval is a third).
 
 How each command is tried is in COMMANDS, keyed by the command as the README spells it (comments
 and line continuations removed); a command the README gains without an entry there, or an entry
@@ -14,6 +14,9 @@ the README lost, fails `test_every_readme_command_has_a_case`. The kinds:
   with its Hydra overrides (the memory plan `train` runs before starting anything; the model path
   dropped, the plan then uses the built-in Kimi-K2.5 facts), which must fit (exit 0);
 - OUTPUT: a line the README shows as printed by the dry run above it (`...` = elided text);
+- COVERED: a CPU example another test's end-to-end run already runs (the co-located TP2 and
+  pipeline layouts, tests/train/test_colocated.py): that run's settings must hold the command's
+  own (train.batch_size aside, which the comparison there sets), so the example keeps running;
 - SKIP: the install with the 11-minute default run, the test suite itself, other projects' servers.
 
 Commands that are the same once shortened (the two eval lines; the data-parallel and by-hand
@@ -40,11 +43,13 @@ from pathlib import Path
 
 import pytest
 
+from colocated_settings import COLOCATED, PIPELINE_COLOCATED
+
 ROOT = Path(__file__).resolve().parents[1]
 README = ROOT / "README.md"
 SHM = Path("/dev/shm")
 
-RUN, PLAN, OUTPUT, SKIP = "run", "plan", "output", "skip"
+RUN, PLAN, OUTPUT, SKIP, COVERED = "run", "plan", "output", "skip", "covered"
 # the first test's setup runs every command (about 5 minutes on 2 idle cores; up to 16 on a loaded machine)
 pytestmark = pytest.mark.timeout(2400)
 
@@ -64,6 +69,8 @@ class Case:
     short: dict = field(default_factory=dict)
     after: str = ""  # a command that must have run first (same chain)
     why: str = ""  # SKIP: the reason
+    by: str = ""  # COVERED: the test whose run it is
+    settings: list = field(default_factory=list)  # COVERED: that run's overrides
 
 
 TRAIN = Case(RUN, "run summary", SHORT_TRAIN)
@@ -110,12 +117,14 @@ COMMANDS: dict[str, Case] = {
     "torchrun --nnodes 2 --node-rank 1 --nproc-per-node 2 --rdzv-backend c10d --rdzv-endpoint HOST0:29500 -m "
     "specforge_k25.train +hw=b300x8 target=kimi_k25 draft=kimi train.out_dir=/shared/runs/a": FITS,
     "python -m specforge_k25.train target=tiny_deepseek hw.target_tp=2 hw.trainer_layout=colocated "
-    "train.batch_size=1": TRAIN,
+    "train.batch_size=1": Case(COVERED, by="tests/train/test_colocated.py::colocated_runs", settings=COLOCATED),
     TORCHRUN_DP: TRAIN,
     "torchrun --nproc-per-node 8 -m specforge_k25.train +hw=rtxpro6000x8 target=kimi_k25 draft=kimi hw.target_pp=8 "
     "hw.target_tp=1 hw.mem_fraction_static=0.87": FITS,
     "python -m specforge_k25.train target=tiny_deepseek hw.target_pp=2 hw.trainer_layout=colocated "
-    "train.batch_size=1": TRAIN,
+    "train.batch_size=1": Case(COVERED, by="tests/train/test_colocated.py::"
+                                          "test_colocated_ranks_beside_two_pipeline_stages_equal_one_dedicated_rank",
+                               settings=PIPELINE_COLOCATED),
     # Serving the export: other projects' servers
     "python -m sglang.launch_server --model-path <target> --speculative-algorithm EAGLE3 "
     "--speculative-draft-model-path outputs/<run>/export --speculative-num-steps 3 --speculative-eagle-topk 1 "
@@ -165,6 +174,26 @@ def test_every_readme_command_has_a_case():
     assert len(shown) == len(set(shown))
     assert [c for c in shown if c not in COMMANDS] == [], "README commands this test does not try"
     assert [c for c in COMMANDS if c not in shown] == [], "cases for commands the README no longer shows"
+
+
+# what a COVERED run may set otherwise than the README's example (the comparison's batch)
+COVERED_MAY_DIFFER = {"train.batch_size"}
+
+
+@pytest.mark.parametrize("command", [c for c, case in COMMANDS.items() if case.kind == COVERED])
+def test_readme_example_is_what_another_test_runs(command):
+    """The covering run is `python -m specforge_k25.train` with every override of the example, at
+    the example's value (COVERED_MAY_DIFFER aside), and no other layout (hw.*) setting."""
+    case = COMMANDS[command]
+    words = shlex.split(command)
+    assert words[:3] == ["python", "-m", "specforge_k25.train"], words
+    settings = dict(w.split("=", 1) for w in case.settings)
+    for key, value in (w.split("=", 1) for w in words[3:]):
+        assert key in settings, f"{case.by} does not set {key} (the README's {key}={value})"
+        assert settings[key] == value or key in COVERED_MAY_DIFFER, (key, value, settings[key], case.by)
+    shown = dict(w.split("=", 1) for w in words[3:])
+    layout = {k: v for k, v in settings.items() if k.startswith("hw.")}
+    assert layout == {k: v for k, v in shown.items() if k.startswith("hw.")}, (layout, case.by)  # the same layout
 
 
 def _argv(command: str, case: Case) -> list[str]:
@@ -255,9 +284,9 @@ def readme_runs(tmp_path_factory):
     for c in tried:  # a dependent command joins its prerequisite's chain
         if ran_as[c] == c and COMMANDS[c].after:
             next(ch for ch in chains if ran_as[COMMANDS[c].after] in ch).append(c)
-    # the longest chain (train, resume, eval) and the co-located example (TP 2, two ranks) first:
+    # the longest chain (train, resume, eval) and the data-parallel example (two ranks) first:
     # three processes then build the embedded targets from the empty cache at once
-    chains.sort(key=lambda ch: (-len(ch), "colocated" not in ch[0], "torchrun --standalone" not in ch[0]))
+    chains.sort(key=lambda ch: (-len(ch), "torchrun --standalone" not in ch[0]))
     results: dict[str, Result] = {}
 
     def chain(commands: list[str]):

@@ -316,7 +316,8 @@ def test_engine_gets_dist_timeout_and_the_multithreaded_loader(smollm2_path, mon
     assert (seen["dist_timeout"], seen["load_threads"]) == (77, 3)
 
     kwargs = sglang_engine.engine_server_args(
-        spec.model_path, device="cpu", dtype="float32", tp_size=1, attention_backend=None, mem_fraction_static=CPU_MEM_FRACTION_STATIC,
+        spec.model_path, device="cpu", dtype="float32", tp_size=1, attention_backend=None,
+        mem_fraction_static=CPU_MEM_FRACTION_STATIC,
         max_total_tokens=1024, trust_remote_code=False, layer_ids=[1, 2, 3], nnodes=1, node_rank=0,
         dist_init_addr=None, dist_timeout=seen["dist_timeout"], load_threads=seen["load_threads"])
     sglang_cpu_compat.apply()

@@ -6,7 +6,6 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from specforge_k25.target_engine.base import CPU_MEM_FRACTION_STATIC
 from specforge_k25.target_engine.hf_config import load_embedding_and_head, read_target_info
 from specforge_k25.target_engine.hf_reference import HFTarget
 from specforge_k25.target_engine.layers import (
@@ -34,6 +33,7 @@ CAPTURES = {"smollm2": [2, 8, 15, 22, 27], "tiny_deepseek": [3, 6]}
 # chunked states are checked against the same engine's one-forward states at one engine start.
 _CAPTURE_PROBE = """
     import json, sys, torch
+    from specforge_k25.target_engine.base import CPU_MEM_FRACTION_STATIC
     from specforge_k25.target_engine.hf_config import read_target_info
     from specforge_k25.target_engine.sampling import Regeneration
     from specforge_k25.target_engine.sglang_engine import SGLangTarget

@@ -23,6 +23,7 @@ from specforge_k25.plan.budget import node_layout
 from specforge_k25.setup.layout import World, check_layout
 from specforge_k25.train.distributed import Ranks, balanced_shares
 
+from colocated_settings import COLOCATED, COMMON, PIPELINE_COLOCATED
 from rank_runs import assert_same_evals, max_rel_diff, rank_env, run_side_by_side
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -60,22 +61,8 @@ def test_colocated_layout_rules():
 
 
 # ------------------------------------------------------------------ two co-located ranks == one dedicated rank
-# Same settings as the data-parallel test (test_distributed.py): 13 training samples, global batch
-# 4, grad_accum 2, 2 epochs -> 4 optimizer steps; each epoch ends with a one-sample micro-batch in
-# which one co-located rank has no share (it runs a loss-free stand-in: FSDP's collectives need
-# every rank). grad_clip=1e-10 keeps Adam's update linear in the gradient (see there); lr=100
-# moves the weights by ~10 % over the 4 steps. Both runs read an SGLang TP2 target, so the hidden
-# states are the same bits and what differs is the summation order of the gradients (balanced
-# shares, FSDP's reduce-scatter per micro-batch): measured 1.7e-7 relative at step 1, 2.7e-7 at
-# step 4 (at lr=1000 the same rounding grows to 6e-6 by step 4: each step moves the weights by
-# about their own size). Planted bugs, measured once (max relative weight difference at step 4):
-# rank 1 training on rank 0's share 0.47; no gradient reduction (the draft left unsharded and the
-# ranks' gradients not summed) 0.46; per-rank loss normalisation 0.20.
-COMMON = ["target=tiny_deepseek", "hw.target_tp=2", "data.num_samples=13", "data.heldout_samples=3",
-          "data.max_length=64", "draft.vocab_size=1024", "train.ttt_length=3", "train.grad_accum=2",
-          "train.epochs=2", "train.lr=100", "train.grad_clip=1e-10", "train.log_every=1",
-          "train.checkpoint_every=1", "train.keep_checkpoints=10", "train.progress=false", "train.logger=none"]
-COLOCATED = [*COMMON, "hw.trainer_layout=colocated", "train.batch_size=2"]
+# COMMON, COLOCATED, PIPELINE_COLOCATED: tests/fixtures/colocated_settings.py (the README's CPU
+# examples of these layouts are run here, with these settings)
 
 
 def finite(x) -> bool:
@@ -143,8 +130,7 @@ def test_colocated_ranks_beside_two_pipeline_stages_equal_one_dedicated_rank(col
     from them by fp32 rounding, so the weights agree to that rounding, not bit for bit."""
     one, _, _ = colocated_runs
     pp = tmp_path / "pp"
-    overrides = [o for o in COLOCATED if o != "hw.target_tp=2"] + ["hw.target_pp=2"]
-    logs = run_side_by_side([_cli(pp, overrides)], timeout=900)
+    logs = run_side_by_side([_cli(pp, PIPELINE_COLOCATED)], timeout=900)
     assert "one beside each of the 1 TP ranks x 2 pipeline stages of 1 replica(s)" in logs[0]
     s1, s2 = (json.loads((d / "summary.json").read_text()) for d in (one, pp))
     assert s2["trainer_ranks"] == 2 and s2["samples_trained"] == s1["samples_trained"] == 26
