@@ -181,6 +181,7 @@ def test_engine_start_failure_names_the_stage(tmp_path, tiny_deepseek_path):
                 stream.release(msg)
 
 
+@pytest.mark.slow
 def test_stalled_target_times_out(tiny_deepseek_path):
     spec, info = _spec(tiny_deepseek_path)
     stream = TargetStream(spec, _seqs(3, info.vocab_size), [[0], [1], [2]], hidden_size=info.hidden_size,
