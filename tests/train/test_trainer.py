@@ -385,3 +385,21 @@ def test_a_collective_failing_inside_the_step_ends_with_the_saved_progress_and_t
     assert "failed during a training micro-batch's forward and backward, where FSDP2 all-gathers" in message
     assert f"progress saved: {tmp_path / 'checkpoints' / 'step_00000002'}" in message
     assert message.endswith(f"(resume with train.resume=auto train.out_dir={tmp_path})"), message
+
+
+# ------------------------------------------- 5. every rank walks the one global schedule
+def test_every_rank_walks_the_same_schedule_and_the_ranks_cover_each_batch_once(tiny_setup, tmp_path):
+    """Two data-parallel ranks (dedicated: one replica each) build the same schedule of global
+    batches, and their shares of each (what each rank's target replica is asked for) are disjoint
+    and make up the batch: a rank-dependent order (say, the shuffle seeded by the rank) would
+    train some samples twice and others never, caught here without a two-rank run."""
+    job = _job(tmp_path, grad_accum=1)
+    trainers = [Trainer(job, tiny_setup, tmp_path / f"rank{r}", LoneRanks(rank=r, world=2),
+                        lambda job_, setup_, samples, batches: FakeStream(samples, batches)) for r in (0, 1)]
+    assert trainers[0].schedule == trainers[1].schedule
+    trained = []
+    for item in trainers[0].schedule:
+        shares = [t.ranks.share(item.sample_ids, job.train.batch_size) for t in trainers]
+        assert sorted(shares[0] + shares[1]) == sorted(item.sample_ids) and not set(shares[0]) & set(shares[1])
+        trained += item.sample_ids if item.kind == "train" else []
+    assert sorted(trained) == list(range(len(tiny_setup.data.train)))  # one epoch: every sample once
