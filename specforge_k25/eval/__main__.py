@@ -22,8 +22,10 @@ register_schemas()
 def main(cfg) -> None:
     from hydra.core.hydra_config import HydraConfig
 
+    from ..stream.channel import bars_with_a_thread_lock
     from .run import run_eval
 
+    bars_with_a_thread_lock()
     try:
         job: EvalJobConfig = OmegaConf.to_object(cfg)  # a size out of range is refused here, by name
         out_dir = Path(job.eval.output or HydraConfig.get().runtime.output_dir)

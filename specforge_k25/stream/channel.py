@@ -41,3 +41,15 @@ def first_ready(channels: list[Channel], timeout: float) -> Channel:
         if id(channel._reader) in ready:
             return channel
     raise queue.Empty
+
+
+def bars_with_a_thread_lock() -> None:
+    """tqdm guards its bars with a multiprocessing RLock by default: a named POSIX semaphore the
+    first bar of a process creates (SGLang's weight loading in a target process, tokenizing in the
+    trainer), left in /dev/shm by the same `kill -9` of the process group. The bars of one process
+    need only a thread lock."""
+    import threading
+
+    from tqdm import tqdm
+
+    tqdm.set_lock(threading.RLock())

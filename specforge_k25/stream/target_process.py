@@ -27,6 +27,7 @@ from ..target_engine.factory import TargetSpec, build_target
 from ..target_engine.sampling import generation_slots, kv_slots
 from .pipeline_shares import StageShares
 from .progress import BatchProgress
+from .channel import bars_with_a_thread_lock
 from .ring import EndOfStream, ProducerFailed, SeqWindow, SlotRing
 
 
@@ -40,7 +41,8 @@ GROUP_SIGNALS = {signal.SIGINT, signal.SIGTERM}
 
 def bind_to_trainer() -> None:
     """Linux: have the kernel SIGKILL this process when the trainer dies, even by SIGKILL (no
-    orphans); ignore the group signals (the trainer stops this process when it is done)."""
+    orphans); ignore the group signals (the trainer stops this process when it is done); no named
+    semaphore for its progress bars."""
     if sys.platform.startswith("linux"):
         import ctypes
 
@@ -49,6 +51,7 @@ def bind_to_trainer() -> None:
     for sig in GROUP_SIGNALS:
         signal.signal(sig, signal.SIG_IGN)
     signal.pthread_sigmask(signal.SIG_UNBLOCK, GROUP_SIGNALS)
+    bars_with_a_thread_lock()
 
 
 def put_share(ring: SlotRing, index: int, out, keep: list[int] | None, ids: torch.Tensor | None,

@@ -107,8 +107,8 @@ def _stop(processes, grace_s: float = 0.0) -> None:
     (target_process.GROUP_SIGNALS) and hold nothing to save (the trainer owns the ring).
     grace_s: time to let processes that are ending on their own (after their EndOfStream) finish
     their interpreter exit first. A kill during that exit can land between multiprocessing's unlink
-    of a semaphore the process made (tqdm's lock, in SGLang's weight loading) and its message to the
-    resource tracker, which then warns of a "leaked semaphore" at the trainer's exit."""
+    of a semaphore the process made (a library's lock; tqdm's is a thread lock here) and its message
+    to the resource tracker, which then warns of a "leaked semaphore" at the trainer's exit."""
     children = []
     for process in processes:
         if process.is_alive():

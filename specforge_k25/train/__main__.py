@@ -87,11 +87,13 @@ def main(cfg) -> None:
     from hydra.core.hydra_config import HydraConfig
 
     from ..setup.layout import World
+    from ..stream.channel import bars_with_a_thread_lock
     from ..stream.target_stream import StreamError
     from .distributed import RankFailed
     from .stop import TrainingInterrupted
     from .trainer import run_training
 
+    bars_with_a_thread_lock()
     try:
         job: JobConfig = OmegaConf.to_object(cfg)  # a size out of range is refused here, by name
         relaunch_under_torchrun(job, sys.argv[1:])

@@ -108,3 +108,32 @@ def test_stop_lets_an_ending_target_process_release_its_semaphores(tmp_path):
     killed = _stop_while_ending(tmp_path, 0.0)  # the old behaviour: the tracker reports the lock
     assert "exit -9" in killed.stdout, killed.stdout + killed.stderr
     assert "leaked semaphore" in killed.stderr, killed.stderr
+
+
+BARS = textwrap.dedent("""
+    import json
+    from multiprocessing import synchronize
+
+    made = []
+    init = synchronize.SemLock.__init__
+    def recording(self, *args, **kwargs):
+        init(self, *args, **kwargs)
+        made.append(self._semlock.name)
+    synchronize.SemLock.__init__ = recording
+
+    from tqdm import tqdm
+    from specforge_k25.stream.target_process import bind_to_trainer
+
+    bind_to_trainer()  # what every target process runs first (the trainer and the eval: bars_with_a_thread_lock)
+    for _ in tqdm(range(3), desc="loading"):  # as SGLang's weight loading shows
+        pass
+    print(json.dumps(made), flush=True)
+""")
+
+
+def test_progress_bars_of_a_target_process_create_no_named_semaphore():
+    """tqdm's default lock is a named semaphore; a target process (and the trainer) use a thread
+    lock, so a kill -9 of the process group leaves no sem.mp-* file of theirs."""
+    out = subprocess.run([sys.executable, "-c", BARS], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert json.loads(out.stdout.strip().splitlines()[-1]) == []
