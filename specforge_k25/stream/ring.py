@@ -10,7 +10,6 @@ CUDA IPC handles when `device` is a GPU (torch.multiprocessing does both).
 """
 from __future__ import annotations
 
-import queue as queue_module
 from dataclasses import dataclass, field
 
 import torch
@@ -142,5 +141,3 @@ def slot_checksum(aux: torch.Tensor, final: torch.Tensor) -> float:
     the producer wrote, not a later one (the stream stress tests and the GPU check do)."""
     return float(aux.sum(dtype=torch.float64) + final.sum(dtype=torch.float64))
 
-
-Empty = queue_module.Empty
