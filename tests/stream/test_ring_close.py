@@ -19,17 +19,21 @@ import subprocess
 import sys
 import textwrap
 
-RING_LIFE = textwrap.dedent("""
-    import json, os, torch
+# prepended to a script: `made` lists every named semaphore the script's process creates
+RECORD_SEMAPHORES = textwrap.dedent("""
+    import json
     from multiprocessing import synchronize
 
-    made = []  # every named semaphore this process creates
+    made = []
     init = synchronize.SemLock.__init__
     def recording(self, *args, **kwargs):
         init(self, *args, **kwargs)
         made.append(self._semlock.name)
     synchronize.SemLock.__init__ = recording
+""")
 
+RING_LIFE = RECORD_SEMAPHORES + textwrap.dedent("""
+    import os, torch
     from specforge_k25.stream.ring import EndOfStream, SlotRing
 
     def produce(ring):
@@ -110,17 +114,7 @@ def test_stop_lets_an_ending_target_process_release_its_semaphores(tmp_path):
     assert "leaked semaphore" in killed.stderr, killed.stderr
 
 
-BARS = textwrap.dedent("""
-    import json
-    from multiprocessing import synchronize
-
-    made = []
-    init = synchronize.SemLock.__init__
-    def recording(self, *args, **kwargs):
-        init(self, *args, **kwargs)
-        made.append(self._semlock.name)
-    synchronize.SemLock.__init__ = recording
-
+BARS = RECORD_SEMAPHORES + textwrap.dedent("""
     from tqdm import tqdm
     from specforge_k25.stream.target_process import bind_to_trainer
 
