@@ -154,6 +154,119 @@ def test_a_planted_cycle_is_found(tmp_path):
     assert any("setup" in c and "stream/x.py:1" in c for c in found), found
 
 
+# ------------------------------------------------------------------------- module cycles
+# Within a part too, modules import one way: no module reaches itself again through the imports of
+# others, at module level or inside a function (a lazy import hides a circle, it does not remove it).
+def module_imports(root: Path = PACKAGE):
+    """(module, imported module of the package, 'file:line') for every import statement, read as
+    `imports` reads them (ast.walk: those inside functions too), module names without the package
+    prefix ('plan.pipeline'; a package's __init__ is the package's own name, 'plan'). `from .x
+    import y` is module x, or x.y where that is a module; `from . import x` is the sibling module x
+    (the package itself when x is a name it defines)."""
+    modules = {}
+    for path in sorted(root.rglob("*.py")):
+        parts = list(path.relative_to(root.parent).with_suffix("").parts)
+        modules[".".join(parts[:-1] if parts[-1] == "__init__" else parts)] = path
+    for module, path in modules.items():
+        rel = path.relative_to(root.parent)
+        package = module.split(".") if path.name == "__init__.py" else module.split(".")[:-1]
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            if isinstance(node, ast.Import):
+                names = [alias.name for alias in node.names]
+            elif isinstance(node, ast.ImportFrom):
+                base = node.module or ""
+                if node.level:  # relative: resolve against this module's package
+                    base = ".".join(package[: len(package) - (node.level - 1)] + ([node.module] if node.module else []))
+                names = [f"{base}.{alias.name}" if f"{base}.{alias.name}" in modules else base for alias in node.names]
+            else:
+                continue
+            for name in dict.fromkeys(names):
+                while name not in modules and "." in name:  # a name inside a module: the module
+                    name = name.rsplit(".", 1)[0]
+                if name in modules and name != module:
+                    yield module.split(".", 1)[-1], name.split(".", 1)[-1], f"{rel}:{node.lineno}"
+
+
+def module_cycles(root: Path = PACKAGE) -> list[str]:
+    """Import circles between modules of the package: one per strongly connected set of modules,
+    as its shortest circle from its first module, 'a -> b (file:line) -> a (file:line)'."""
+    edges: dict[str, dict[str, str]] = {}
+    for module, target, where in module_imports(root):
+        edges.setdefault(module, {}).setdefault(target, where)
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    groups = []
+
+    def strongconnect(v: str) -> None:  # Tarjan
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        for w in edges.get(v, {}):
+            if w not in index:
+                strongconnect(w)
+                low[v] = min(low[v], low[w])
+            elif w in stack:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            group = set()
+            while True:
+                w = stack.pop()
+                group.add(w)
+                if w == v:
+                    break
+            if len(group) > 1:
+                groups.append(group)
+
+    for v in sorted(edges):
+        if v not in index:
+            strongconnect(v)
+    found = []
+    for group in groups:
+        start = min(group)
+        came: dict[str, tuple[str, str]] = {}
+        frontier = [start]
+        while frontier and start not in came:  # breadth first, inside the group, back to start
+            nxt = []
+            for v in frontier:
+                for w, where in sorted(edges.get(v, {}).items()):
+                    if w in group and w not in came:
+                        came[w] = (v, where)
+                        nxt.append(w)
+            frontier = nxt
+        hops, v = [], start
+        while True:
+            prev, where = came[v]
+            hops.append(f"{v} ({where})")
+            v = prev
+            if v == start:
+                break
+        found.append(" -> ".join([start] + hops[::-1]) + (f"; {len(group)} modules in the circle: "
+                                                         f"{', '.join(sorted(group))}" if len(group) > 2 else ""))
+    return sorted(found)
+
+
+def test_no_import_cycle_between_modules():
+    assert any(m == "plan.choose" and t == "plan.pipeline" for m, t, _ in module_imports())  # it reads our imports
+    found = module_cycles()
+    assert not found, "import circles between modules:\n" + "\n".join(found)
+
+
+@pytest.mark.parametrize("source,expect", [
+    ("plan/x.py", "def f():\n    from .budget import plan_memory\n"),  # a lazy import back: plan.budget -> plan.x
+    ("plan/x.py", "from . import budget\n"),
+])
+def test_a_planted_module_cycle_is_named(tmp_path, source, expect):
+    import shutil
+
+    copy = tmp_path / "specforge_k25"
+    shutil.copytree(PACKAGE, copy, ignore=shutil.ignore_patterns("__pycache__"))
+    (copy / source).write_text(expect)
+    budget = copy / "plan" / "budget.py"
+    budget.write_text(budget.read_text() + "\n\ndef _planted():\n    from .x import f\n")
+    found = module_cycles(copy)
+    assert any("plan.budget" in c and f"specforge_k25/{source}:{expect.count(chr(10))}" in c for c in found), found
+
+
 # ------------------------------------------------------------------------- draft methods
 # Outside draft/ the package reaches a draft method only through these modules of draft/ (the
 # interface, the registry, and what every method shares: the teacher and loss counters, the vocab

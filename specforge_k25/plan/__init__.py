@@ -14,8 +14,9 @@ from .facts import (KIMI_K25, GiB, MiB, PlanError, TargetFacts, draft_of, draft_
                     with_hw_overrides)
 from .memory import (PHASE_OPT, PHASE_TEACHER, PHASE_TTT, Item, optimizer_items, trainer_items, ttt_saved_bytes,
                      ttt_step_bytes)
-from .throughput import (MethodRow, Throughput, allreduce_bytes_per_token, compare_methods, draft_step_flops, predict,
-                         predict_layouts, target_flops_per_token, target_params_per_token)
+from .throughput import (Throughput, allreduce_bytes_per_token, draft_step_flops, predict, predict_layouts,
+                         target_flops_per_token, target_params_per_token)
+from .choose import MethodRow, compare_methods
 
 __all__ = [
     "GpuBudget",

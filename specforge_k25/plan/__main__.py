@@ -22,7 +22,8 @@ from . import (PHASE_OPT, PHASE_TEACHER, PHASE_TTT, GiB, MemoryPlan, PlanError, 
                plan_memory, target_facts_for, with_hw_overrides)
 from .budget import LAYOUTS, context_parallel, node_layout, with_layout
 from .fit import length_binding, longest_fitting_length
-from .throughput import PARTS, compare_methods, predict_layouts
+from .choose import compare_methods
+from .throughput import PARTS, predict_layouts
 
 
 def _g(n: int) -> str:
@@ -142,7 +143,8 @@ def render_throughput(job, facts) -> None:
     from rich.markup import escape
     from rich.table import Table
 
-    from .pipeline import NOT_RUNNABLE, PIPELINE_PARTS, best_pipeline, predict_pipelines
+    from .choose import best_pipeline, predict_pipelines
+    from .pipeline import NOT_RUNNABLE, PIPELINE_PARTS
 
     console = Console(width=max(Console().width, 140))
     try:

@@ -1,6 +1,7 @@
 """Throughput and memory plan of the target as SGLang pipeline stages (hw.target_pp; the runtime is
 target_engine/sglang_pipeline.py with co-located trainer ranks, stream/pipeline_shares.py), and the
-check a pipeline run passes before it starts (`check_pipeline_fits`).
+check a pipeline run passes before it starts (`check_pipeline_fits`); plan/choose.py searches the
+node's shapes for the fastest that fits (`best_pipeline`).
 
 Arithmetic on the target's facts, the draft's shapes and the hw profile, as plan/throughput.py;
 nothing is measured here. The layout: the node's GPUs = replicas x pp stages x tp ranks per stage
@@ -210,16 +211,6 @@ def pipeline_name(pp: int, tp: int, replicas: int = 1) -> str:
     return f"pipeline PP{pp} x TP{tp}" + (f" x {replicas} replicas" if replicas > 1 else "")
 
 
-def pipeline_shapes(num_gpus: int) -> list[tuple[int, int, int]]:
-    """(pp, tp, replicas) with pp >= 2 and pp x tp x replicas = the node's GPUs, powers of two."""
-    out = []
-    for pp in (2, 4, 8, 16):
-        for tp in (1, 2, 4, 8):
-            if pp * tp <= num_gpus and num_gpus % (pp * tp) == 0:
-                out.append((pp, tp, num_gpus // (pp * tp)))
-    return out
-
-
 def predict_pipeline(job, facts: TargetFacts, pp: int, tp: int = 1, replicas: int | None = None,
                      partition: list[int] | None = None, memory: bool = True,
                      padding_share: float = 0.0) -> PipelinePlan:
@@ -397,32 +388,6 @@ def first_stages_partition(num_layers: int, pp: int) -> Optional[list[int]]:
     holds the lm_head (rtxpro6000x8, Kimi: 8,8,8,8,8,7,7,7)."""
     counts = [b - a for a, b in pp_layer_split(num_layers, pp)]
     return None if len(set(counts)) == 1 else counts[::-1]
-
-
-def predict_pipelines(job, facts: TargetFacts) -> list[PipelinePlan]:
-    """Every (pp, tp, replicas) shape of the node (`pipeline_shapes`), fastest first; each with
-    SGLang's default split, or the first-stages partition when only that one fits the memory."""
-    plans = []
-    for pp, tp, r in pipeline_shapes(job.hw.num_gpus):
-        if pp > facts.num_layers:
-            continue
-        plan = predict_pipeline(job, facts, pp, tp, r)
-        alt = first_stages_partition(facts.num_layers, pp)
-        if plan.memory is not None and not plan.fits and alt is not None:
-            other = predict_pipeline(job, facts, pp, tp, r, alt)
-            plan = other if other.fits else plan
-        plans.append(plan)
-    return sorted(plans, key=lambda p: -p.throughput.tokens_per_s)
-
-
-def best_pipeline(job, facts: TargetFacts, plans: list[PipelinePlan] | None = None) -> Optional[PipelinePlan]:
-    """The fastest pipeline shape whose memory fits (on CUDA); when none fits, the one whose
-    fullest GPU needs the least (marked by `fits`); None without a shape."""
-    plans = predict_pipelines(job, facts) if plans is None else plans
-    if job.hw.device != "cuda" or not plans:
-        return plans[0] if plans else None
-    fitting = [p for p in plans if p.fits]
-    return fitting[0] if fitting else min(plans, key=lambda p: max(g.total() for g in p.memory))
 
 
 def check_pipeline_fits(job, facts: TargetFacts) -> None:

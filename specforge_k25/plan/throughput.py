@@ -18,20 +18,17 @@ Arithmetic on the target's facts, the draft's shapes and the hw profile; nothing
   left out of it. The compute bound (`compute_bound_tokens_per_s`) is the node busy on FLOPs only,
   the same for every layout.
 - The target as pipeline stages (hw.target_pp; predicted here) is planned in
-  plan/pipeline.py on the same parts.
+  plan/pipeline.py on the same parts; plan/choose.py picks the fastest pipeline shape and puts every
+  draft method in the job's place (`compare_methods`) on both.
 """
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field, replace
-from typing import Optional
+from dataclasses import dataclass, field
 
 from ..draft.method import DraftMethod
-from ..draft.registry import METHODS
-from .budget import (LAYOUTS, context_parallel, node_layout, optimizer_device, plan_memory, target_batch_tokens,
-                     with_layout)
+from .budget import LAYOUTS, context_parallel, node_layout, optimizer_device, target_batch_tokens, with_layout
 from .facts import PlanError, TargetFacts, draft_of, method_of_config, trainable_params
-from .fit import longest_fitting_length
 
 # NVIDIA H200 SXM datasheet: dense BF16 tensor-core peak and HBM3e bandwidth; the GPU the trainer was measured on
 H200_PEAK_TFLOPS = 989.5
@@ -301,69 +298,3 @@ def predict(job, facts: TargetFacts, layout: str | None = None, padding_share: f
 def predict_layouts(job, facts: TargetFacts) -> dict[str, Throughput]:
     """Both layouts on the job's settings (colocated: AdamW sharded on the GPUs)."""
     return {layout: predict(job, facts, layout) for layout in LAYOUTS}
-
-
-# --------------------------------------------------------------------------- draft methods
-# what the plans ask of a method's `plan` module (draft/method.py)
-PLAN_FUNCTIONS = ("param_counts", "ttt_step_bytes", "ttt_saved_bytes", "ttt_backward_working_bytes", "draft_step_flops")
-
-@dataclass
-class MethodRow:
-    """One draft method on the job's target, hw profile and settings (`compare_methods`)."""
-
-    method: str
-    describe: str = ""
-    trainable_params: int = 0
-    trainer_flops_per_token: float = 0.0  # draft_step_flops total / tokens, at data.max_length
-    peak_bytes: int = 0  # the fullest GPU's peak (hw.trainer_layout), at data.max_length
-    capacity_bytes: int = 0
-    fits: bool = False  # memory only (MemoryPlan.capacity_ok)
-    longest_length: Optional[int] = None  # longest data.max_length that fits (multiple of 256)
-    tokens_per_s: dict[str, float] = field(default_factory=dict)  # per layout, at data.max_length
-    pipeline: str = ""  # the fastest pipeline shape whose memory fits (plan/pipeline.py; predicted)
-    pipeline_tokens_per_s: Optional[float] = None
-    pipeline_fits: bool = False  # its memory fits (always true off CUDA: not checked)
-    refused: str = ""  # the method cannot run this job (its reason); the numbers are then unset
-
-
-def compare_methods(job, facts: TargetFacts, names: list[str] | None = None) -> list[MethodRow]:
-    """Every registered draft method (or `names`) in the job's place: draft.method replaced, all
-    other settings kept (draft.* sizes a method does not read are ignored by it)."""
-    rows = []
-    for name in names or list(METHODS):
-        variant = replace(job, draft=replace(job.draft, method=name))
-        row = MethodRow(name)
-        try:
-            method, cfg = draft_of(variant, facts)
-        except PlanError as err:
-            row.refused = str(err)
-            rows.append(row)
-            continue
-        missing = [f for f in PLAN_FUNCTIONS if not hasattr(method.plan, f)]
-        if missing:  # a method still being written
-            row.refused = f"its plan arithmetic (DraftMethod.plan) lacks {', '.join(missing)}"
-            rows.append(row)
-            continue
-        B, L = job.train.batch_size, job.data.max_length
-        row.describe = method.describe(cfg)
-        row.trainable_params = trainable_params(cfg, method)
-        flops = method.plan.draft_step_flops(cfg, B, L, method.depth(cfg, job.train.ttt_length),
-                                             job.train.activation_checkpointing)
-        row.trainer_flops_per_token = flops["total"] / (B * L)
-        plan = plan_memory(variant, facts)
-        fullest = max(plan.gpus, key=lambda g: g.total())
-        row.peak_bytes, row.capacity_bytes, row.fits = fullest.total(), fullest.capacity, plan.capacity_ok
-        if job.hw.device == "cuda":
-            row.longest_length = longest_fitting_length(variant, facts)
-        try:
-            row.tokens_per_s = {layout: t.tokens_per_s for layout, t in predict_layouts(variant, facts).items()}
-            from .pipeline import best_pipeline  # plan/pipeline.py builds on this module
-
-            best = best_pipeline(variant, facts)
-            if best is not None:
-                row.pipeline, row.pipeline_tokens_per_s = best.name, best.throughput.tokens_per_s
-                row.pipeline_fits = best.fits or best.memory is None
-        except PlanError:
-            pass  # no throughput inputs in this hw profile
-        rows.append(row)
-    return rows

@@ -16,9 +16,9 @@ import pytest
 
 from specforge_k25.config import compose_job
 from specforge_k25.plan import KIMI_K25, PlanError, predict
+from specforge_k25.plan.choose import predict_pipelines
 from specforge_k25.plan.pipeline import (STAGE_TRANSFERS, first_stages_partition, layer_weight_bytes,
-                                         owned_states, pp_layer_split, predict_pipeline, predict_pipelines,
-                                         stage_flops_per_token)
+                                         owned_states, pp_layer_split, predict_pipeline, stage_flops_per_token)
 from specforge_k25.plan.throughput import (TARGET_ALLREDUCE, TARGET_COMPUTE, TRAINER_COMPUTE, TRAINER_GRADS,
                                            TRAINER_OPTIMIZER, target_flops_per_token)
 
