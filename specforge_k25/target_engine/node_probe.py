@@ -49,7 +49,7 @@ def _nvcc() -> Optional[str]:
 
 def _sgl_kernel_names() -> Optional[set]:
     """Names the installed sgl_kernel offers (None: not installed). Our GPU stand-in for a bare image
-    (target_engine/sglang_cpu_compat.py) is not on the path here, so this sees the real wheel only."""
+    (target_engine/sglang_cpu_compat/gpu_image.py) is not on the path here, so this sees the real wheel only."""
     if importlib.util.find_spec("sgl_kernel") is None:
         return None
     import sgl_kernel
