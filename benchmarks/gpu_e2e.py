@@ -56,7 +56,7 @@ from specforge_k25.stream.ring import slot_checksum
 from specforge_k25.target_engine.hf_config import read_target_info
 from specforge_k25.target_engine.hf_reference import HFTarget
 from specforge_k25.target_engine.layers import layer_id_rule, resolve_capture_points, sglang_layer_ids
-from specforge_k25.target_engine.sglang_spec import Chain, generate
+from specforge_k25.target_engine.sglang_spec import generate
 from specforge_k25.train.schedule import build_schedule
 from specforge_k25.train.trainer import build_learner
 
@@ -313,7 +313,7 @@ def check_spec(args, setup, trainer, export_dir: Path, size: dict) -> tuple[list
         try:
             greedy = generate(setup.model_path, prompts, **kw)
             spec = generate(setup.model_path, prompts, draft_path=str(export_dir),
-                            draft_args=Chain(3, 1, 4).draft_args(setup.method), **kw)
+                            draft_args=setup.method.servings([[3, 1, 4]])[0].sglang_args, **kw)
         except Exception as err:  # noqa: BLE001 - the other mode still runs
             rows.append({"cuda_graph": graphs, "ok": False, "wall_s": time.perf_counter() - t0,
                          "error": f"{type(err).__name__}: {(str(err).splitlines() or [''])[0][:300]}"})

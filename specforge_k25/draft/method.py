@@ -40,6 +40,17 @@ class DraftBatch:
         return int(self.lengths.sum())
 
 
+@dataclass
+class Serving:
+    """One speculative setting a head is served and replayed at (`DraftMethod.servings`)."""
+
+    label: str  # the eval table's column: "3/1/4" (a chain), "block 4"
+    draft_tokens: int  # tokens a verify step checks, the last accepted one included
+    depth: int  # proposals per verify step the replay reads: the rows of `DraftMethod.proposals`
+    sglang_args: dict  # sglang.Engine / ServerArgs keywords (speculative_algorithm, ...), without the draft path
+    vllm_speculative_config: dict  # vLLM's --speculative-config, without "model" (the export folder)
+
+
 class DraftMethod:
     """Base of every draft method (docs/EAGLE3.md §7.1)."""
 
@@ -144,10 +155,27 @@ class DraftMethod:
         raise NotImplementedError
 
     # ------------------------------------------------------------------ serve
-    def sglang_draft_args(self, *, num_steps: int, topk: int, draft_tokens: int) -> dict:
-        """sglang.Engine / ServerArgs keyword arguments serving an export of this method."""
-        return {"speculative_algorithm": self.sglang_algorithm, "speculative_num_steps": num_steps,
-                "speculative_eagle_topk": topk, "speculative_num_draft_tokens": draft_tokens}
+    vllm_method: str = ""  # vLLM speculative_config "method" that serves the export
+
+    def servings(self, chains: list) -> list[Serving]:
+        """The settings an export of this method is served at, from the eval's `chains`
+        ([num_steps, topk, num_draft_tokens] each, as SGLang's EAGLE arguments); default, a chain
+        drafter: one per chain, `num_steps` proposals replayed."""
+        out = []
+        for steps, topk, draft_tokens in chains:
+            out.append(Serving(f"{steps}/{topk}/{draft_tokens}", int(draft_tokens), int(steps),
+                               {"speculative_algorithm": self.sglang_algorithm, "speculative_num_steps": int(steps),
+                                "speculative_eagle_topk": int(topk), "speculative_num_draft_tokens": int(draft_tokens)},
+                               {"method": self.vllm_method, "num_speculative_tokens": int(steps)}))
+        return out
+
+    def proposals(self, model: nn.Module, aux_hidden: torch.Tensor, input_ids: torch.Tensor,
+                  servings: list[Serving]) -> list[torch.Tensor] | None:
+        """Per serving, the model's proposals at every root of a greedy output, as the server drafts
+        them under greedy verification: aux_hidden [T, K*Ht], input_ids [T] -> [depth, T] target
+        token ids, column t what a verify step whose root is x[t+1] proposes for x[t+2..]
+        (eval/acceptance.py replays them). None: the method has no replay (SGLang's AL only)."""
+        return None
 
 
 def trainable_count(counts: dict[str, int]) -> int:

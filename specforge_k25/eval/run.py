@@ -2,11 +2,12 @@
 and our own replay of each head on the same outputs.
 
     prompts -> SGLang greedy (no speculation) -> reference outputs
-            -> SGLang speculative decoding, per head x chain (the head's draft method gives the
-               engine arguments) -> AL = Σ completion / Σ verify steps (+ same output?)
+            -> SGLang speculative decoding, per head x serving (the head's draft method reads
+               eval.chains into its servings and engine arguments, `DraftMethod.servings`)
+               -> AL = Σ completion / Σ verify steps (+ same output?)
             -> prompt lookup replayed on the reference outputs -> n-gram AL
             -> target hidden states of prompt+output (the training stream) -> our draft's proposals
-               -> replayed AL, acc_k and τ_sim on the same prompts
+               (`DraftMethod.proposals`) -> replayed AL, acc_k and τ_sim on the same prompts
 
 Heads: the trained one (`export_dir`, of whichever method wrote it), any further exports
 (`eval.heads`), and an untrained head of the run's own method (`draft.method`), built as a
@@ -25,34 +26,16 @@ import torch
 from tqdm import tqdm
 
 from ..config import EvalJobConfig
+from ..draft.method import DraftMethod
 from ..draft.registry import method_of_export
 from ..export.serving import export_draft, load_exported_draft
 from ..setup.run import RunSetup, fresh_draft, make_target_stream, prepare, prompt_renderer, target_spec
 from ..target_engine.hf_config import load_embedding_and_head
-from ..target_engine.sglang_spec import Block, Chain, engine_kwargs, generate
-from .acceptance import (block_predictions, can_replay, can_replay_blocks, draft_predictions, draft_proposer,
-                         prompt_lookup_proposer, replay, step_counts, tau_sim)
+from ..target_engine.sglang_spec import engine_kwargs, generate
+from .acceptance import draft_proposer, prompt_lookup_proposer, replay, step_counts, tau_sim
 from .prompts import load_prompt_set
 
 BASELINES = ("nospec", "ngram")
-BLOCK_ALGORITHMS = ("DFLASH",)  # SGLang algorithms that draft a block per step (served at eval.dflash_blocks)
-
-
-def settings(method, chains: list[Chain], blocks: list[Block]) -> list:
-    """The speculative settings a head of `method` is served at: blocks for a block drafter, else chains."""
-    return blocks if method.sglang_algorithm in BLOCK_ALGORITHMS else chains
-
-
-def head_predictions(draft, aux: torch.Tensor, ids: torch.Tensor, served: list) -> list[torch.Tensor]:
-    """Per setting in `served`, [steps, T] proposals of `draft` at every root (acceptance.py layout).
-    A block drafter runs once per block size (its blocks attend in both directions, so a longer
-    block changes the earlier proposals); a chain once, as deep as the deepest chain."""
-    if can_replay_blocks(draft):
-        return [block_predictions(draft, aux, ids, block.size) for block in served]
-    deepest = draft_predictions(draft, aux, ids, max(chain.steps for chain in served))
-    return [deepest[: chain.steps] for chain in served]
-
-
 def aux_columns(head_points: list[int] | None, run_points: list[int], hidden: int) -> torch.Tensor | None:
     """Columns of the stream's aux [T, K*Ht] (the run's capture points) holding a head's capture
     points, in the head's order; None where the run does not capture them all."""
@@ -136,7 +119,6 @@ def run_eval(job: EvalJobConfig, out_dir: str | Path) -> dict:
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     ev = job.eval
-    chains, blocks = [Chain(*c) for c in ev.chains], [Block(int(b)) for b in ev.dflash_blocks]
     # the eval's own stream replays fixed prompt + output ids: the target must not answer them anew
     job = dataclasses.replace(job, data=dataclasses.replace(job.data, regenerate=False))
     setup = prepare(job)
@@ -148,9 +130,12 @@ def run_eval(job: EvalJobConfig, out_dir: str | Path) -> dict:
     engine = dict(engine_kwargs(target_spec(job, tokenizer=setup.tokenizer)), max_new_tokens=ev.max_new_tokens,
                   max_running_requests=ev.max_running_requests, draft_attention_backend=ev.draft_attention_backend)
     methods = {head: method_of_export(path) for head, path in heads.items()}
-    served = {head: settings(methods[head], chains, blocks) for head in heads}
-    baseline_settings = chains + (blocks if any(s is blocks for s in served.values()) else [])
-    at = ", ".join(f"{h} at {[c.label() for c in served[h]]}" for h in heads)
+    served = {head: methods[head].servings(ev.chains) for head in heads}  # each method's reading of eval.chains
+    # the n-gram baseline at every chain and at every other serving a head gets (a block of B: B-1 tokens)
+    ngram_at = {c.label: c.draft_tokens for c in DraftMethod().servings(ev.chains)}
+    for head in heads:
+        ngram_at.update((c.label, c.draft_tokens) for c in served[head] if c.label not in ngram_at)
+    at = ", ".join(f"{h} at {[c.label for c in served[h]]}" for h in heads)
     print(f"eval: {len(prompts)} prompts ({', '.join(f'{k} {len(v)}' for k, v in sets.items())}), "
           f"{ev.max_new_tokens} new tokens each; heads {at or 'none'}; "
           f"{1 + sum(map(len, served.values()))} SGLang engine runs, then one target pass for the replay", flush=True)
@@ -158,10 +143,10 @@ def run_eval(job: EvalJobConfig, out_dir: str | Path) -> dict:
     cells: dict[tuple[str, str, str], Cell] = {}
     verify_steps: dict[str, dict[str, list[int]]] = {}  # "head chain" -> {"sglang": [...], "replay": [...]} per prompt
 
-    def add(method: str, chain: Chain | Block | None, name: str, **counts) -> None:
+    def add(method: str, label: str, name: str, **counts) -> None:
         """Adds counts to the prompt set's cell and to the 'all' cell."""
         for key in (name, "all"):
-            c = cells.setdefault((method, chain.label() if chain else "-", key), Cell())
+            c = cells.setdefault((method, label, key), Cell())
             for attr, value in counts.items():
                 old = getattr(c, attr)
                 if isinstance(value, list):
@@ -174,19 +159,16 @@ def run_eval(job: EvalJobConfig, out_dir: str | Path) -> dict:
                           "tokens_per_s": sum(greedy.completion_tokens) / greedy.generate_s}}
     sequences = [p + o for p, o in zip(prompts, greedy.outputs)]
     for i, name in enumerate(owner):  # one target step per token: AL 1.0 by definition
-        add("nospec", None, name, completion_tokens=greedy.completion_tokens[i], verify_steps=greedy.completion_tokens[i])
-    for chain in baseline_settings:
+        add("nospec", "-", name, completion_tokens=greedy.completion_tokens[i], verify_steps=greedy.completion_tokens[i])
+    for label, draft_tokens in ngram_at.items():
         for i, name in enumerate(owner):
             n, steps = replay(sequences[i], len(prompts[i]),
-                              prompt_lookup_proposer(sequences[i], chain.draft_tokens - 1, ev.ngram_max, ev.ngram_min))
-            add("ngram", chain, name, replay_tokens=n, replay_steps=steps)
+                              prompt_lookup_proposer(sequences[i], draft_tokens - 1, ev.ngram_max, ev.ngram_min))
+            add("ngram", label, name, replay_tokens=n, replay_steps=steps)
 
     if heads:
         embed, lm_head = load_embedding_and_head(setup.model_path)
         drafts = {head: load_exported_draft(path, embed, lm_head).eval() for head, path in heads.items()}
-        for head in [h for h, d in drafts.items() if not (can_replay(d) or can_replay_blocks(d))]:
-            print(f"eval: the {head} head ({methods[head].name}) has no proposals to replay; SGLang's AL only")
-            del drafts[head]
         columns = {head: aux_columns(_capture_points(heads[head]), setup.capture_points, embed.shape[1])
                    for head in drafts}
         for head in [h for h, c in columns.items() if c is None]:
@@ -197,31 +179,37 @@ def run_eval(job: EvalJobConfig, out_dir: str | Path) -> dict:
         for i, aux in tqdm(_target_hidden(job, setup, sequences), total=len(sequences), desc="replay",
                             unit="prompt", disable=not job.train.progress):
             ids = torch.tensor(sequences[i])
-            for head, draft in drafts.items():
-                for chain, predictions in zip(served[head], head_predictions(draft, aux[:, columns[head]], ids,
-                                                                             served[head])):
+            for head, draft in list(drafts.items()):
+                proposals = methods[head].proposals(draft, aux[:, columns[head]], ids, served[head])
+                if proposals is None:
+                    print(f"eval: the {head} head ({methods[head].name}) has no proposals to replay; SGLang's AL only")
+                    del drafts[head]
+                    continue
+                for serving, predictions in zip(served[head], proposals):
                     n, steps = replay(sequences[i], len(prompts[i]), draft_proposer(predictions))
-                    verify_steps.setdefault(f"{head} {chain.label()}", {}).setdefault("replay", []).append(steps)
+                    verify_steps.setdefault(f"{head} {serving.label}", {}).setdefault("replay", []).append(steps)
                     correct, scored = step_counts(predictions, sequences[i], len(prompts[i]))
-                    add(head, chain, owner[i], replay_tokens=n, replay_steps=steps, correct=correct, scored=scored)
+                    add(head, serving.label, owner[i], replay_tokens=n, replay_steps=steps, correct=correct, scored=scored)
 
     for head, path in heads.items():
-        for chain in served[head]:
-            draft_args = chain.draft_args(methods[head])
+        for serving in served[head]:
+            draft_args = serving.sglang_args
             print(f"eval: SGLang {draft_args['speculative_algorithm']} with the {head} head ({methods[head].name}), "
-                  f"{chain.label()}", flush=True)
+                  f"{serving.label}", flush=True)
             spec = generate(setup.model_path, prompts, draft_path=str(path), draft_args=draft_args, **engine)
-            timings[f"{head} {chain.label()}"] = {"start_s": spec.start_s, "generate_s": spec.generate_s,
+            timings[f"{head} {serving.label}"] = {"start_s": spec.start_s, "generate_s": spec.generate_s,
                                                   "tokens_per_s": sum(spec.completion_tokens) / spec.generate_s}
-            verify_steps.setdefault(f"{head} {chain.label()}", {})["sglang"] = spec.verify_steps
+            verify_steps.setdefault(f"{head} {serving.label}", {})["sglang"] = spec.verify_steps
             for i, name in enumerate(owner):
-                add(head, chain, name, completion_tokens=spec.completion_tokens[i], verify_steps=spec.verify_steps[i],
+                add(head, serving.label, name, completion_tokens=spec.completion_tokens[i], verify_steps=spec.verify_steps[i],
                     mismatched_outputs=int(spec.outputs[i] != greedy.outputs[i]))
 
     results = {
         "target": setup.model_path, "export_dir": job.export_dir, "prompt_sets": {k: len(v) for k, v in sets.items()},
         "heads": {head: {"path": str(path), "method": methods[head].name} for head, path in heads.items()},
-        "max_new_tokens": ev.max_new_tokens, "chains": [c.label() for c in baseline_settings], "timings": timings,
+        "max_new_tokens": ev.max_new_tokens, "chains": list(ngram_at), "timings": timings,
+        "servings": {head: [{"setting": c.label, "sglang": c.sglang_args, "vllm_speculative_config": c.vllm_speculative_config}
+                            for c in served[head]] for head in heads},
         "verify_steps_per_prompt": verify_steps,
         "rows": [{"method": m, "chain": ch, "prompt_set": s, **c.as_dict()} for (m, ch, s), c in cells.items()],
     }

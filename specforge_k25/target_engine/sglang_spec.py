@@ -1,5 +1,5 @@
 """Greedy generation in a real SGLang engine, with or without speculative decoding by an exported
-draft (the draft method's SGLang arguments, `DraftMethod.sglang_draft_args`, passed in as a dict).
+draft (the engine arguments of one of its method's servings, `DraftMethod.servings`, passed in as a dict).
 
 Each engine runs in its own worker process, `python -m specforge_k25.target_engine.sglang_spec`, for
 three reasons: its memory is returned when it ends, a hung engine (SGLang can hang when its
@@ -45,49 +45,6 @@ if __name__ in ("__main__", "__mp_main__"):  # the worker and every process SGLa
 
 
 @dataclass
-class Chain:
-    """Chain speculation settings (SGLang's speculative_num_steps / eagle_topk / num_draft_tokens)."""
-
-    steps: int
-    topk: int
-    draft_tokens: int
-
-    def label(self) -> str:
-        return f"{self.steps}/{self.topk}/{self.draft_tokens}"
-
-    def draft_args(self, method) -> dict:
-        """The engine arguments that serve an export of `method` (a draft/method.py DraftMethod)
-        with this chain."""
-        return method.sglang_draft_args(num_steps=self.steps, topk=self.topk, draft_tokens=self.draft_tokens)
-
-
-@dataclass
-class Block:
-    """DFlash block drafting: `size` = the last accepted token + size-1 drafted ones, one draft
-    forward per verify step (SGLang's speculative_num_draft_tokens; steps and topk are 1)."""
-
-    size: int
-
-    def __post_init__(self):
-        if self.size < 2:
-            raise ValueError(f"block size {self.size}: a block holds the last token and at least one draft")
-
-    @property
-    def steps(self) -> int:  # proposals per verify step, as a chain's depth
-        return self.size - 1
-
-    @property
-    def draft_tokens(self) -> int:
-        return self.size
-
-    def label(self) -> str:
-        return f"block {self.size}"
-
-    def draft_args(self, method) -> dict:
-        return method.sglang_draft_args(num_steps=1, topk=1, draft_tokens=self.size)
-
-
-@dataclass
 class Generation:
     outputs: list[list[int]]  # greedy completion per prompt
     completion_tokens: list[int]
@@ -117,7 +74,7 @@ def generate(model_path: str, prompts: list[list[int]], *, max_new_tokens: int, 
              timeout_s: float = 1800, cuda_graph: bool | None = None) -> Generation:
     """Runs one engine over `prompts` (token ids) at temperature 0 in a worker process.
     Speculative with `draft_path` (an export folder) and `draft_args` (the sglang.Engine arguments
-    of its draft method, `Chain.draft_args`), greedy without. `cuda_graph`: None = SGLang's default
+    of one of its draft method's servings, `Serving.sglang_args`), greedy without. `cuda_graph`: None = SGLang's default
     on GPU (on), off on CPU."""
     if (draft_path is None) != (draft_args is None):
         raise ValueError("speculation needs both a draft folder and the draft method's engine arguments")

@@ -84,9 +84,11 @@ def test_method_resolves_config_and_serving_args():
     spec.block_size, spec.num_layers, spec.mask_token_id = 16, 2, 7
     cfg = METHOD.resolve_config(spec, target, 3)
     assert (cfg.num_hidden_layers, cfg.block_size, cfg.mask_token_id, cfg.loss_gamma) == (2, 16, 7, 7.0)
-    assert METHOD.sglang_draft_args(num_steps=3, topk=4, draft_tokens=16) == {
-        "speculative_algorithm": "DFLASH", "speculative_num_steps": 1, "speculative_eagle_topk": 1,
-        "speculative_num_draft_tokens": 16}
+    (serving,) = METHOD.servings([[3, 4, 16], [15, 1, 16]])  # one block per distinct num_draft_tokens
+    assert (serving.label, serving.draft_tokens, serving.depth) == ("block 16", 16, 15)
+    assert serving.sglang_args == {"speculative_algorithm": "DFLASH", "speculative_num_steps": 1,
+                                   "speculative_eagle_topk": 1, "speculative_num_draft_tokens": 16}
+    assert serving.vllm_speculative_config == {"method": "dflash", "num_speculative_tokens": 15}  # vLLM: B - 1
     draft = METHOD.build(cfg)
     assert METHOD.num_aux(cfg) == 3 and all(draft.get_submodule(u) is not None for u in METHOD.fsdp_units(draft))
     counts = plan.param_counts(cfg)

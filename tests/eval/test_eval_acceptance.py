@@ -11,8 +11,8 @@ from specforge_k25.draft.eagle3_mla.model import Eagle3MLADraft, MLADraftConfig
 from specforge_k25.draft.loss import Teacher, ttt_loss
 from specforge_k25.draft.model import DraftConfig, Eagle3Draft
 from specforge_k25.draft.vocab import build_vocab_maps, target_to_draft
+from specforge_k25.draft.eagle3.replay import chain_proposals as draft_predictions
 from specforge_k25.eval.acceptance import (
-    draft_predictions,
     draft_proposer,
     prompt_lookup_proposer,
     replay,
@@ -111,49 +111,27 @@ def test_step_counts_equal_the_training_metric(mla):
                                                    for k in range(K)))) < 1e-12
 
 
-def test_block_predictions_equal_one_block_per_root():
-    """The batched block replay (all roots in masked chunks) equals `draft_block` run per root, at
-    several block sizes and chunkings; column t is the root x[t+1]'s proposals, as the chain's."""
-    from specforge_k25.draft.dflash.model import DFlashConfig, DFlashDraft
-    from specforge_k25.eval.acceptance import block_predictions
+def test_servings_of_each_method_and_aux_columns():
+    """Each method reads eval.chains into its servings: a chain drafter at each chain, DFlash at a
+    block of each distinct num_draft_tokens; a head's capture points are picked out of the run's aux
+    in the head's order, or refused when not captured."""
+    from specforge_k25.draft.registry import METHODS
+    from specforge_k25.eval.run import aux_columns
 
-    cfg = DFlashConfig(hidden_size=32, intermediate_size=16, num_hidden_layers=2, num_attention_heads=4,
-                       num_key_value_heads=2, head_dim=8, vocab_size=50, target_hidden_size=32,
-                       num_aux_hidden_states=2, block_size=4, mask_token_id=49)
-    torch.manual_seed(0)
-    draft = DFlashDraft(cfg)
-    draft.attach_lm_head(torch.randn(50, 32))
-    aux, ids = torch.randn(11, 64), torch.randint(0, 49, (11,))
-    for block, chunk in ((3, 7), (4, 512), (6, 6)):
-        got = block_predictions(draft, aux, ids, block, queries_per_chunk=chunk)
-        draft.cfg.block_size = block
-        with torch.no_grad():
-            want = torch.stack([draft.logits(draft.draft_block(aux[:r], ids[r])[1:]).argmax(-1) for r in range(1, 11)], 1)
-        assert got.shape == (block - 1, 11) and torch.equal(got[:, :10], want) and (got[:, 10] == -1).all()
-    # a root sees only the context before it: later states do not change its block
-    changed = aux.clone()
-    changed[6:] = torch.randn(5, 64)
-    assert torch.equal(block_predictions(draft, changed, ids, 6)[:, :5], block_predictions(draft, aux, ids, 6)[:, :5])
-
-
-def test_eval_settings_and_aux_columns():
-    """eval/run.py: a DFLASH head is served at the block sizes, others at the chains; a head's capture
-    points are picked out of the run's aux in the head's order, or refused when not captured."""
-    from types import SimpleNamespace
-
-    from specforge_k25.eval.run import aux_columns, settings
-    from specforge_k25.target_engine.sglang_spec import Block, Chain
-
-    chains, blocks = [Chain(3, 1, 4)], [Block(4), Block(8)]
-    assert settings(SimpleNamespace(sglang_algorithm="DFLASH"), chains, blocks) is blocks
-    assert settings(SimpleNamespace(sglang_algorithm="EAGLE3"), chains, blocks) is chains
-    assert [b.label() for b in blocks] == ["block 4", "block 8"] and blocks[1].steps == 7
-    assert Block(8).draft_args(SimpleNamespace(sglang_draft_args=lambda **kw: kw)) == dict(num_steps=1, topk=1,
-                                                                                          draft_tokens=8)
+    chains = [[3, 1, 4], [7, 1, 8], [5, 1, 8]]
+    for name in ("eagle3", "eagle3_mla"):
+        servings = METHODS[name].servings(chains)
+        assert [(s.label, s.depth, s.draft_tokens) for s in servings] == [("3/1/4", 3, 4), ("7/1/8", 7, 8), ("5/1/8", 5, 8)]
+        assert servings[0].sglang_args == {"speculative_algorithm": "EAGLE3", "speculative_num_steps": 3,
+                                           "speculative_eagle_topk": 1, "speculative_num_draft_tokens": 4}
+        assert servings[1].vllm_speculative_config == {"method": "eagle3", "num_speculative_tokens": 7}
+    blocks = METHODS["dflash"].servings(chains)
+    assert [(s.label, s.depth, s.draft_tokens) for s in blocks] == [("block 4", 3, 4), ("block 8", 7, 8)]
+    assert blocks[1].sglang_args["speculative_num_steps"] == 1 and blocks[1].vllm_speculative_config["num_speculative_tokens"] == 7
     aux = torch.arange(3)[None].repeat_interleave(2, 1)  # [1, 6]: point index of each column (H = 2)
     assert torch.equal(aux[:, aux_columns([2, 15, 27], [2, 15, 27], 2)], aux)
     assert torch.equal(aux[:, aux_columns(None, [2, 15, 27], 2)], aux)
     assert aux[:, aux_columns([27, 2], [2, 15, 27], 2)].tolist() == [[2, 2, 0, 0]]
     assert aux_columns([3, 15], [2, 15, 27], 2) is None
     with pytest.raises(ValueError, match="block size 1"):
-        Block(1)
+        METHODS["dflash"].servings([[1, 1, 1]])

@@ -1,6 +1,6 @@
 """A DFlash head exported by us, served by SGLang 0.5.23's DFLASH speculative decoding on CPU
-(sglang_cpu_compat workaround 7), against our replay of its blocks (eval/acceptance.py
-`block_predictions`, as eval/run.py calls it) and against HF transformers' greedy decoding.
+(sglang_cpu_compat workaround 7), against our replay of its blocks (draft/dflash/replay.py's
+`block_proposals`, as the method's `proposals` calls it) and against HF transformers' greedy decoding.
 
 The head is built to have something to accept: one layer behind SmolLM2 (capture points
 [2, 15, 27]), random q/k/v, no MLP, and an o_proj fitted by ridge regression so that at every
@@ -23,14 +23,15 @@ import torch
 from specforge_k25.draft.dflash.method import DFlashMethod
 from specforge_k25.draft.dflash.model import DFlashConfig, DFlashDraft
 from specforge_k25.eval.acceptance import draft_proposer, replay
-from specforge_k25.eval.run import head_predictions
 from specforge_k25.export.serving import export_draft, load_exported_draft
-from specforge_k25.target_engine.sglang_spec import Block, generate
+from specforge_k25.target_engine.sglang_spec import generate
 
 POINTS = [2, 15, 27]  # capture points = inputs of these SmolLM2 layers (SGLang DFlash ids 1, 14, 26)
 TEXTS = ["def fibonacci(n):", "The capital of France is", "1, 2, 3, 4,", "Once upon a time"]
 NEW_TOKENS = 20
 BLOCK = 4
+METHOD = DFlashMethod()
+SERVING = METHOD.servings([[BLOCK - 1, 1, BLOCK]])  # [block 4], as eval/run.py asks the method
 
 
 def _fitted_head(target: str, prompts, sequences, hidden, out_dir, ridge: float = 1e-2):
@@ -54,7 +55,7 @@ def _fitted_head(target: str, prompts, sequences, hidden, out_dir, ridge: float 
     rows = []
     for prompt, seq, aux in zip(prompts, sequences, hidden):
         attention.clear()
-        head_predictions(draft, _aux(aux, POINTS), seq, [Block(BLOCK)])  # one chunk: every root's block
+        METHOD.proposals(draft, _aux(aux, POINTS), seq, SERVING)  # one chunk: every root's block
         per_root = attention[0].view(len(seq) - 1, BLOCK, -1)  # roots 1..T-1
         for r in range(len(prompt), len(seq) - 1):
             for j in range(1, min(BLOCK, len(seq) - r)):
@@ -95,15 +96,14 @@ def dflash_run(smollm2_path, tmp_path_factory, one_torch_thread):
                                           tmp_path_factory.mktemp("dflash") / "head")
     t1 = time.perf_counter()
     spec = generate(smollm2_path, prompts, max_new_tokens=NEW_TOKENS, draft_path=str(export),
-                    draft_args=Block(BLOCK).draft_args(DFlashMethod()), num_threads=1, timeout_s=600)
+                    draft_args=SERVING[0].sglang_args, num_threads=1, timeout_s=600)
     print(f"HF greedy + fit {t1 - t0:.1f} s, SGLang DFLASH engine {time.perf_counter() - t1:.1f} s")
     draft = load_exported_draft(export, embed, lm_head).eval()  # as eval/run.py loads a head
     return prompts, sequences, hidden, spec, draft
 
 
 def _replayed_steps(draft, prompts, sequences, hidden, points=POINTS) -> list[int]:
-    return [replay(seq.tolist(), len(p), draft_proposer(head_predictions(draft, _aux(h, points), seq,
-                                                                         [Block(BLOCK)])[0]))[1]
+    return [replay(seq.tolist(), len(p), draft_proposer(METHOD.proposals(draft, _aux(h, points), seq, SERVING)[0]))[1]
             for p, seq, h in zip(prompts, sequences, hidden)]
 
 

@@ -31,10 +31,11 @@ from pathlib import Path
 
 import torch
 
-from ..method import DraftBatch, DraftMethod
+from ..method import DraftBatch, DraftMethod, Serving
 from . import export, plan
 from . import loss as block_loss
 from .model import DFlashConfig, DFlashDraft
+from .replay import block_proposals
 
 DEFAULT_BLOCK_SIZE = 8
 DEFAULT_NUM_ANCHORS = 512
@@ -48,6 +49,7 @@ class DFlashMethod(DraftMethod):
     name = "dflash"
     served_architecture = export.ARCHITECTURE
     sglang_algorithm = "DFLASH"
+    vllm_method = "dflash"
     model_class = DFlashDraft
     config_class = DFlashConfig  # what resolve_config returns (registry.method_of_config)
     plan = plan
@@ -161,7 +163,20 @@ class DFlashMethod(DraftMethod):
         return export.load_export(export_dir, embed_weight, lm_head)
 
     # ------------------------------------------------------------------ serve
-    def sglang_draft_args(self, *, num_steps: int = 1, topk: int = 1, draft_tokens: int = DEFAULT_BLOCK_SIZE) -> dict:
-        """DFLASH: the block size is speculative_num_draft_tokens; SGLang forces steps 1 / topk 1."""
-        return {"speculative_algorithm": self.sglang_algorithm, "speculative_num_steps": 1,
-                "speculative_eagle_topk": 1, "speculative_num_draft_tokens": draft_tokens}
+    def servings(self, chains: list) -> list[Serving]:
+        """One block size per distinct `num_draft_tokens` of the chains (the last accepted token +
+        size-1 drafts, one draft forward per verify step): SGLang's speculative_num_draft_tokens is
+        the block size and it forces steps 1 / topk 1; vLLM (0.20+) reads no block size from the
+        export: it must be started with num_speculative_tokens = size - 1, or it serves another length."""
+        sizes = list(dict.fromkeys(int(draft_tokens) for _steps, _topk, draft_tokens in chains))
+        for size in sizes:
+            if size < 2:
+                raise ValueError(f"block size {size}: a block holds the last token and at least one draft")
+        return [Serving(f"block {size}", size, size - 1,
+                        {"speculative_algorithm": self.sglang_algorithm, "speculative_num_steps": 1,
+                         "speculative_eagle_topk": 1, "speculative_num_draft_tokens": size},
+                        {"method": self.vllm_method, "num_speculative_tokens": size - 1}) for size in sizes]
+
+    def proposals(self, model, aux_hidden, input_ids, servings: list[Serving]) -> list[torch.Tensor]:
+        """One pass per block size: a block attends both ways, so a longer block changes the earlier proposals."""
+        return [block_proposals(model, aux_hidden, input_ids, s.draft_tokens) for s in servings]

@@ -29,7 +29,7 @@ block sees (block i: context 0..prefix_i - 1 and its own Bk tokens), and compute
 exactly in bounded tiles (draft/dflash/block_attention.py; cfg.attention_tile_rows x
 attention_tile_keys scores at a time, no [Q, T+Q] tensor). `draft_block` (eval, SGLang checks) is
 the same path with one block, and eval's replay of every root one block per root
-(eval/acceptance.py `block_predictions`). The block size is that of the call (Q / A), so the
+(replay.py `block_proposals`). The block size is that of the call (Q / A), so the
 replay may draft at the served block sizes rather than the trained one.
 
 Shapes: B batch, T context positions, Q block tokens (blocks x block size), H hidden, K aux states,

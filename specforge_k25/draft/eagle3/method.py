@@ -8,15 +8,17 @@ from pathlib import Path
 import torch
 
 from .. import loss as ttt
-from ..method import DraftBatch, DraftMethod
+from ..method import DraftBatch, DraftMethod, Serving
 from ..model import NUM_AUX, DraftConfig, Eagle3Draft
 from . import export, plan
+from .replay import chain_proposals
 
 
 class Eagle3Method(DraftMethod):
     name = "eagle3"
     served_architecture = "LlamaForCausalLMEagle3"
     sglang_algorithm = "EAGLE3"
+    vllm_method = "eagle3"
     model_class = Eagle3Draft
     config_class = DraftConfig
     plan = plan
@@ -78,3 +80,9 @@ class Eagle3Method(DraftMethod):
 
     def load_export(self, export_dir: Path, embed_weight: torch.Tensor) -> Eagle3Draft:
         return self.export.load_export(export_dir, embed_weight)
+
+    # ------------------------------------------------------------------ serve
+    def proposals(self, model, aux_hidden, input_ids, servings: list[Serving]) -> list[torch.Tensor]:
+        """One chain as deep as the deepest serving; a shallower chain proposes its first steps."""
+        deepest = chain_proposals(model, aux_hidden, input_ids, max(s.depth for s in servings))
+        return [deepest[: s.depth] for s in servings]
