@@ -3,10 +3,10 @@ draft (the engine arguments of one of its method's servings, `DraftMethod.servin
 
 Each engine runs in its own worker process, `python -m specforge_k25.target_engine.sglang_spec`, for
 three reasons: its memory is returned when it ends, a hung engine (SGLang can hang when its
-scheduler crashes) is killed by a timeout, and on CPU the workarounds reach SGLang's
-scheduler: SGLang starts it by `spawn`, which re-imports the worker's main module (this one)
-before anything else, and this module applies `sglang_cpu_compat` at import when
-SPECFORGE_SGLANG_CPU=1.
+scheduler crashes) is killed by a timeout, and the workarounds reach SGLang's scheduler: this
+module applies `sglang_cpu_compat` at import (SPECFORGE_SGLANG_CPU=1, or SPECFORGE_SGLANG_GPU=1 on
+CUDA). On CPU the engine's processes are forks of this worker (workaround 8), which has imported
+sglang and nothing else; on CUDA SGLang spawns them, which re-imports this main module first.
 """
 from __future__ import annotations
 
@@ -31,7 +31,7 @@ elif os.environ.get("SPECFORGE_SGLANG_GPU") == "1":  # CUDA: the sgl_kernel stan
 
     sglang_cpu_compat.apply_gpu()
 
-if __name__ in ("__main__", "__mp_main__"):  # the worker and every process SGLang spawns from it
+if __name__ in ("__main__", "__mp_main__"):  # the worker and every process SGLang starts from it
     # tqdm guards its bars with a multiprocessing RLock by default: a named POSIX semaphore that the
     # first bar of a process creates. SGLang's scheduler shows bars while loading weights, and
     # Engine.shutdown SIGKILLs the scheduler together with the resource tracker that would unlink

@@ -2,7 +2,7 @@
 a CUDA machine that lacks the `sgl_kernel` wheel (workaround 5, `apply_gpu`).
 
 Applies to the pinned sglang (`SGLANG_VERSION`, written in version.py only) with torch 2.13.0
-(CPU build), `attention_backend="torch_native"`. Workarounds 1-4, 6 and 7 are never used on GPU
+(CPU build), `attention_backend="torch_native"`. Workarounds 1-4 and 6-8 are never used on GPU
 machines. One module per workaround, each saying what SGLang lacks, why the workaround exists, what
 it does and which test (tests/target_engine/sglang_cpu_compat/) fails when it stops being needed or
 stops working, so a version bump forces a review of each:
@@ -17,6 +17,8 @@ stops working, so a version bump forces a review of each:
    sent to torch, triton attention, and (a) no cutlass, (b) no flash_mla, (c) no prefill graph.
 6. mla_draft_sync.py       the MLA draft's `set_embed*` without torch.cuda.synchronize on CPU.
 7. dflash_on_cpu.py        DFLASH speculative decoding on CPU (four patches).
+8. fork_subprocesses.py    an engine's scheduler and detokenizer forked, not spawned (CPU: ~26 CPU s
+   less per engine).
 version.py holds SGLANG_VERSION, hooks.py the import hooks they share.
 
 Call `apply()` (CPU) or `apply_gpu()` (CUDA) in every process that builds an SGLang model,
@@ -31,6 +33,7 @@ from . import (
     deepseek_config,
     dflash_on_cpu,
     draft_backends,
+    fork_subprocesses,
     gpu_image,
     mla_draft_sync,
     mla_torch_native,
@@ -55,13 +58,15 @@ CPU_WORKAROUNDS = (
     (target_verify, "spec_patches"),  # 4
     (mla_draft_sync, None),  # 6
     (dflash_on_cpu, "dflash_patches"),  # 7
+    (fork_subprocesses, "fork_engines"),  # 8
 )
 GPU_WORKAROUNDS = (gpu_image,)  # 5
 # installed by no apply: spec_ops through the stand-in, deepseek_config called by specforge_k25.setup
 USED_THROUGH_OTHERS = (spec_ops, deepseek_config)
 
 
-def apply(mla_fix: bool = True, spec_patches: bool = True, dflash_patches: bool = True) -> None:
+def apply(mla_fix: bool = True, spec_patches: bool = True, dflash_patches: bool = True,
+          fork_engines: bool = True) -> None:
     """Install the workarounds in this process (idempotent). `False` switches are for tests."""
     global _applied
     if _applied:
@@ -69,7 +74,8 @@ def apply(mla_fix: bool = True, spec_patches: bool = True, dflash_patches: bool 
     if _gpu_applied:
         raise RuntimeError("sglang_cpu_compat.apply_gpu() already ran in this process (CUDA)")
     os.environ["SGLANG_USE_CPU_ENGINE"] = "1"
-    switches = {"mla_fix": mla_fix, "spec_patches": spec_patches, "dflash_patches": dflash_patches}
+    switches = {"mla_fix": mla_fix, "spec_patches": spec_patches, "dflash_patches": dflash_patches,
+                "fork_engines": fork_engines}
     for module, switch in CPU_WORKAROUNDS:
         if switch is None or switches[switch]:
             module.install()

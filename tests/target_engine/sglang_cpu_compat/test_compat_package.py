@@ -113,7 +113,7 @@ def test_apply_installs_each_cpu_workaround_in_order(fresh):
 
 
 def test_apply_switches_leave_their_workarounds_out(fresh):
-    compat.apply(mla_fix=False, spec_patches=False, dflash_patches=False)
+    compat.apply(mla_fix=False, spec_patches=False, dflash_patches=False, fork_engines=False)
     assert fresh == [m.__name__ for m, switch in compat.CPU_WORKAROUNDS if switch is None]
     assert [m.__name__.rsplit(".", 1)[-1] for m, s in compat.CPU_WORKAROUNDS if s is None] == [
         "sgl_kernel_stand_in", "mla_draft_sync"]
