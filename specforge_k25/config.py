@@ -243,12 +243,29 @@ def describe(cls=JobConfig, prefix: str = "") -> list[str]:
     return lines
 
 
+# Keys that left the config, with where their meaning went: an override of one fails before Hydra
+# composes, naming the new home (Hydra alone would say only that the key is not in the struct).
+MOVED_KEYS = {
+    "eval.dflash_blocks": "eval.chains: a DFlash head is served at a block of each distinct num_draft_tokens "
+                          "there (e.g. 'eval.chains=[[3,1,4],[7,1,8]]' serves blocks 4 and 8)",
+}
+
+
+def check_moved_keys(overrides: list[str]) -> None:
+    """ValueError naming the new key when an override sets a key of MOVED_KEYS."""
+    for override in overrides:
+        key = override.split("=", 1)[0].lstrip("+~")
+        if key in MOVED_KEYS:
+            raise ValueError(f"{key} is no longer a config key; use {MOVED_KEYS[key]}")
+
+
 def compose_job(overrides: list[str], config_name: str = "config"):
     """The JobConfig `python -m specforge_k25.train` composes from the same overrides, without a
     Hydra output folder (the plan and TP-node CLIs, tests)."""
     from hydra import compose, initialize_config_dir
     from omegaconf import OmegaConf
 
+    check_moved_keys(overrides)
     register_schemas()
     with initialize_config_dir(config_dir=CONF_DIR, version_base="1.3"):
         return OmegaConf.to_object(compose(config_name=config_name, overrides=overrides))

@@ -84,3 +84,23 @@ def test_the_plan_refuses_a_zero_batch_size_by_name(capsys):
     err = capsys.readouterr().err
     assert "refused: invalid configuration" in err and "train.batch_size must be >= 1 (got 0)" in err
     assert "Traceback" not in err
+
+
+@pytest.mark.parametrize("override", ["eval.dflash_blocks=[4]", "+eval.dflash_blocks=[4]"])
+def test_a_moved_key_is_refused_naming_its_new_home(override):
+    from specforge_k25.config import MOVED_KEYS
+
+    with pytest.raises(ValueError, match=r"eval\.dflash_blocks is no longer a config key; use eval\.chains"):
+        compose_job([override], config_name="eval")
+    for key in MOVED_KEYS:  # a moved key is really gone, so the check is not hiding a live one
+        group, name = key.split(".")
+        assert name not in {f.name for f in fields(type(getattr(EvalJobConfig(), group)))}
+
+
+def test_the_eval_cli_names_the_moved_key_before_composing():
+    import subprocess
+    import sys
+
+    out = subprocess.run([sys.executable, "-m", "specforge_k25.eval", "eval.dflash_blocks=[4]"],
+                         capture_output=True, text=True, timeout=120)
+    assert out.returncode == 2 and "use eval.chains" in out.stderr, out.stderr[-2000:]

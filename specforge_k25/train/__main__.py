@@ -16,7 +16,7 @@ from pathlib import Path
 import hydra
 from omegaconf import OmegaConf
 
-from ..config import CONF_DIR, JobConfig, describe, register_schemas
+from ..config import CONF_DIR, JobConfig, check_moved_keys, describe, register_schemas
 
 register_schemas()
 
@@ -147,4 +147,9 @@ if __name__ == "__main__":
         print("Fields (override as group.field=value):")
         print("\n".join(describe()))
         sys.exit(0)
+    try:
+        check_moved_keys(sys.argv[1:])
+    except ValueError as err:
+        print(f"\nerror: {err}", file=sys.stderr)
+        sys.exit(2)
     main()
