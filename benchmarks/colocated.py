@@ -53,7 +53,7 @@ def parse_args(argv=None) -> argparse.Namespace:
 def overrides(args, run_dir: Path) -> list[str]:
     return ["target=tiny_deepseek", f"target.tiny_hidden={args.tiny_hidden}", "hw.target_tp=2",
             f"data.num_samples={args.samples}", "data.heldout_samples=4", f"data.max_length={args.max_length}",
-            "draft.vocab_size=1024", "train.ttt_length=3", "train.eval_every=null", "train.checkpoint_every=0",
+            "draft.vocab_size=1024", "draft.ttt_length=3", "train.eval_every=null", "train.checkpoint_every=0",
             "train.progress=false", "train.logger=none", f"train.out_dir={run_dir}", f"hydra.run.dir={run_dir}/hydra"]
 
 

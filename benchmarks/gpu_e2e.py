@@ -48,7 +48,7 @@ from stream import PhaseClock, phase_online, phase_trainer_only
 from specforge_k25.config import JobConfig
 from specforge_k25.data.dataset import TokenizedData
 from specforge_k25.data.tokenize import Sample
-from specforge_k25.draft.registry import get_method
+from specforge_k25.draft.registry import method_of_spec
 from specforge_k25.export.serving import export_draft
 from specforge_k25.plan import facts_from_folder, plan_memory, resolve_draft
 from specforge_k25.setup.run import RunSetup, make_target_stream
@@ -144,9 +144,9 @@ def make_job(args, model_path: str, size: dict, dtype: str) -> JobConfig:
     job.hw.target_threads = job.hw.trainer_threads = args.threads
     job.hw.max_total_tokens = size["max_total_tokens"]
     job.data.max_length, job.data.num_samples, job.data.heldout_samples = size["lengths"][1], size["samples"], 0
-    job.draft.vocab_size = size["draft_vocab"]
+    job.draft.vocab_size, job.draft.ttt_length = size["draft_vocab"], size["ttt"]
     tr = job.train
-    tr.batch_size, tr.grad_accum, tr.ttt_length, tr.logger, tr.progress = size["batch"], 1, size["ttt"], "none", False
+    tr.batch_size, tr.grad_accum, tr.logger, tr.progress = size["batch"], 1, "none", False
     tr.stream_timeout_s, tr.engine_start_timeout_s = 300.0, 600.0
     if args.device == "cuda":  # the plan derives SGLang's static fraction for this GPU and layout
         job.hw.name, job.hw.num_gpus = "h200", 1
@@ -163,7 +163,7 @@ def make_setup(job: JobConfig, model_path: str, samples: list[Sample]) -> RunSet
     points = resolve_capture_points(job.target.aux_layers, info.num_layers)
     data = TokenizedData(train=samples, heldout=[], rows_seen=len(samples))
     return RunSetup(model_path, info, points, sglang_layer_ids(points, layer_id_rule(info.architecture)), None, data,
-                    get_method(job.draft.method), resolve_draft(job.draft, facts_from_folder(model_path), len(points)))
+                    method_of_spec(job.draft), resolve_draft(job.draft, facts_from_folder(model_path), len(points)))
 
 
 def schedule(job: JobConfig, n: int) -> tuple[list[list[int]], int]:

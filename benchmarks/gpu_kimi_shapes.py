@@ -84,15 +84,16 @@ def draft_config(small: bool):
     interpolation."""
     import yaml
 
-    from specforge_k25.config import DraftConfigSpec
+    from specforge_k25.draft.eagle3.config import Eagle3Spec
     from specforge_k25.draft.model import DraftConfig
     from specforge_k25.plan import KIMI_K25, resolve_draft
 
     if small:
         return DraftConfig(**SMALL_SHAPE, max_position_embeddings=4096)
-    spec = DraftConfigSpec()
+    spec = Eagle3Spec()  # conf/draft/kimi.yaml: EAGLE-3's defaults (its `defaults:` list) and its sizes
     for key, value in yaml.safe_load(Path(KIMI_DRAFT_YAML).read_text()).items():
-        setattr(spec, key, value)
+        if key != "defaults":
+            setattr(spec, key, value)
     return resolve_draft(spec, KIMI_K25)
 
 
@@ -198,7 +199,8 @@ def build_learner(cfg, device: torch.device, args):
     optimizer = build_optimizer(draft.trainable_parameters(), 5e-5, (0.9, 0.95), 0.0,
                                 device=optimizer_device(args, device))
     scheduler = build_scheduler(optimizer, 1000, 0.015)
-    return DraftLearner(method_of(draft), draft, lm_head, optimizer, scheduler, ttt_length=args.ttt_length, loss_decay=0.8,
+    method = method_of(draft)
+    return DraftLearner(method, draft, lm_head, optimizer, scheduler, spec=method.spec_class(ttt_length=args.ttt_length),
                         grad_accum=1, grad_clip=0.5, teacher_chunk=args.teacher_chunk, autocast_bf16=not args.no_bf16,
                         activation_checkpointing=args.activation_checkpointing)
 

@@ -22,6 +22,7 @@ into teacher / fwd+bwd / optimizer.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import gc
 import json
 import os
@@ -92,7 +93,8 @@ def make_trainer(*, hidden, heads, kv_heads, head_dim, intermediate, vocab, draf
     lm_head = torch.randn(vocab, hidden) * hidden**-0.5
     optimizer = build_optimizer(draft.trainable_parameters(), 5e-5, (0.9, 0.95), 0.0)
     scheduler = build_scheduler(optimizer, 1000, 0.015)
-    return DraftLearner(method_of(draft), draft, lm_head, optimizer, scheduler, ttt_length=ttt_length, loss_decay=0.8, grad_accum=1,
+    method = method_of(draft)
+    return DraftLearner(method, draft, lm_head, optimizer, scheduler, spec=method.spec_class(ttt_length=ttt_length), grad_accum=1,
                         grad_clip=0.5, teacher_chunk=chunk, autocast_bf16=False)
 
 
@@ -214,7 +216,8 @@ def part_time(args) -> dict:
     trainer = make_trainer(**shape, chunk=1024)
 
     def measure(seq_len: int, k: int) -> dict:
-        trainer.ttt_length = k
+        trainer.spec = dataclasses.replace(trainer.spec, ttt_length=k)
+        trainer.depth = k  # the TTT unroll: the EAGLE-3 method's depth
         inputs = random_batch_inputs(trainer, seq_len)
         train_step(trainer, inputs)  # warm-up
         steps = [train_step(trainer, inputs) for _ in range(args.reps)]

@@ -5,48 +5,15 @@ Library code receives these plain objects, never Hydra.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field, fields, is_dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Optional
+from typing import Any, Optional
+
+from .draft.eagle3.config import Eagle3Spec
+from .draft.registry import METHODS
+from .fields import check_limits, doc, field_lines
 
 CONF_DIR = str(Path(__file__).resolve().parents[1] / "conf")
-
-
-def doc(default, help: str, at_least=None, above=None, **kw):
-    """A field with its one-line help; `at_least` / `above`: the smallest value a size, count,
-    interval or timeout may take (inclusive / exclusive; null stays allowed where the type is
-    Optional), checked when the config is composed (`check_limits`)."""
-    meta = {"help": help, **({"at_least": at_least} if at_least is not None else {}),
-            **({"above": above} if above is not None else {})}
-    if isinstance(default, (list, dict)):
-        return field(default_factory=lambda: type(default)(default), metadata=meta, **kw)
-    return field(default=default, metadata=meta, **kw)
-
-
-def limit_problems(cfg, prefix: str = "") -> list[str]:
-    """Every field of `cfg` (nested configs included) below its `at_least` / `above`, named as
-    an override (`train.stream_slots must be >= 1 (got 0)`)."""
-    problems = []
-    for f in fields(cfg):
-        value, name = getattr(cfg, f.name), prefix + f.name
-        if is_dataclass(value):
-            problems += limit_problems(value, name + ".")
-            continue
-        if value is None or isinstance(value, bool) or not isinstance(value, (int, float)):
-            continue
-        if "at_least" in f.metadata and value < f.metadata["at_least"]:
-            problems.append(f"{name} must be >= {f.metadata['at_least']} (got {value!r}): {f.metadata['help']}")
-        if "above" in f.metadata and not value > f.metadata["above"]:
-            problems.append(f"{name} must be > {f.metadata['above']} (got {value!r}): {f.metadata['help']}")
-    return problems
-
-
-def check_limits(cfg) -> None:
-    """Refuse a zero or negative size, count, interval or timeout before any process starts (one
-    would otherwise divide by zero, hang or fail mid-run), naming each field."""
-    problems = limit_problems(cfg)
-    if problems:
-        raise ValueError("invalid configuration:\n  " + "\n  ".join(problems))
 
 
 @dataclass
@@ -135,36 +102,7 @@ class DataConfig:
 
 
 @dataclass
-class DraftConfigSpec:
-    method: str = doc("eagle3", "draft method (specforge_k25/draft/registry.py): eagle3 (Llama attention, LlamaForCausalLMEagle3) | eagle3_mla (DeepSeek MLA attention, Eagle3DeepseekV2ForCausalLM) | dflash (block drafter, DFlashDraftModel; train it with data.regenerate=true)")
-    vocab_size: int = doc(32000, "draft vocabulary size Vd (most frequent supervised target tokens)", at_least=1)
-    intermediate_size: Optional[int] = doc(None, "MLP width; null = the target's", at_least=1)
-    num_attention_heads: Optional[int] = doc(None, "null = the target's (text) attention heads", at_least=1)
-    num_key_value_heads: Optional[int] = doc(None, "null = the target's KV heads", at_least=1)
-    head_dim: Optional[int] = doc(None, "null = hidden / heads", at_least=1)
-    rope_theta: float = doc(10000.0, "RoPE base of the draft (written to the export)", above=0)
-    max_position_embeddings: Optional[int] = doc(None, "null = the target's", at_least=1)
-    fc_norm: bool = doc(False, "EAGLE-3.1: one RMSNorm per captured target state before fc (export: fc_norm, fc_norm.{0,1,2}.weight)")
-    norm_output: bool = doc(False, "EAGLE-3.1: each draft step hands the next its final-normed state instead of the pre-norm one (export: norm_output)")
-    q_lora_rank: Optional[int] = doc(None, "eagle3_mla: query latent width; null = an MLA target's (Kimi-K2.5 1536), else 12 x head dim", at_least=1)
-    kv_lora_rank: Optional[int] = doc(None, "eagle3_mla: KV latent width (what a server caches per token); null = an MLA target's (Kimi-K2.5 512), else 4 x head dim", at_least=1)
-    qk_nope_head_dim: Optional[int] = doc(None, "eagle3_mla: per-head query/key width without RoPE; null = an MLA target's (128), else head dim", at_least=1)
-    qk_rope_head_dim: Optional[int] = doc(None, "eagle3_mla: per-head RoPE width (one shared key part); null = an MLA target's (64), else head dim / 2", at_least=1)
-    v_head_dim: Optional[int] = doc(None, "eagle3_mla: per-head value width; null = an MLA target's (128), else head dim", at_least=1)
-    block_size: int = doc(8, "dflash: tokens per drafted block (the last accepted token + block_size-1 drafts; SGLang's speculative_num_draft_tokens); the loss counts positions 1..block_size-1 (train.ttt_length does not apply)", at_least=2)
-    num_layers: Optional[int] = doc(None, "dflash: draft decoder layers; null = one per capture point (K = len(target.aux_layers))", at_least=1)
-    num_anchors: int = doc(512, "dflash: training blocks per sequence, anchored at random supervised positions drawn per batch (fewer when a sequence has fewer)", at_least=1)
-    loss_gamma: Optional[float] = doc(None, "dflash: block position j's CE weighs exp(-(j-1)/gamma) (train.loss_decay does not apply); null = 7 for blocks >= 16, 5 for >= 10, else 4", above=0)
-    mask_token_id: Optional[int] = doc(None, "dflash: token id of the block's MASK slots, < the target vocab and absent from real input (a run whose data holds it is refused); null = the tokenizer's highest-id special token the data never holds (not bos/eos/pad/end of turn), else vocab - 1", at_least=0)
-    logits_chunk: int = doc(2048, "dflash: block positions per chunk of [chunk, V] logits in the loss (each chunk recomputed in backward)", at_least=1)
-    attention_tile_rows: int = doc(512, "dflash: block queries per tile of the exact block attention (whole blocks; bounds its [rows, keys] fp32 scores per head)", at_least=1)
-    attention_tile_keys: int = doc(1024, "dflash: context keys per chunk of the block attention's tile", at_least=1)
-
-
-@dataclass
 class TrainConfig:
-    ttt_length: int = doc(7, "TTT unroll steps K", at_least=1)
-    loss_decay: float = doc(0.8, "weight of step k is decay^k", above=0)
     lr: float = doc(5e-5, "peak learning rate (AdamW)", above=0)
     betas: list = doc([0.9, 0.95], "AdamW betas")
     weight_decay: float = doc(0.0, "AdamW weight decay", at_least=0)
@@ -200,7 +138,9 @@ class JobConfig:
     hw: HwConfig = field(default_factory=HwConfig)
     target: TargetConfig = field(default_factory=TargetConfig)
     data: DataConfig = field(default_factory=DataConfig)
-    draft: DraftConfigSpec = field(default_factory=DraftConfigSpec)
+    # the draft method's own config (draft/<method>/config.py), chosen by the `draft` group:
+    # draft=eagle3 | eagle3_mla | dflash, or a profile of one (conf/draft/*.yaml)
+    draft: Any = field(default_factory=Eagle3Spec)
     train: TrainConfig = field(default_factory=TrainConfig)
 
     def __post_init__(self):  # OmegaConf.to_object builds it: composition refuses a bad size by name
@@ -215,7 +155,7 @@ class EvalConfig:
     num_prompts: int = doc(8, "prompts per set (the first n; MT-bench: first turns)", at_least=1)
     max_new_tokens: int = doc(64, "greedy tokens generated per prompt", at_least=1)
     chains: list = doc([[3, 1, 4], [7, 1, 8]], "speculative settings as [num_steps, eagle_topk, num_draft_tokens], one engine run each per head; topk must be 1 on CPU. Each head's method reads them (DraftMethod.servings): a chain drafter (EAGLE-3) at each, a block drafter (DFlash) at a block of each distinct num_draft_tokens (the last token + size-1 drafts)")
-    methods: list = doc(["nospec", "ngram", "untrained", "trained"], "rows of the table: nospec | ngram | untrained (a fresh head of draft.method) | trained (export_dir, any method)")
+    methods: list = doc(["nospec", "ngram", "untrained", "trained"], "rows of the table: nospec | ngram | untrained (a fresh head of the run's draft method) | trained (export_dir, any method)")
     heads: dict = doc({}, "more exported heads (any draft method) evaluated beside export_dir on the same greedy outputs, one row each: +eval.heads.NAME=FOLDER")
     ngram_max: int = doc(3, "prompt-lookup baseline: longest n-gram matched", at_least=1)
     ngram_min: int = doc(1, "prompt-lookup baseline: shortest n-gram matched", at_least=1)
@@ -231,21 +171,24 @@ class EvalJobConfig(JobConfig):
     eval: EvalConfig = field(default_factory=EvalConfig)
 
 
-def describe(cls=JobConfig, prefix: str = "") -> list[str]:
-    """One line per field: `group.name (default) - help`."""
-    lines = []
-    for f in fields(cls):
-        default = f.default_factory() if callable(f.default_factory) else f.default  # type: ignore[misc]
-        if is_dataclass(default):
-            lines += describe(type(default), prefix + f.name + ".")
-        else:
-            lines.append(f"  {prefix + f.name:<30} {str(default):<14} {f.metadata.get('help', '')}")
+def describe(cls=JobConfig) -> list[str]:
+    """One line per field: `group.name (default) - help`; `draft.*` once per draft method, under
+    the `draft=<option>` that selects it (the default first)."""
+    lines = field_lines(cls, skip=("draft",))
+    for name, method in METHODS.items():
+        lines.append(f"draft={name}: {method.summary}")
+        lines += field_lines(method.spec_class, "draft.")
     return lines
 
 
 # Keys that left the config, with where their meaning went: an override of one fails before Hydra
 # composes, naming the new home (Hydra alone would say only that the key is not in the struct).
+DRAFT_OPTIONS = ("draft=eagle3 | eagle3_mla | dflash (sizes from the target), draft=kimi | kimi_mla "
+                 "(Kimi-K2.5's), draft=small (the CPU default)")
 MOVED_KEYS = {
+    "draft.method": "the draft config group, which also selects the method's own draft.* fields: " + DRAFT_OPTIONS,
+    "train.ttt_length": "draft.ttt_length (a knob of the EAGLE-3 methods)",
+    "train.loss_decay": "draft.loss_decay (a knob of the EAGLE-3 methods)",
     "eval.dflash_blocks": "eval.chains: a DFlash head is served at a block of each distinct num_draft_tokens "
                           "there (e.g. 'eval.chains=[[3,1,4],[7,1,8]]' serves blocks 4 and 8)",
 }
@@ -281,5 +224,10 @@ def register_schemas() -> None:
     if not OmegaConf.has_resolver("first_set"):
         OmegaConf.register_new_resolver("first_set", lambda first, then: then if first is None else first)
 
-    ConfigStore.instance().store(name="job_schema", node=JobConfig)
-    ConfigStore.instance().store(name="eval_schema", node=EvalJobConfig)
+    store = ConfigStore.instance()
+    for schema, cls in (("job_schema", JobConfig), ("eval_schema", EvalJobConfig)):
+        node = OmegaConf.structured(cls)
+        node.draft = "???"  # the draft group fills it with a method's own config (of any type)
+        store.store(name=schema, node=node)
+    for name, method in METHODS.items():  # `draft=<name>`: the method's config at its defaults
+        store.store(group="draft", name=name, node=method.spec_class)

@@ -11,15 +11,17 @@ PACKAGE = Path(__file__).resolve().parents[1] / "specforge_k25"
 
 # What each part of the package may import of ours, along the data path
 # data -> target_engine -> stream -> draft -> export -> plan -> setup -> train / eval.
-# The top-level modules `config` (the typed config) and `paths` (the cache folder, atomic file
-# writes) are leaves.
+# The top-level modules `fields` (config fields with help and bounds) and `paths` (the cache
+# folder, atomic file writes) are leaves; `config` (the typed config) reads the draft methods'
+# own configs from the registry.
 ALLOWED = {
-    "config": set(),
+    "fields": set(),
+    "config": {"fields", "draft"},
     "paths": set(),
     "data": {"paths"},
     "target_engine": {"data", "paths"},
     "stream": {"target_engine"},
-    "draft": {"paths"},  # torch only, and the atomic file writes of its exports
+    "draft": {"paths", "fields"},  # torch only, the atomic file writes of its exports, its config's fields
     "export": {"draft", "target_engine", "paths"},  # the layer-id rules of the servers (target_engine/layers.py)
     "plan": {"config", "target_engine", "draft"},  # reads facts; builds nothing
     "setup": {"config", "data", "target_engine", "stream", "draft", "plan"},
@@ -271,7 +273,7 @@ def test_a_planted_module_cycle_is_named(tmp_path, source, expect):
 # Outside draft/ the package reaches a draft method only through these modules of draft/ (the
 # interface, the registry, and what every method shares: the teacher and loss counters, the vocab
 # maps, the folder publisher); it never names a method, its model classes or its served names.
-DRAFT_SHARED = {"method", "registry", "loss", "vocab", "export_folder"}
+DRAFT_SHARED = {"method", "registry", "loss", "vocab", "export_folder", "spec"}
 
 
 def method_vocabulary(root: Path = PACKAGE) -> set[str]:
@@ -296,12 +298,13 @@ def method_vocabulary(root: Path = PACKAGE) -> set[str]:
 def method_mentions(root: Path = PACKAGE) -> list[str]:
     """'file:line: what' for each place outside draft/ that names a method: an import of a draft
     module other than DRAFT_SHARED, a name or attribute from `method_vocabulary`, or a string
-    (docstrings aside) equal to one. config.py is the one exception: it holds draft.method."""
+    (docstrings aside) equal to one. config.py is the one exception: the default draft config and
+    the message naming the draft group's options."""
     words = method_vocabulary(root)
     out = []
     for path in sorted(root.rglob("*.py")):
         rel = path.relative_to(root.parent)
-        if rel.parts[1] in ("draft", "config.py"):  # config: draft.method's default and help list the methods
+        if rel.parts[1] in ("draft", "config.py"):  # config: the default draft and the group's options
             continue
         tree = ast.parse(path.read_text())
         docstrings = {id(n.value) for n in ast.walk(tree) if isinstance(n, ast.Expr) and isinstance(n.value, ast.Constant)}

@@ -58,13 +58,14 @@ def test_a_value_below_the_bound_is_refused_by_name_and_the_bound_itself_accepte
 
 
 @pytest.mark.parametrize("override", ["train.stream_slots=0", "train.log_every=0", "train.grad_accum=0",
-                                      "train.ttt_length=0", "train.teacher_chunk=0", "train.batch_size=0",
+                                      "draft.ttt_length=0", "train.teacher_chunk=0", "train.batch_size=0",
                                       "train.checkpoint_every=-1", "train.eval_every=0", "train.keep_checkpoints=0",
-                                      "train.stream_timeout_s=0", "draft.logits_chunk=0", "hw.target_tp=0"])
+                                      "train.stream_timeout_s=0", "draft=dflash draft.logits_chunk=0", "hw.target_tp=0"])
 def test_composition_refuses_the_override_naming_it(override):
+    *group, override = override.split()
     name, value = override.split("=")
     with pytest.raises(ValueError, match=rf"{name} must be >?=? ?-?\d.* \(got {value}(\.0)?\)"):
-        compose_job([override])
+        compose_job([*group, override])
 
 
 def test_several_bad_fields_are_all_named_and_null_stays_allowed():
@@ -104,3 +105,38 @@ def test_the_eval_cli_names_the_moved_key_before_composing():
     out = subprocess.run([sys.executable, "-m", "specforge_k25.eval", "eval.dflash_blocks=[4]"],
                          capture_output=True, text=True, timeout=120)
     assert out.returncode == 2 and "use eval.chains" in out.stderr, out.stderr[-2000:]
+
+
+@pytest.mark.parametrize("override,new_home", [("draft.method=dflash", "the draft config group"),
+                                               ("train.ttt_length=3", "draft.ttt_length"),
+                                               ("train.loss_decay=0.5", "draft.loss_decay")])
+def test_an_override_of_a_knob_that_moved_to_the_method_names_its_new_home(override, new_home):
+    with pytest.raises(ValueError, match=rf"{override.split('=')[0]} is no longer a config key; use {new_home}"):
+        compose_job([override])
+
+
+def test_the_draft_group_selects_each_methods_own_config():
+    """`draft=<method>` is that method's config at its defaults (one home: its dataclass); the
+    profiles override fields of one method; a field another method lacks is refused at composition."""
+    from specforge_k25.config import describe
+    from specforge_k25.draft.registry import METHODS, method_of_spec
+
+    for name, method in METHODS.items():
+        job = compose_job([f"draft={name}"])
+        assert type(job.draft) is method.spec_class and method_of_spec(job.draft) is method
+        assert job.draft == method.spec_class()  # no YAML repeats a default
+    profiles = {"small": ("eagle3", {"vocab_size": 4096, "ttt_length": 3}),
+                "kimi": ("eagle3", {"intermediate_size": 18432, "num_attention_heads": 56, "num_key_value_heads": 8,
+                                    "head_dim": 128}),
+                "kimi_mla": ("eagle3_mla", {"intermediate_size": 18432, "num_attention_heads": 56, "head_dim": 128})}
+    for profile, (name, values) in profiles.items():
+        spec = compose_job([f"draft={profile}"]).draft
+        assert spec == METHODS[name].spec_class(**values), profile
+    assert compose_job([]).draft == compose_job(["draft=small"]).draft  # the CPU default
+    with pytest.raises(Exception, match="draft.ttt_length"):
+        compose_job(["draft=dflash", "draft.ttt_length=3"])  # an EAGLE-3 knob: not DFlash's
+    lines = describe()
+    for method in METHODS.values():  # --help: each method's fields under the option that selects it
+        at = lines.index(next(line for line in lines if line.startswith(f"draft={method.name}:")))
+        own = [line.split()[0] for line in lines[at + 1: at + 1 + len(fields(method.spec_class))]]
+        assert own == [f"draft.{f.name}" for f in fields(method.spec_class)]

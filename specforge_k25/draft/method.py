@@ -1,6 +1,7 @@
 """The draft-method interface: everything train, plan, export, eval and the stream ask of a way of
-drafting, so that none of them names one. A method is one folder under `draft/` plus an entry in
-`draft/registry.py`; `draft.method` picks it.
+drafting, so that none of them names one. A method is one folder under `draft/` (its config,
+model, objective, plan, export and serving) plus an entry in `draft/registry.py`; the `draft`
+config group picks it (`draft=dflash`: the `draft.*` fields are then that method's config).
 
 A method's model is a plain `nn.Module` with
     embed_tokens     the target's embedding [V, H], frozen (never checkpointed or exported)
@@ -8,8 +9,9 @@ A method's model is a plain `nn.Module` with
     trainable_parameters()
 and the method says how to build it, train it, size it for the plan, export it and serve it.
 
-Arguments are duck-typed so that `draft/` imports nothing of ours: `spec` is a `draft.*` config
-(config.py DraftConfigSpec), `target` the target's facts (plan/facts.py TargetFacts).
+`spec` is the method's `draft.*` config (its `spec_class`, a draft/spec.py DraftSpec), `cfg` the
+model config `resolve_config` makes of it; `target` is duck-typed, the target's facts (plan/facts.py
+TargetFacts).
 """
 from __future__ import annotations
 
@@ -19,6 +21,8 @@ from typing import Any
 
 import torch
 import torch.nn as nn
+
+from .spec import DraftSpec
 
 
 @dataclass
@@ -54,11 +58,13 @@ class Serving:
 class DraftMethod:
     """Base of every draft method (docs/EAGLE3.md §7.1)."""
 
-    name: str = ""  # registry key = draft.method
+    name: str = ""  # registry key = the `draft` config group's option
+    summary: str = ""  # one line for --help
     served_architecture: str = ""  # `architectures[0]` of the exported config.json
     sglang_algorithm: str = ""  # SGLang `speculative_algorithm` that serves the export
     model_class: type = nn.Module  # what `build` returns (registry.method_of finds a model's method by it)
     config_class: type = object  # what `resolve_config` returns (registry.method_of_config)
+    spec_class: type = DraftSpec  # its `draft.*` config: the config group option `draft=<name>` (registry.method_of_spec)
     needs_teacher: bool = True  # the loss reads DraftBatch.teacher (the trainer computes it from the final states)
     context_parallel: bool = False  # the loss takes a DraftBatch whose `seq` splits the positions over ranks
     # config fields that bound memory (chunk and tile sizes), not what is learned: a resume may
@@ -105,10 +111,15 @@ class DraftMethod:
         raise NotImplementedError
 
     # --------------------------------------------------------------- training
-    def depth(self, cfg, ttt_length: int) -> int:
+    def depth(self, spec, cfg) -> int:
         """How many positions per token the loss counts: the length of its TTTResult counters
-        (acc_0..depth-1, the data-parallel normalizer). EAGLE-3: the TTT unroll, train.ttt_length."""
-        return ttt_length
+        (acc_0..depth-1, the data-parallel normalizer). EAGLE-3: the TTT unroll, draft.ttt_length."""
+        raise NotImplementedError
+
+    def objective_fingerprint(self, spec) -> dict:
+        """The objective's settings that are not in the model config (a resume with one changed is
+        refused by name, train/fingerprint.py). Default: none."""
+        return {}
 
     def prepare_batch(self, cfg, batch: DraftBatch, generator: torch.Generator) -> DraftBatch:
         """Draw what the loss draws at random (into `batch.draws`) from the trainer's CPU generator,
@@ -116,7 +127,7 @@ class DraftMethod:
         schedule item, so a resume draws the same. Default: nothing to draw."""
         return batch
 
-    def loss(self, model: nn.Module, batch: DraftBatch, *, depth: int, decay: float,
+    def loss(self, model: nn.Module, batch: DraftBatch, spec, *, depth: int,
              normalizer: torch.Tensor | None, checkpoint: bool):
         """-> draft/loss.py TTTResult (per-depth counters; train/metrics.py sums them)."""
         raise NotImplementedError

@@ -1,5 +1,6 @@
-"""The draft methods by name (`draft.method`), by model class and by served architecture.
-Adding a method: a folder under draft/ with a `DraftMethod` subclass, and one entry here."""
+"""The draft methods by name (the `draft` config group's option), by config, by model class and by
+served architecture. Adding a method: a folder under draft/ with a `DraftMethod` subclass, and one
+entry here (or `register` it, as tests/draft/test_plugin_method.py does from outside the package)."""
 from __future__ import annotations
 
 import json
@@ -13,13 +14,31 @@ from .eagle3_mla.method import Eagle3MLAMethod
 from .method import DraftMethod
 
 METHODS: dict[str, DraftMethod] = {m.name: m for m in (Eagle3Method(), Eagle3MLAMethod(), DFlashMethod())}
-FIRST_METHOD = Eagle3Method.name  # what runs that predate draft.method trained (their checkpoints name none)
+FIRST_METHOD = Eagle3Method.name  # what runs that predate draft methods trained (their checkpoints name none)
+
+
+def register(method: DraftMethod) -> DraftMethod:
+    """Add a method (one not in the package: a test's, a user's); the config group gets its option
+    `draft=<name>` when the config is next composed (config.register_schemas)."""
+    if method.name in METHODS and METHODS[method.name] is not method:
+        raise ValueError(f"a draft method named {method.name!r} is registered already")
+    METHODS[method.name] = method
+    return method
 
 
 def get_method(name: str) -> DraftMethod:
     if name not in METHODS:
-        raise ValueError(f"draft.method={name!r}: expected one of {', '.join(METHODS)}")
+        raise ValueError(f"draft method {name!r}: expected one of {', '.join(METHODS)}")
     return METHODS[name]
+
+
+def method_of_spec(spec) -> DraftMethod:
+    """The method whose `draft.*` config `spec` is (the option the `draft` group selected)."""
+    for method in METHODS.values():
+        if type(spec) is method.spec_class:
+            return method
+    raise TypeError(f"{type(spec).__name__} is the draft.* config of no draft method "
+                    f"(expected one of {', '.join(m.spec_class.__name__ for m in METHODS.values())})")
 
 
 def method_of(model: nn.Module) -> DraftMethod:

@@ -10,7 +10,7 @@ and our own replay of each head on the same outputs.
                (`DraftMethod.proposals`) -> replayed AL, acc_k and τ_sim on the same prompts
 
 Heads: the trained one (`export_dir`, of whichever method wrote it), any further exports
-(`eval.heads`), and an untrained head of the run's own method (`draft.method`), built as a
+(`eval.heads`), and an untrained head of the run's own method (the `draft` group), built as a
 training run starts it. The engines run with the training stream's target settings
 (setup/run.py `target_spec`: the same KV pool, memory fraction, threads, attention backend).
 """

@@ -5,7 +5,7 @@ the per-GPU memory budget, the SGLang `mem_fraction_static` it implies and the t
 optimizer step, then the throughput plan of both trainer layouts and of the fastest pipeline (PP)
 shape that fits (plan/pipeline.py: predicted; it runs with hw.target_pp) with the layout it
 predicts fastest (when the hw profile has its inputs: hw.peak_tflops, hw.memory_gbps,
-hw.link_gbps), then every draft method (draft.method) in this run's place: trainable parameters,
+hw.link_gbps), then every draft method (the `draft` group) in this run's place: trainable parameters,
 peak GPU memory, the longest data.max_length that fits and node tokens/s. Starts nothing. Exit
 status 0 when the run fits, 2 (with the override that would fit) when it does not.
 """
@@ -18,6 +18,7 @@ import sys
 from dataclasses import replace
 
 from ..config import compose_job
+from ..draft.registry import method_of_spec
 from . import (PHASE_OPT, PHASE_TEACHER, PHASE_TTT, GiB, MemoryPlan, PlanError, check_fits, draft_param_counts,
                plan_memory, target_facts_for, with_hw_overrides)
 from .budget import LAYOUTS, context_parallel, node_layout, with_layout
@@ -53,12 +54,12 @@ def render(job, plan: MemoryPlan) -> None:
                   f"V {f.vocab_size}, weights {f.weight_bytes / 1e9:.1f} GB)  TP {hw.target_tp} x {hw.target_replicas} "
                   f"replica(s), trainer GPU(s) {hw.trainer_gpu_ids()}")
     console.print(f"run: batch {job.train.batch_size} x max_length {job.data.max_length} x grad_accum "
-                  f"{job.train.grad_accum}, TTT K={job.train.ttt_length}, teacher chunk {job.train.teacher_chunk}, "
+                  f"{job.train.grad_accum}, loss depth {plan.method.depth(job.draft, plan.draft)}, teacher chunk {job.train.teacher_chunk}, "
                   f"autocast {hw.autocast}, {job.train.stream_slots} stream slots")
 
     tr = job.train
     opt = f"on {tr.optimizer_device} with its own fp32 master" if tr.optimizer_device else "next to the weights"
-    console.print(f"draft ({job.draft.method}): {plan.method.describe(d)}; fp32 weights and grads, AdamW m/v {opt}; "
+    console.print(f"draft ({plan.method.name}): {plan.method.describe(d)}; fp32 weights and grads, AdamW m/v {opt}; "
                   f"frozen embedding and target lm_head in {hw.target_dtype} on the trainer GPU; activation "
                   f"checkpointing {'on' if tr.activation_checkpointing else 'off'}")
     params = Table()
@@ -275,7 +276,7 @@ def _fastest_line(job, layouts: dict, pipe) -> str:
 
 
 def render_methods(job, facts) -> None:
-    """Every draft method in this run's place (draft.method replaced, all else kept)."""
+    """Every draft method in this run's place (plan/choose.py compare_methods)."""
     from rich.console import Console
     from rich.markup import escape
     from rich.table import Table
@@ -284,14 +285,14 @@ def render_methods(job, facts) -> None:
     rows = compare_methods(job, facts)
     tr, L = job.train, job.data.max_length
     table = Table(title=f"draft methods on hw={job.hw.name} (memory: hw.trainer_layout={job.hw.trainer_layout}; "
-                        f"batch {tr.batch_size} x max_length {L}, K={tr.ttt_length}, activation checkpointing "
+                        f"batch {tr.batch_size} x max_length {L}, activation checkpointing "
                         f"{'on' if tr.activation_checkpointing else 'off'})")
     for col in ("method", "trainable params", "trainer GFLOP/token", "peak GPU GiB", f"fits at {L}",
                 "longest max_length", *(f"{layout} tokens/s" for layout in LAYOUTS), "pipeline tokens/s (predicted)"):
         table.add_column(col, justify="left" if col == "method" else "right", no_wrap=col == "method")
     notes = []
     for r in rows:
-        name = r.method + (" (this run)" if r.method == job.draft.method else "")
+        name = r.method + (" (this run)" if r.method == method_of_spec(job.draft).name else "")
         if r.refused:
             table.add_row(name, *["-"] * (6 + len(LAYOUTS)))
             notes.append(f"{r.method}: {r.refused}")
@@ -341,7 +342,7 @@ def main(argv: list[str]) -> int:
     if "--help" in argv or "-h" in argv:
         print(__doc__)
         print("Overrides as for `python -m specforge_k25.train` (see its --help); the plan uses hw.*, target.*, "
-              "draft.*, data.max_length and train.{batch_size,grad_accum,ttt_length,teacher_chunk,stream_slots,"
+              "draft.*, data.max_length and train.{batch_size,grad_accum,teacher_chunk,stream_slots,"
               "activation_checkpointing,optimizer_device}; hw.trainer_layout=colocated plans the co-located layout.")
         return 0
     try:

@@ -70,7 +70,7 @@ class MemoryPlan:
     notes: list[str] = field(default_factory=list)
     capacity_ok: bool = True  # every GPU's peak fits and the target loads (what an override of sizes can fix)
     free_before_load: Optional[int] = None  # SGLang's `pre`: the smallest free memory of a TP rank before loading
-    method: Optional[DraftMethod] = None  # draft.method (draft/registry.py)
+    method: Optional[DraftMethod] = None  # the method job.draft configures (draft/registry.py)
 
     @property
     def fits(self) -> bool:
@@ -232,7 +232,7 @@ def plan_memory(job, facts: TargetFacts, *, max_length: int | None = None, batch
     elem = 2 if hw.target_dtype in ("bfloat16", "float16") else 4  # the target's dtype: ring, frozen tensors
     # colocated: AdamW lives sharded on the GPUs (the layout's point), so train.optimizer_device does not apply
     opt_dev = None if coloc else optimizer_device(tr.optimizer_device, hw.device, trainers)
-    depth = method.depth(cfg, tr.ttt_length)  # TTT steps, or a block's positions
+    depth = method.depth(spec, cfg)  # TTT steps, or a block's positions
     t_items = trainer_items(cfg, batch=B, seq_len=trainer_seq_len(hw, L, depth), ttt_length=depth, teacher_chunk=tr.teacher_chunk,
                             bf16=bf16, data_parallel=ranks > 1, context_bytes=ctx, frozen_bytes=elem,
                             checkpoint=tr.activation_checkpointing, optimizer_offloaded=opt_dev is not None,

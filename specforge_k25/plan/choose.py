@@ -11,6 +11,7 @@ from dataclasses import dataclass, field, replace
 from typing import Optional
 
 from ..draft.registry import METHODS
+from ..draft.spec import carried_over
 from .budget import plan_memory
 from .facts import PlanError, TargetFacts, draft_of, trainable_params
 from .fit import longest_fitting_length
@@ -81,11 +82,11 @@ class MethodRow:
 
 
 def compare_methods(job, facts: TargetFacts, names: list[str] | None = None) -> list[MethodRow]:
-    """Every registered draft method (or `names`) in the job's place: draft.method replaced, all
-    other settings kept (draft.* sizes a method does not read are ignored by it)."""
+    """Every registered draft method (or `names`) in the job's place: its config with every field it
+    shares with job.draft kept (sizes, vocab, TTT knobs), the rest at its defaults; all other settings kept."""
     rows = []
     for name in names or list(METHODS):
-        variant = replace(job, draft=replace(job.draft, method=name))
+        variant = replace(job, draft=carried_over(job.draft, METHODS[name].spec_class))
         row = MethodRow(name)
         try:
             method, cfg = draft_of(variant, facts)
@@ -101,7 +102,7 @@ def compare_methods(job, facts: TargetFacts, names: list[str] | None = None) -> 
         B, L = job.train.batch_size, job.data.max_length
         row.describe = method.describe(cfg)
         row.trainable_params = trainable_params(cfg, method)
-        flops = method.plan.draft_step_flops(cfg, B, L, method.depth(cfg, job.train.ttt_length),
+        flops = method.plan.draft_step_flops(cfg, B, L, method.depth(variant.draft, cfg),
                                              job.train.activation_checkpointing)
         row.trainer_flops_per_token = flops["total"] / (B * L)
         plan = plan_memory(variant, facts)

@@ -1,6 +1,6 @@
 """What the plans know about a run before anything starts: the target's facts (`TargetFacts`,
 from its folder or known defaults) and the draft those facts imply (`draft_of`: the method
-`draft.method` names and its config, `resolve_draft`; its parameter counts). Plain arithmetic
+`job.draft` configures and its model config, `resolve_draft`; its parameter counts). Plain arithmetic
 inputs; nothing here allocates.
 
 The plan never names a draft method: whatever depends on one (parameters, TTT activations, FLOPs,
@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Any, Optional
 
 from ..draft.method import DraftMethod, trainable_count
-from ..draft.registry import get_method, method_of_config
+from ..draft.registry import method_of_config, method_of_spec
 from ..target_engine.layers import default_capture_points
 
 GiB = 1 << 30
@@ -202,11 +202,11 @@ def num_capture_points(job, facts: TargetFacts) -> int:
 
 
 def resolve_draft(spec, facts: TargetFacts, num_aux: int = 3):
-    """The draft config the trainer builds from `draft.*` (DraftConfigSpec): its method's
-    (draft/registry.py), with `num_aux` capture points; unset sizes follow the target. A method that
-    refuses the spec (or an unknown draft.method) raises PlanError (a ValueError) with its reason."""
+    """The model config the trainer builds from `draft.*` (a method's own config, draft/registry.py),
+    with `num_aux` capture points; unset sizes follow the target. A method that refuses the spec
+    raises PlanError (a ValueError) with its reason."""
     try:
-        return get_method(spec.method).resolve_config(spec, facts, num_aux)
+        return method_of_spec(spec).resolve_config(spec, facts, num_aux)
     except PlanError:
         raise
     except ValueError as err:
@@ -214,10 +214,10 @@ def resolve_draft(spec, facts: TargetFacts, num_aux: int = 3):
 
 
 def draft_of(job, facts: TargetFacts, spec=None) -> tuple[DraftMethod, Any]:
-    """(the method `draft.method` names, its config for this target and the run's capture points);
+    """(the method whose config job.draft is, its model config for this target and the run's capture points);
     `spec` replaces job.draft (the fit search and the method comparison vary it)."""
     spec = job.draft if spec is None else spec
-    return get_method(spec.method), resolve_draft(spec, facts, num_capture_points(job, facts))
+    return method_of_spec(spec), resolve_draft(spec, facts, num_capture_points(job, facts))
 
 
 def draft_param_counts(cfg, method: DraftMethod | None = None) -> dict[str, int]:

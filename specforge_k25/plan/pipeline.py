@@ -228,7 +228,7 @@ def predict_pipeline(job, facts: TargetFacts, pp: int, tp: int = 1, replicas: in
     split = pp_layer_split(facts.num_layers, pp, partition)
     method, cfg = draft_of(job, facts)
     B, L, accum = tr.batch_size, job.data.max_length, tr.grad_accum
-    K = method.depth(cfg, tr.ttt_length)
+    K = method.depth(job.draft, cfg)
     N = pp * tp * replicas  # trainer ranks, one per GPU
     elem = 2 if hw.target_dtype in ("bfloat16", "float16") else 4
     a = 2 if hw.autocast == "bf16" else 4
@@ -331,7 +331,7 @@ def pipeline_memory(job, facts: TargetFacts, pp: int, tp: int = 1, replicas: int
     kv_layer = kv_bytes_per_token_per_layer(facts, tp)
     points = resolve_capture_points(job.target.aux_layers, facts.num_layers)
     states = owned_states(split, points)
-    t_items = trainer_items(cfg, batch=B, seq_len=L, ttt_length=method.depth(cfg, tr.ttt_length),
+    t_items = trainer_items(cfg, batch=B, seq_len=L, ttt_length=method.depth(job.draft, cfg),
                             teacher_chunk=tr.teacher_chunk, bf16=hw.autocast == "bf16", data_parallel=True,
                             context_bytes=ctx, frozen_bytes=elem, checkpoint=tr.activation_checkpointing,
                             shards=N, method=method)

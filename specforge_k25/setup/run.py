@@ -13,7 +13,7 @@ from ..config import JobConfig
 from ..data.dataset import TokenizedData, build_dataset
 from ..data.regenerate import regeneration_prompt
 from ..draft.method import DraftMethod
-from ..draft.registry import get_method
+from ..draft.registry import method_of_spec
 from ..draft.vocab import build_vocab_maps, count_tokens
 from ..plan import check_fits, facts_from_folder, resolve_draft, with_hw_overrides
 from ..plan.pipeline import check_pipeline_fits
@@ -37,7 +37,7 @@ class RunSetup:
     eagle_layer_ids: list[int]  # SGLang's ids for the capture points (docs/EAGLE3.md §4)
     tokenizer: object
     data: TokenizedData
-    method: DraftMethod  # draft.method (draft/registry.py)
+    method: DraftMethod  # the method whose config job.draft is (draft/registry.py)
     draft_cfg: object  # the method's model config
     regeneration: Regeneration | None = None  # data.regenerate: how the target answers each prompt
     end_of_turn_id: int | None = None  # the token a served answer ends with (target.end_of_turn_token)
@@ -62,11 +62,9 @@ def prepare(job: JobConfig) -> RunSetup:
 
         config = AutoConfig.from_pretrained(model_path, trust_remote_code=job.target.trust_remote_code)
         check_deepseek_config(getattr(config, "text_config", None) or config)
-    method = get_method(job.draft.method)
+    method = method_of_spec(job.draft)
     points = capture_points(job, info)
     eagle_ids = sglang_layer_ids(points, layer_id_rule(info.architecture))
-    if job.draft.vocab_size > info.vocab_size:
-        raise ValueError(f"draft.vocab_size={job.draft.vocab_size} exceeds the target vocab {info.vocab_size}")
     # Kimi-K2.5's remote-code tokenizer can fail on the pinned transformers; load_tokenizer then
     # builds the same tokenizer from the folder's files (data/kimi_tiktoken.py)
     tokenizer = load_tokenizer(model_path, trust_remote_code=job.target.trust_remote_code)
@@ -97,7 +95,7 @@ def check_context_parallel_method(job: JobConfig, method: DraftMethod, draft_cfg
     if cp == 1:
         return
     if not method.context_parallel:
-        raise ValueError(f"hw.context_parallel={cp}: draft.method={method.name} does not split a sequence over ranks "
+        raise ValueError(f"hw.context_parallel={cp}: draft={method.name} does not split a sequence over ranks "
                          f"yet (eagle3 and eagle3_mla do); use hw.context_parallel=1")
     heads = draft_cfg.num_attention_heads
     if heads % cp:
@@ -124,7 +122,7 @@ def regeneration_note(job: JobConfig, setup: RunSetup) -> str | None:
     """For a training run: a method that learns the sequences' own tokens, trained on the dataset's answers."""
     if setup.method.needs_teacher or job.data.regenerate:
         return None
-    return (f"note: draft.method={setup.method.name} learns the sequences' own next tokens (no teacher logits) and "
+    return (f"note: draft={setup.method.name} learns the sequences' own next tokens (no teacher logits) and "
             f"data.regenerate=false: it learns the dataset's answers, not the target's; data.regenerate=true "
             f"trains it on the target's own answers (the method's recipe)")
 
@@ -149,12 +147,12 @@ def check_reserved_tokens(method: DraftMethod, draft_cfg, data: TokenizedData, t
         hint = (f"choose an id the data does not hold, e.g. a special token it never uses: draft.mask_token_id="
                 f"{free[-1]} ({', '.join(repr(tokenizer.convert_ids_to_tokens(t)) for t in free)})" if free else
                 "choose an id the data does not hold (draft.mask_token_id)")
-        raise ValueError(f"draft.method={method.name} reserves token id(s) {reserved} (never in real input), but the "
+        raise ValueError(f"draft={method.name} reserves token id(s) {reserved} (never in real input), but the "
                          f"data holds " + ", ".join(f"{t} ({tokenizer.convert_ids_to_tokens(t)!r}, first in the {where})"
                                                       for t, where in sorted(found.items())) + f": {hint}")
     ordinary = [t for t in reserved if t not in specials]
     if ordinary and specials and regenerate:
-        print(f"note: draft.method={method.name} reserves token id(s) {ordinary} "
+        print(f"note: draft={method.name} reserves token id(s) {ordinary} "
               f"({', '.join(repr(tokenizer.convert_ids_to_tokens(t)) for t in ordinary)}), ordinary text to this "
               f"tokenizer: none is in the dataset, but a regenerated answer could hold one (draft.mask_token_id "
               f"picks another)", flush=True)
@@ -275,7 +273,7 @@ def context_window(job: JobConfig, setup: RunSetup, ranks) -> SeqWindow | None:
     window and the teacher's halo of the method's depth (train/step.py reads the same)."""
     if job.hw.context_parallel == 1:
         return None
-    return SeqWindow(ranks.cp_rank, ranks.cp, setup.method.depth(setup.draft_cfg, job.train.ttt_length))
+    return SeqWindow(ranks.cp_rank, ranks.cp, setup.method.depth(job.draft, setup.draft_cfg))
 
 
 def make_target_stream(job: JobConfig, setup: RunSetup, samples, batches: list[list[int]],

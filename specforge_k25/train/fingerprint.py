@@ -16,8 +16,13 @@ from ..target_engine.folder_digest import target_digest
 
 # The settings of the update (AdamW, the LR schedule, clipping, the loss's step weights): a resume
 # keeps the checkpoint's optimizer state and schedule, so one with any of them changed would run
-# half old, half new; it is refused by name instead.
-OPTIMIZER = ("lr", "betas", "weight_decay", "warmup_ratio", "grad_clip", "loss_decay")
+# half old, half new; it is refused by name instead, with the override that resumes.
+OPTIMIZER = {"lr": "train.lr", "betas": "train.betas", "weight_decay": "train.weight_decay",
+             "warmup_ratio": "train.warmup_ratio", "grad_clip": "train.grad_clip", "loss_decay": "draft.loss_decay"}
+
+# Objective settings every run recorded before each method owned its config; a method that has
+# none of them (DFlash) does not record them, so an older checkpoint's are not compared.
+FORMERLY_SHARED = ("ttt_length", "loss_decay")
 
 # Keys checkpoints recorded only later: absent from an older checkpoint, they are not compared
 # (the resume says so, `unrecorded`), since what that run used is not known.
@@ -43,10 +48,10 @@ def run_fingerprint(job: JobConfig, setup: RunSetup, n_items: int, ranks: int = 
         "train_data_sha1": setup.data.train_sha1(), "heldout_data_sha1": setup.data.heldout_sha1(),
         "schedule_items": n_items, "seed": job.train.seed,
         "lr": tr.lr, "betas": list(tr.betas), "weight_decay": tr.weight_decay, "warmup_ratio": tr.warmup_ratio,
-        "grad_clip": tr.grad_clip, "loss_decay": tr.loss_decay,
+        "grad_clip": tr.grad_clip, **setup.method.objective_fingerprint(job.draft),
         "regeneration": json.loads(json.dumps(dataclasses.asdict(setup.regeneration))) if setup.regeneration else None,
         "regen_cut": job.data.regen_cut if setup.regeneration else None,
-        "batch_size": job.train.batch_size, "grad_accum": job.train.grad_accum, "ttt_length": job.train.ttt_length,
+        "batch_size": job.train.batch_size, "grad_accum": job.train.grad_accum,
         "group_by_length": job.train.group_by_length, "trainer_ranks": ranks, "trainer_layout": job.hw.trainer_layout,
         "context_parallel": job.hw.context_parallel,
     }
@@ -91,11 +96,12 @@ def check_fingerprint(saved: dict, current: dict, checkpoint: Path) -> None:
     diffs = [f"{k}: checkpoint {saved.get(k, absent)!r} vs now {current.get(k, absent)!r}"
              for k in [*saved, *(k for k in current if k not in saved)]
              if k not in RESHARDABLE and not (k in RECORDED_LATER and k not in saved)
+             and not (k in FORMERLY_SHARED and k not in current)
              and (k not in saved or k not in current or saved[k] != current[k])]
     changed = [k for k in OPTIMIZER if k in saved and k in current and saved[k] != current[k]]
     if changed:
         diffs.append("the optimizer settings are the run's own (its AdamW state and LR schedule continue): resume "
-                     "with " + " ".join(f"train.{k}={_override(saved[k])}" for k in changed) + ", or start a new run")
+                     "with " + " ".join(f"{OPTIMIZER[k]}={_override(saved[k])}" for k in changed) + ", or start a new run")
     before, now = global_batch(saved), global_batch(current)
     if before is None or before != now:
         ranks, cp = current["trainer_ranks"], current["context_parallel"]

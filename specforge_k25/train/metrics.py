@@ -1,7 +1,7 @@
 """Metric names, aggregation of TTT statistics, and the wandb / no-op logger behind one interface.
 
 Metric glossary (also the wandb panel names). k counts the draft method's depth (DraftMethod.depth):
-EAGLE-3's TTT steps 0..train.ttt_length-1, DFlash's block positions 1..block_size-1 (k = position - 1).
+EAGLE-3's TTT steps 0..draft.ttt_length-1, DFlash's block positions 1..block_size-1 (k = position - 1).
   train/loss        the method's loss of the last micro-batch (EAGLE-3: Σ_k decay^k ploss_k;
                     DFlash: the exp(-k/gamma)-weighted mean of ploss_k)
   train/ploss_k     EAGLE-3: soft cross-entropy of TTT step k vs the target (draft vocab, renormalised);

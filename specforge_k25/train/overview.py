@@ -62,7 +62,7 @@ def print_overview(job: JobConfig, setup: RunSetup, schedule: list[BatchItem], s
                        if i < len(setup.data.train))
     H = setup.info.hidden_size
     padding = padding_share(schedule, [len(s.input_ids) for s in setup.data.train], job.train.batch_size)
-    depth = setup.method.depth(setup.draft_cfg, job.train.ttt_length)
+    depth = setup.method.depth(job.draft, setup.draft_cfg)
     lines = [
         "== specforge_k25 run plan ==",
         f"target      {job.target.name}: {setup.info.architecture}, {setup.info.num_layers} layers, hidden {H}, "

@@ -40,7 +40,7 @@ class DraftLearner:
     """Owns the draft, the frozen target lm_head (in the target's dtype), the optimizer and the schedule.
 
     The method decides what a batch holds and how many positions its loss counts per token
-    (`depth`: EAGLE-3's TTT unroll train.ttt_length, DFlash's block size - 1): the teacher only
+    (`depth`: EAGLE-3's TTT unroll draft.ttt_length, DFlash's block size - 1): the teacher only
     when the method reads it (`needs_teacher`), its random draws from the learner's generator
     (`prepare_batch`, seeded per batch by the caller: `batch_seed`), and the target's lm_head when
     the model computes with it (`attach_target`).
@@ -61,13 +61,14 @@ class DraftLearner:
     when a peer is gone (`Ranks.collectives`), as the ones the learner calls do.
     """
 
-    def __init__(self, method: DraftMethod, draft: torch.nn.Module, lm_head: torch.Tensor, optimizer, scheduler, *, ttt_length: int,
-                 loss_decay: float, grad_accum: int, grad_clip: float, teacher_chunk: int, autocast_bf16: bool,
+    def __init__(self, method: DraftMethod, draft: torch.nn.Module, lm_head: torch.Tensor, optimizer, scheduler, *, spec,
+                 grad_accum: int, grad_clip: float, teacher_chunk: int, autocast_bf16: bool,
                  activation_checkpointing: bool = False, ranks: Ranks | None = None, seed: int = 0):
+        """`spec`: the method's draft.* config (its objective's settings: EAGLE-3's TTT unroll and weights)."""
         self.method, self.draft, self.lm_head, self.optimizer, self.scheduler = method, draft, lm_head, optimizer, scheduler
         self.ranks = ranks or Ranks()
-        self.depth = method.depth(draft.cfg, ttt_length)  # positions the loss counts per token (TTTResult's length)
-        self.loss_decay, self.grad_accum = loss_decay, grad_accum
+        self.spec, self.grad_accum = spec, grad_accum
+        self.depth = method.depth(spec, draft.cfg)  # positions the loss counts per token (TTTResult's length)
         self.generator = torch.Generator().manual_seed(seed)  # the batches' random draws (CPU)
         method.attach_target(draft, lm_head)
         self.grad_clip, self.teacher_chunk = grad_clip, teacher_chunk
@@ -76,15 +77,6 @@ class DraftLearner:
         self.sharded = is_sharded(draft, method.fsdp_units(draft))
         self.aux_width = method.num_aux(draft.cfg) * draft.cfg.target_hidden_size  # K*Ht
         self.autocast = lambda: torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=autocast_bf16)
-
-    @property
-    def ttt_length(self) -> int:
-        """The loss's depth under its EAGLE-3 name (benchmarks set it to vary the TTT unroll)."""
-        return self.depth
-
-    @ttt_length.setter
-    def ttt_length(self, value: int) -> None:
-        self.depth = self.method.depth(self.draft.cfg, value)
 
     def make_batch(self, samples, lengths: list[int], aux_packed: torch.Tensor, final_packed: torch.Tensor,
                    seed: int | None = None) -> DraftBatch:
@@ -152,8 +144,8 @@ class DraftLearner:
 
     def _loss(self, batch: DraftBatch, normalizer: torch.Tensor | None = None) -> TTTResult:
         with self.autocast():
-            return self.method.loss(self.draft, batch, depth=self.depth, decay=self.loss_decay,
-                                    normalizer=normalizer, checkpoint=self.activation_checkpointing)
+            return self.method.loss(self.draft, batch, self.spec, depth=self.depth, normalizer=normalizer,
+                                    checkpoint=self.activation_checkpointing)
 
     def train_micro(self, batch: DraftBatch | None) -> TTTResult | None:
         """Forward + backward of this rank's part of a micro-batch. None: this rank has no sample in

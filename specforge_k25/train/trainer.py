@@ -69,8 +69,8 @@ def build_learner(job: JobConfig, setup: RunSetup, steps: int, device: torch.dev
         opt_device = None
     optimizer = build_optimizer(draft.trainable_parameters(), tr.lr, tr.betas, tr.weight_decay, opt_device)
     scheduler = build_scheduler(optimizer, steps, tr.warmup_ratio)
-    return DraftLearner(setup.method, draft, lm_head, optimizer, scheduler, ttt_length=tr.ttt_length,
-                        loss_decay=tr.loss_decay, grad_accum=tr.grad_accum, grad_clip=tr.grad_clip,
+    return DraftLearner(setup.method, draft, lm_head, optimizer, scheduler, spec=job.draft,
+                        grad_accum=tr.grad_accum, grad_clip=tr.grad_clip,
                         teacher_chunk=tr.teacher_chunk, autocast_bf16=job.hw.autocast == "bf16",
                         activation_checkpointing=tr.activation_checkpointing, ranks=ranks, seed=tr.seed)
 

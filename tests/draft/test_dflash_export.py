@@ -3,6 +3,7 @@ cases, round trip, validation, config resolution, the registry entry and the pla
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 from types import SimpleNamespace
 
 import pytest
@@ -10,6 +11,7 @@ import torch
 from transformers import AutoConfig
 
 from specforge_k25.draft.dflash import export, plan
+from specforge_k25.draft.dflash.config import DFlashSpec
 from specforge_k25.draft.dflash.method import DFlashMethod
 from specforge_k25.draft.dflash.model import DFlashConfig, DFlashDraft
 from specforge_k25.draft.export_folder import publish_folder
@@ -75,14 +77,12 @@ def test_validate_export_names_each_problem(tmp_path):
 def test_method_resolves_config_and_serving_args():
     target = SimpleNamespace(hidden_size=64, num_attention_heads=8, num_key_value_heads=2, intermediate_size=96,
                              vocab_size=1000, rms_norm_eps=1e-5, max_position_embeddings=2048)
-    spec = SimpleNamespace(num_attention_heads=None, num_key_value_heads=None, head_dim=None, intermediate_size=None,
-                           rope_theta=5e5, max_position_embeddings=None, vocab_size=32000)
+    spec = DFlashSpec(rope_theta=5e5)
     cfg = METHOD.resolve_config(spec, target, 5)
     assert (cfg.num_hidden_layers, cfg.num_aux_hidden_states, cfg.block_size, cfg.mask_token_id, cfg.head_dim) == \
         (5, 5, 8, 999, 8)
     assert cfg.draft_vocab_size == 1000 and cfg.loss_gamma == 4.0 and cfg.rope_theta == 5e5
-    spec.block_size, spec.num_layers, spec.mask_token_id = 16, 2, 7
-    cfg = METHOD.resolve_config(spec, target, 3)
+    cfg = METHOD.resolve_config(replace(spec, block_size=16, num_layers=2, mask_token_id=7), target, 3)
     assert (cfg.num_hidden_layers, cfg.block_size, cfg.mask_token_id, cfg.loss_gamma) == (2, 16, 7, 7.0)
     (serving,) = METHOD.servings([[3, 4, 16], [15, 1, 16]])  # one block per distinct num_draft_tokens
     assert (serving.label, serving.draft_tokens, serving.depth) == ("block 16", 16, 15)
@@ -95,4 +95,4 @@ def test_method_resolves_config_and_serving_args():
     trainable = sum(n for k, n in counts.items() if not k.endswith("(frozen)"))
     assert trainable == sum(p.numel() for p in draft.trainable_parameters())
     with pytest.raises(ValueError, match="block_size - 1"):
-        METHOD.loss(draft, None, depth=7)
+        METHOD.loss(draft, None, spec, depth=7)

@@ -10,6 +10,7 @@ import torch
 
 from specforge_k25.data.dataset import TokenizedData
 from specforge_k25.data.tokenize import Sample
+from specforge_k25.draft.dflash.config import DFlashSpec
 from specforge_k25.draft.dflash.model import DFlashConfig, DFlashDraft
 from specforge_k25.draft.registry import get_method, method_of
 from specforge_k25.setup.run import check_reserved_tokens
@@ -25,13 +26,13 @@ def _learner() -> DraftLearner:
     draft = DFlashDraft(CFG)
     opt = torch.optim.SGD(draft.trainable_parameters(), lr=0.1)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0)
-    return DraftLearner(method_of(draft), draft, torch.randn(40, 16), opt, sched, ttt_length=7, loss_decay=0.8,
+    return DraftLearner(method_of(draft), draft, torch.randn(40, 16), opt, sched, spec=DFlashSpec(block_size=4),
                         grad_accum=1, grad_clip=1e9, teacher_chunk=64, autocast_bf16=False)
 
 
 def test_the_learner_trains_dflash_without_a_teacher(one_torch_thread):
     learner = _learner()
-    assert learner.depth == learner.ttt_length == CFG.block_size - 1  # not train.ttt_length
+    assert learner.depth == CFG.block_size - 1
     assert learner.draft.lm_head_weight.data_ptr() == learner.lm_head.data_ptr()  # attached, not copied
     g = torch.Generator().manual_seed(1)
     samples = [Sample(torch.randint(0, 39, (n,), generator=g), torch.ones(n, dtype=torch.bool)) for n in (12, 9)]
@@ -62,7 +63,7 @@ def test_setup_refuses_data_holding_the_mask_token():
 
 
 def test_an_unset_mask_token_is_the_highest_special_token_the_data_never_holds():
-    from specforge_k25.config import DraftConfigSpec as DraftSpec
+    from specforge_k25.draft.eagle3.config import Eagle3Spec
     from specforge_k25.setup.run import unused_special_ids
     data = TokenizedData([Sample(torch.tensor([1, 5, 9, 6]), torch.ones(4, dtype=torch.bool))], [])
     special = SimpleNamespace(special=True)
@@ -71,7 +72,7 @@ def test_an_unset_mask_token_is_the_highest_special_token_the_data_never_holds()
                                 bos_token_id=0, eos_token_id=2, pad_token_id=None)
     assert unused_special_ids(tokenizer, data, end_of_turn_id=4) == [3]  # 6 is in the data, 7 not special
     dflash, eagle3 = get_method("dflash"), get_method("eagle3")
-    assert dflash.with_unused_special_tokens(DraftSpec(), [3, 5]).mask_token_id == 5
-    assert dflash.with_unused_special_tokens(DraftSpec(mask_token_id=11), [3, 5]).mask_token_id == 11  # set: kept
-    assert dflash.with_unused_special_tokens(DraftSpec(), []).mask_token_id is None  # resolve_config: vocab - 1
-    assert eagle3.with_unused_special_tokens(DraftSpec(), [3, 5]) == DraftSpec()
+    assert dflash.with_unused_special_tokens(DFlashSpec(), [3, 5]).mask_token_id == 5
+    assert dflash.with_unused_special_tokens(DFlashSpec(mask_token_id=11), [3, 5]).mask_token_id == 11  # set: kept
+    assert dflash.with_unused_special_tokens(DFlashSpec(), []).mask_token_id is None  # resolve_config: vocab - 1
+    assert eagle3.with_unused_special_tokens(Eagle3Spec(), [3, 5]) == Eagle3Spec()

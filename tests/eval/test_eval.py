@@ -260,14 +260,14 @@ def test_eval_cli_outputs(eval_run):
 
 def test_eval_heads(smollm2_path, copy_head, tmp_path):
     """The eval's heads: the trained one and those of eval.heads as exported, whatever their method;
-    the untrained one a fresh head of the run's method (draft.method), exported with the run's
+    the untrained one a fresh head of the run's method (the draft group), exported with the run's
     layer ids; a row name that is taken is refused."""
     from specforge_k25.config import compose_job
     from specforge_k25.draft.registry import get_method, method_of_export
     from specforge_k25.eval.run import _heads
     from specforge_k25.setup.run import prepare
 
-    common = [f"export_dir={copy_head}", "draft.method=eagle3_mla", "data.num_samples=4", "data.heldout_samples=2",
+    common = [f"export_dir={copy_head}", "draft=eagle3_mla", "draft.vocab_size=4096", "data.num_samples=4", "data.heldout_samples=2",
               "train.progress=false"]
     job = compose_job([*common, f"+eval.heads.again={copy_head}"], config_name="eval")
     setup = prepare(job)

@@ -536,5 +536,5 @@ def test_readme_states_the_minimum_versions():
     assert cells["eagle3_mla"][1:3] == ["`Eagle3DeepseekV2ForCausalLM`", "0.5.23"]
     assert cells["eagle3"][3].startswith(MIN_VLLM["eagle3"]) and MIN_VLLM["eagle3-fc_norm-norm_output"] in cells["eagle3"][3]
     assert cells["eagle3_mla"][3].startswith(MIN_VLLM["eagle3_mla"]) and MIN_VLLM["eagle3_mla-4_aux"] in cells["eagle3_mla"][3]
-    assert cells["eagle3"][4].startswith("`draft.method=eagle3`")
-    assert cells["eagle3_mla"][4].startswith("`draft.method=eagle3_mla`")
+    assert cells["eagle3"][4].startswith("`draft=eagle3`")
+    assert cells["eagle3_mla"][4].startswith("`draft=eagle3_mla`")

@@ -36,8 +36,8 @@ P = 963_407_872
 US = 1e-6
 
 
-def _job(hw: str, *extra: str):
-    return compose_job([f"+hw={hw}", *KIMI_DRAFT, *extra])
+def _job(hw: str, *extra: str, draft: str = "kimi"):
+    return compose_job([f"+hw={hw}", "target=kimi_k25", f"draft={draft}", *extra])
 
 
 def _h200(name: str) -> dict:
@@ -255,13 +255,13 @@ def test_context_parallel_exchange_hand_computed():
     """README's rtxpro6000x8 long-context run (C = 8, checkpointing on): per position a rank holds,
     q, k, v and the output of every TTT step cross 7/8 of the way, forward, backward and recompute."""
     job = _job("rtxpro6000x8", "hw.context_parallel=8", "data.max_length=16384")
-    assert job.train.ttt_length == 7 and job.train.activation_checkpointing and job.hw.autocast == "bf16"
+    assert job.draft.ttt_length == 7 and job.train.activation_checkpointing and job.hw.autocast == "bf16"
     per_position = 7 / 8 * 128 * (2 * 56 + 2 * 8) * 2 * 7 * 3  # 56 heads, 8 KV heads, head dim 128; bf16
     t = predict(job, KIMI_K25)
     assert t.gpu(3).parts["sequence exchange"] == pytest.approx(per_position / 28e9 / 8, rel=1e-12)
     assert 0.01 < t.gpu(3).parts["sequence exchange"] / t.gpu(3).busy < 0.02  # docs/ARCHITECTURE.md: ~1 %
     # MLA: q and the output by heads, the latent and rope key gathered from the 7 other ranks
-    mla = predict(_job("rtxpro6000x8", "hw.context_parallel=8", "data.max_length=16384", "draft.method=eagle3_mla"),
+    mla = predict(_job("rtxpro6000x8", "hw.context_parallel=8", "data.max_length=16384", draft="kimi_mla"),
                   KIMI_K25)
     values = 7 / 8 * 56 * (128 + 64 + 128) + 7 * (512 + 64)  # draft=kimi: 56 heads; Kimi MLA dn 128, dr 64, dv 128, r 512
     assert mla.gpu(3).parts["sequence exchange"] == pytest.approx(values * 2 * 7 * 3 / 28e9 / 8, rel=1e-12)

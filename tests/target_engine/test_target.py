@@ -227,7 +227,7 @@ def test_setup_refuses_a_capture_count_the_draft_cannot_take(smollm2_path):
                 check()
     assert target_spec(compose_job([])).num_aux == 3
     # a method that reads any number of states takes them: the count is the method's to refuse
-    mla = compose_job(["target.aux_layers=[2,8,15,22,27]", "draft.method=eagle3_mla"])
+    mla = compose_job(["target.aux_layers=[2,8,15,22,27]", "draft=eagle3_mla"])
     assert capture_points(mla, info) == [2, 8, 15, 22, 27] and target_spec(mla).num_aux == 5
 
 

@@ -89,7 +89,7 @@ def _sharded_rank(rank: int, port: int, results) -> None:
     opt = torch.optim.AdamW(draft.trainable_parameters(), lr=1e-3)
     ranks = Ranks(rank=rank, world=2, per_replica=2, colocated=True)
     learner = DraftLearner(method, draft, lm_head, opt, torch.optim.lr_scheduler.LambdaLR(opt, lambda _: 1.0),
-                           ttt_length=3, loss_decay=0.8, grad_accum=1, grad_clip=0.5, teacher_chunk=8,
+                           spec=method.spec_class(ttt_length=3), grad_accum=1, grad_clip=0.5, teacher_chunk=8,
                            autocast_bf16=False, ranks=ranks)
     n = 7
     sample = SimpleNamespace(input_ids=torch.randint(0, cfg.vocab_size, (n,)),

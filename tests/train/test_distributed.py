@@ -245,7 +245,7 @@ def test_cli_under_torchrun_refuses_a_world_that_does_not_match(tmp_path):
 # Measured with deliberate bugs: no gradient all-reduce -> 0.88, per-rank (local) loss
 # normalisation -> 0.42.
 COMMON = ["target=tiny_deepseek", "data.num_samples=13", "data.heldout_samples=3", "data.max_length=64",
-          "draft.vocab_size=1024", "train.ttt_length=3", "train.grad_accum=2", "train.epochs=2",
+          "draft.vocab_size=1024", "draft.ttt_length=3", "train.grad_accum=2", "train.epochs=2",
           "train.lr=1000", "train.grad_clip=1e-10", "train.log_every=1", "train.checkpoint_every=1",
           "train.keep_checkpoints=10", "train.progress=false", "train.logger=none"]
 
@@ -449,7 +449,7 @@ def test_regeneration_with_two_replicas_equals_one_replica(tiny_deepseek_path, t
     so one replica x batch 4 and two replicas x batch 2 train on the same conversations: the same
     tokens, the same rows in regenerated.jsonl (rank 0 writes those of both ranks), the same counts."""
     regen = ["target=tiny_deepseek", "data.regenerate=true", "data.regen_max_new_tokens=8", "data.num_samples=12",
-             "data.heldout_samples=2", "data.max_length=64", "draft.vocab_size=1024", "train.ttt_length=3",
+             "data.heldout_samples=2", "data.max_length=64", "draft.vocab_size=1024", "draft.ttt_length=3",
              "train.progress=false", "train.logger=none"]
     one, two = tmp_path / "one", tmp_path / "two"
     run_side_by_side([[sys.executable, "-m", "specforge_k25.train", *regen, "train.batch_size=4",

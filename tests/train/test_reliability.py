@@ -20,7 +20,7 @@ pytestmark = [pytest.mark.engine, pytest.mark.e2e]
 # batch 2 grouped by length (train.group_by_length), and a batch of up to 128 tokens prefilled in chunks of
 # 48 (hw.target_prefill_chunk): a resume must reproduce both
 BASE = ["target=tiny_deepseek", "data.num_samples=16", "data.heldout_samples=2", "data.max_length=64",
-        "draft.vocab_size=1024", "train.batch_size=2", "train.ttt_length=3", "train.log_every=1",
+        "draft.vocab_size=1024", "train.batch_size=2", "draft.ttt_length=3", "train.log_every=1",
         "hw.target_prefill_chunk=48", "train.checkpoint_every=2", "train.progress=false", "train.logger=none"]
 
 

@@ -66,8 +66,11 @@ def _refusal(saved: dict, now: dict) -> str:
 
 
 def _train(**changes) -> JobConfig:
+    """The default job with `changes` to train.* or, for a draft method's own knob, draft.*."""
     job = JobConfig()
-    return dataclasses.replace(job, train=dataclasses.replace(job.train, **changes))
+    own = {k: v for k, v in changes.items() if hasattr(job.draft, k)}
+    return dataclasses.replace(job, draft=dataclasses.replace(job.draft, **own), train=dataclasses.replace(
+        job.train, **{k: v for k, v in changes.items() if k not in own}))
 
 
 # ---------------------------------------------------------------------------- the target
@@ -162,7 +165,7 @@ def test_an_edited_held_out_row_is_refused_and_an_older_checkpoint_is_not_compar
 @pytest.mark.parametrize("name,value,override", [
     ("lr", 0.5, "train.lr=5e-05"), ("betas", [0.8, 0.9], "train.betas=[0.9,0.95]"),
     ("weight_decay", 0.1, "train.weight_decay=0.0"), ("warmup_ratio", 0.5, "train.warmup_ratio=0.015"),
-    ("grad_clip", 2.0, "train.grad_clip=0.5"), ("loss_decay", 0.5, "train.loss_decay=0.8")])
+    ("grad_clip", 2.0, "train.grad_clip=0.5"), ("loss_decay", 0.5, "draft.loss_decay=0.8")])
 def test_a_changed_optimizer_setting_is_refused_by_name_with_the_override_that_resumes(tmp_path, name, value, override):
     folder = _target(tmp_path / "t")
     base = _fingerprint(folder)
@@ -170,7 +173,8 @@ def test_a_changed_optimizer_setting_is_refused_by_name_with_the_override_that_r
     assert {k for k in base if base[k] != changed[k]} == {name}
     message = _refusal(base, changed)
     assert f"{name}: checkpoint" in message and f"resume with {override}, or start a new run" in message
-    check_fingerprint(base, _fingerprint(folder, _train(**{name: getattr(JobConfig().train, name)})), Path("ckpt"))
+    default = getattr(JobConfig().draft if name == "loss_decay" else JobConfig().train, name)
+    check_fingerprint(base, _fingerprint(folder, _train(**{name: default})), Path("ckpt"))
 
 
 def test_every_optimizer_setting_is_recorded(tmp_path):
@@ -233,3 +237,18 @@ def test_an_older_dflash_checkpoint_that_recorded_the_tile_resumes_with_another(
     older = {**now, "draft": dataclasses.asdict(DFLASH)}  # as checkpoints recorded the whole config
     check_fingerprint(older, now, Path("ckpt"))
     assert "'block_size'" in _refusal({**older, "draft": {**older["draft"], "block_size": 4}}, now)
+
+
+def test_the_eagle3_objective_is_recorded_and_an_older_dflash_checkpoint_still_resumes(tmp_path):
+    """The TTT unroll and its weights are EAGLE-3's own knobs (draft.ttt_length, draft.loss_decay):
+    an EAGLE-3 run records them, a DFlash run does not, and a DFlash checkpoint written when every
+    run recorded train.ttt_length / train.loss_decay resumes."""
+    folder = _target(tmp_path / "t")
+    eagle = _fingerprint(folder)
+    assert (eagle["ttt_length"], eagle["loss_decay"]) == (JobConfig().draft.ttt_length, JobConfig().draft.loss_decay)
+    job = JobConfig()
+    longer = dataclasses.replace(job, draft=dataclasses.replace(job.draft, ttt_length=3))
+    assert "ttt_length: checkpoint 7 vs now 3" in _refusal(eagle, _fingerprint(folder, longer))
+    now = _fingerprint(folder, method="dflash")
+    assert "ttt_length" not in now and "loss_decay" not in now
+    check_fingerprint({**now, "ttt_length": 7, "loss_decay": 0.8}, now, Path("ckpt"))

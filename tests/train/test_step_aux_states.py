@@ -17,7 +17,8 @@ V, VD, HT = 40, 16, 8
 def _trainer(draft) -> DraftLearner:
     opt = torch.optim.SGD(draft.trainable_parameters(), lr=0.1)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0)
-    return DraftLearner(method_of(draft), draft, torch.randn(V, HT), opt, sched, ttt_length=2, loss_decay=0.8, grad_accum=1,
+    method = method_of(draft)
+    return DraftLearner(method, draft, torch.randn(V, HT), opt, sched, spec=method.spec_class(ttt_length=2), grad_accum=1,
                         grad_clip=1e9, teacher_chunk=64, autocast_bf16=False)
 
 

@@ -32,14 +32,14 @@ def test_hydra_composition_and_overrides():
     with pytest.raises(Exception):  # typo in a key: the structured schema rejects it
         _compose(["train.learning_rate=1e-4"])
     with pytest.raises(Exception):  # wrong type
-        _compose(["train.ttt_length=seven"])
+        _compose(["draft.ttt_length=seven"])
 
 
 def test_help_lists_documented_fields():
     out = subprocess.run([sys.executable, "-m", "specforge_k25.train", "--help"], capture_output=True, text=True,
                          timeout=120)
     assert out.returncode == 0
-    assert "train.ttt_length" in out.stdout and "TTT unroll steps" in out.stdout
+    assert "draft.ttt_length" in out.stdout and "TTT unroll steps" in out.stdout and "draft=dflash" in out.stdout
 
 
 @pytest.mark.e2e
@@ -48,7 +48,7 @@ def test_cli_trains_through_sglang_and_exports(tmp_path):
     run_dir = tmp_path / "run"
     cmd = [sys.executable, "-m", "specforge_k25.train", "target=tiny_deepseek", "data.num_samples=12",
            "data.heldout_samples=4", "data.max_length=96", "draft.vocab_size=2048", "train.batch_size=2",
-           "train.ttt_length=3", "train.checkpoint_every=2", "train.progress=false", "train.logger=wandb",
+           "draft.ttt_length=3", "train.checkpoint_every=2", "train.progress=false", "train.logger=wandb",
            "train.activation_checkpointing=true",  # the RTX PRO 6000 profile's setting, through the real loop
            f"train.out_dir={run_dir}", f"hydra.run.dir={tmp_path / 'hydra'}"]
     env = {**os.environ, "WANDB_MODE": "offline", "WANDB_SILENT": "true", "PYTHONWARNINGS": "ignore"}

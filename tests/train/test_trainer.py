@@ -22,7 +22,9 @@ from specforge_k25.stream.target_stream import StreamError
 from specforge_k25.stream.ring import EndOfStream, SlotMessage
 from specforge_k25.target_engine.hf_config import read_target_info
 from specforge_k25.train.distributed import Ranks
+from specforge_k25.draft.eagle3.config import Eagle3Spec
 from specforge_k25.draft.registry import get_method, method_of
+from specforge_k25.draft.spec import carried_over
 from specforge_k25.export.serving import load_exported_draft
 from specforge_k25.train.step import DraftLearner
 from specforge_k25.train.feed import take_batches
@@ -53,7 +55,7 @@ def tiny_setup(tmp_path_factory) -> RunSetup:
         mask[T // 2:] = True
         samples.append(Sample(ids, mask))
     facts = facts_from_folder(folder)
-    draft_cfg = resolve_draft(JobConfig().draft.__class__(vocab_size=48), facts)
+    draft_cfg = resolve_draft(Eagle3Spec(vocab_size=48), facts)
     return RunSetup(str(folder), read_target_info(folder), [1, 2, 3], [0, 1, 2], None,
                     TokenizedData(samples[:12], samples[12:]), get_method("eagle3"), draft_cfg)
 
@@ -102,8 +104,9 @@ class FakeStream:
 def _job(tmp_path, **train) -> JobConfig:
     job = JobConfig()
     defaults = dict(batch_size=2, grad_accum=2, logger="none", progress=False, out_dir=str(tmp_path), lr=1e-3,
-                    ttt_length=3, warmup_ratio=0.0)
-    return dataclasses.replace(job, train=dataclasses.replace(job.train, **{**defaults, **train}))
+                    warmup_ratio=0.0)
+    return dataclasses.replace(job, train=dataclasses.replace(job.train, **{**defaults, **train}),
+                               draft=dataclasses.replace(job.draft, ttt_length=3))
 
 
 # ------------------------------------------------------------- 1. slot released after its copy
@@ -145,15 +148,18 @@ def _sgd_trainer(draft, lm_head, ranks=None, accum=1) -> DraftLearner:
     is nearly sign(g) and would hide a mis-scaled gradient)."""
     opt = torch.optim.SGD(draft.trainable_parameters(), lr=1.0)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0)
-    return DraftLearner(method_of(draft), draft, lm_head, opt, sched, ttt_length=3, loss_decay=0.8, grad_accum=accum, grad_clip=1e9,
+    method = method_of(draft)
+    return DraftLearner(method, draft, lm_head, opt, sched, spec=carried_over(Eagle3Spec(ttt_length=3), method.spec_class),
+                        grad_accum=accum, grad_clip=1e9,
                         teacher_chunk=64, autocast_bf16=False, ranks=ranks)
 
 
-def _with_method(setup: RunSetup, method: str, **spec) -> RunSetup:
-    """The tiny setup training another draft method (`spec`: more draft.* fields)."""
-    if method == setup.method.name and not spec:
+def _with_method(setup: RunSetup, method: str, **spec_fields) -> RunSetup:
+    """The tiny setup training another draft method (`spec_fields`: more draft.* fields)."""
+    if method == setup.method.name and not spec_fields:
         return setup
-    spec = dataclasses.replace(JobConfig().draft, vocab_size=48, method=method, **spec)
+    spec = carried_over(Eagle3Spec(vocab_size=48), get_method(method).spec_class)
+    spec = dataclasses.replace(spec, **spec_fields)
     return dataclasses.replace(setup, method=get_method(method),
                                draft_cfg=resolve_draft(spec, facts_from_folder(setup.model_path)))
 

@@ -1,15 +1,7 @@
-"""`draft.method=dflash`: block drafting (draft/dflash/model.py) trained with random-anchor blocks
+"""`draft=dflash`: block drafting (draft/dflash/model.py) trained with random-anchor blocks
 (draft/dflash/loss.py), served as `DFlashDraftModel` (SGLang speculative_algorithm DFLASH, vLLM
-method `dflash`).
-
-Config fields (config.py DraftConfigSpec; read with getattr defaults, so a bare namespace works):
-  block_size (8), num_layers (null = K, one draft layer per capture point, SGLang's and z-lab's
-  default pairing), num_anchors (512 per sequence), loss_gamma (null: 7 for blocks >= 16, 5 for
-  >= 10, else 4), mask_token_id (null = the tokenizer's highest unused special token, else V-1), logits_chunk (2048),
-  attention_tile_rows / attention_tile_keys (512 / 1024: the block attention's score tile); and the shared sizes
-  (num_attention_heads, num_key_value_heads, head_dim, intermediate_size, rope_theta,
-  max_position_embeddings). draft.vocab_size is not used: the draft proposes over the full
-  target vocab with the target's lm_head.
+method `dflash`). Its knobs and their defaults: draft/dflash/config.py `DFlashSpec`. It proposes
+over the full target vocab with the target's lm_head: there is no draft vocabulary.
 
 Mask token rule: an id below the target vocab (SGLang refuses another) that real input never
 contains. The default V-1 is the last embedding row: for Kimi-K2.5 a reserved special token, for
@@ -18,8 +10,7 @@ method for its `reserved_token_ids`.
 
 What the trainer asks of it beyond the EAGLE-3 methods (draft/method.py):
   needs_teacher = False  the loss is CE against the sequence's own tokens: no teacher logits
-  depth                  block_size - 1 (block positions 1..B-1), whatever train.ttt_length says;
-                         train.loss_decay is not used (cfg.loss_gamma weights the positions)
+  depth                  block_size - 1 (block positions 1..B-1); cfg.loss_gamma weights the positions
   prepare_batch          the anchors, from the trainer's generator (seeded per schedule item, so a
                          resume draws the same), into `batch.draws`; loss and loss_positions need them
   attach_target          the target's lm_head (the logits are computed with it)
@@ -34,55 +25,45 @@ import torch
 from ..method import DraftBatch, DraftMethod, Serving
 from . import export, plan
 from . import loss as block_loss
+from .config import DFlashSpec, default_gamma
 from .model import DFlashConfig, DFlashDraft
 from .replay import block_proposals
-
-DEFAULT_BLOCK_SIZE = 8
-DEFAULT_NUM_ANCHORS = 512
-
-
-def default_gamma(block_size: int) -> float:
-    return 7.0 if block_size >= 16 else 5.0 if block_size >= 10 else 4.0
 
 
 class DFlashMethod(DraftMethod):
     name = "dflash"
+    summary = "DFlash block drafter (DFlashDraftModel); train it with data.regenerate=true"
     served_architecture = export.ARCHITECTURE
     sglang_algorithm = "DFLASH"
     vllm_method = "dflash"
     model_class = DFlashDraft
+    spec_class = DFlashSpec  # draft.* (conf group option `draft=dflash`)
     config_class = DFlashConfig  # what resolve_config returns (registry.method_of_config)
     plan = plan
     needs_teacher = False  # CE against the sequence's own tokens
     # the loss's logits chunk and the block attention's tile: the same sums, computed in pieces
     memory_only = ("logits_chunk", "attention_tile_rows", "attention_tile_keys")
 
-    def resolve_config(self, spec, target, num_aux: int = 5) -> DFlashConfig:
+    def resolve_config(self, spec: DFlashSpec, target, num_aux: int = 5) -> DFlashConfig:
         if num_aux < 1:
             raise ValueError("DFlash reads at least one capture point")
-        block = getattr(spec, "block_size", None) or DEFAULT_BLOCK_SIZE
-        heads = getattr(spec, "num_attention_heads", None) or target.num_attention_heads
-        kv_heads = getattr(spec, "num_key_value_heads", None) or target.num_key_value_heads or heads
+        heads = spec.num_attention_heads or target.num_attention_heads
+        kv_heads = spec.num_key_value_heads or target.num_key_value_heads or heads
         if heads % kv_heads:  # e.g. an MLA target reports as many KV heads as heads
             kv_heads = heads
-        mask = getattr(spec, "mask_token_id", None)
-        gamma = getattr(spec, "loss_gamma", None)
         return DFlashConfig(
-            hidden_size=target.hidden_size,
-            intermediate_size=getattr(spec, "intermediate_size", None) or target.intermediate_size,
-            num_hidden_layers=getattr(spec, "num_layers", None) or num_aux,
-            num_attention_heads=heads, num_key_value_heads=kv_heads,
-            head_dim=getattr(spec, "head_dim", None) or target.hidden_size // heads,
+            hidden_size=target.hidden_size, intermediate_size=spec.intermediate_size or target.intermediate_size,
+            num_hidden_layers=spec.num_layers or num_aux, num_attention_heads=heads, num_key_value_heads=kv_heads,
+            head_dim=spec.head_dim or target.hidden_size // heads,
             vocab_size=target.vocab_size, target_hidden_size=target.hidden_size, num_aux_hidden_states=num_aux,
-            block_size=block, mask_token_id=target.vocab_size - 1 if mask is None else mask,
-            rms_norm_eps=target.rms_norm_eps, rope_theta=getattr(spec, "rope_theta", 10000.0),
-            max_position_embeddings=getattr(spec, "max_position_embeddings", None) or target.max_position_embeddings,
-            num_anchors=getattr(spec, "num_anchors", None) or DEFAULT_NUM_ANCHORS,
-            loss_gamma=gamma if gamma is not None else default_gamma(block),
-            logits_chunk=getattr(spec, "logits_chunk", None) or 2048,
-            # the block attention's tile (model.py); no draft.* field yet, so the defaults unless a spec sets them
-            attention_tile_rows=getattr(spec, "attention_tile_rows", None) or DFlashConfig.attention_tile_rows,
-            attention_tile_keys=getattr(spec, "attention_tile_keys", None) or DFlashConfig.attention_tile_keys,
+            block_size=spec.block_size,
+            mask_token_id=target.vocab_size - 1 if spec.mask_token_id is None else spec.mask_token_id,
+            rms_norm_eps=target.rms_norm_eps, rope_theta=spec.rope_theta,
+            max_position_embeddings=spec.max_position_embeddings or target.max_position_embeddings,
+            num_anchors=spec.num_anchors,
+            loss_gamma=spec.loss_gamma if spec.loss_gamma is not None else default_gamma(spec.block_size),
+            logits_chunk=spec.logits_chunk, attention_tile_rows=spec.attention_tile_rows,
+            attention_tile_keys=spec.attention_tile_keys,
         )
 
     def num_aux(self, cfg: DFlashConfig) -> int:
@@ -101,7 +82,7 @@ class DFlashMethod(DraftMethod):
         # a special token the data never holds cannot come from rendered text (rows with special-token
         # text are skipped) and a target rarely generates it; vocab - 1 may be an ordinary word
         # (SmolLM2's 49151 is "ectable"). The highest such id: tokenizers put reserved tokens last.
-        if getattr(spec, "mask_token_id", None) is None and unused:
+        if spec.mask_token_id is None and unused:
             return replace(spec, mask_token_id=unused[-1])
         return spec
 
@@ -114,8 +95,8 @@ class DFlashMethod(DraftMethod):
                 f"block {cfg.block_size}, mask id {cfg.mask_token_id}, {cfg.num_anchors} anchors, gamma {cfg.loss_gamma:g}")
 
     # --------------------------------------------------------------- training
-    def depth(self, cfg: DFlashConfig, ttt_length: int) -> int:
-        """Block positions 1..B-1: train.ttt_length does not apply."""
+    def depth(self, spec: DFlashSpec, cfg: DFlashConfig) -> int:
+        """Block positions 1..B-1."""
         return cfg.block_size - 1
 
     def prepare_batch(self, cfg: DFlashConfig, batch: DraftBatch, generator: torch.Generator) -> DraftBatch:
@@ -135,8 +116,8 @@ class DFlashMethod(DraftMethod):
             raise ValueError(f"DFlash counts block positions 1..{cfg.block_size - 1}: depth must be "
                              f"block_size - 1 = {cfg.block_size - 1} (method.depth), got {depth}")
 
-    def loss(self, model, batch: DraftBatch, *, depth: int, decay: float = 0.0, normalizer=None, checkpoint: bool = False):
-        """`decay` is EAGLE's; DFlash weights block positions by cfg.loss_gamma."""
+    def loss(self, model, batch: DraftBatch, spec: DFlashSpec, *, depth: int, normalizer=None, checkpoint: bool = False):
+        """Block positions weighted by cfg.loss_gamma (resolved from the spec)."""
         cfg = model.cfg
         self._check_depth(cfg, depth)
         anchors, valid = self._anchors(batch)

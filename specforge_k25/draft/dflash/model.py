@@ -47,6 +47,7 @@ import torch.utils.checkpoint
 
 from ..model import MLP, RMSNorm, apply_rope, rope_cos_sin
 from .block_attention import Tiling, block_attention, make_tiling
+from .config import DFlashSpec, default_gamma
 
 
 @dataclass
@@ -60,20 +61,20 @@ class DFlashConfig:
     vocab_size: int  # V (the target's)
     target_hidden_size: int  # Ht
     num_aux_hidden_states: int = 5  # K target states per context token
-    block_size: int = 8  # B: the anchor token + B-1 drafted tokens
+    block_size: int = DFlashSpec.block_size  # B: the anchor token + B-1 drafted tokens
     mask_token_id: int = 0  # id of the MASK slots (< V, never in real input; method.py chooses it)
     rms_norm_eps: float = 1e-6
     rope_theta: float = 10000.0
     max_position_embeddings: int = 4096
     # training only (draft/dflash/loss.py): anchors drawn per sequence, CE weight exp(-(j-1)/gamma)
-    # at block position j, positions per logits chunk
-    num_anchors: int = 512
-    loss_gamma: float = 7.0
-    logits_chunk: int = 2048
+    # at block position j, positions per logits chunk; defaults: config.py's DFlashSpec
+    num_anchors: int = DFlashSpec.num_anchors
+    loss_gamma: float = default_gamma(DFlashSpec.block_size)
+    logits_chunk: int = DFlashSpec.logits_chunk
     # the block attention's tile (block_attention.py): block-token rows (rounded down to whole
     # blocks) x context keys scored at a time; memory, not results, depends on them
-    attention_tile_rows: int = 512
-    attention_tile_keys: int = 1024
+    attention_tile_rows: int = DFlashSpec.attention_tile_rows
+    attention_tile_keys: int = DFlashSpec.attention_tile_keys
 
     @property
     def draft_vocab_size(self) -> int:

@@ -1,6 +1,6 @@
-"""`draft.method=eagle3`: the Llama-style EAGLE-3 head (draft/model.py) trained with TTT
+"""`draft=eagle3`: the Llama-style EAGLE-3 head (draft/model.py) trained with TTT
 (draft/loss.py), served as `LlamaForCausalLMEagle3` (SGLang, vLLM), with the EAGLE-3.1 options
-`draft.fc_norm` and `draft.norm_output`."""
+`draft.fc_norm` and `draft.norm_output`; its knobs: draft/eagle3/config.py."""
 from __future__ import annotations
 
 from pathlib import Path
@@ -11,24 +11,28 @@ from .. import loss as ttt
 from ..method import DraftBatch, DraftMethod, Serving
 from ..model import NUM_AUX, DraftConfig, Eagle3Draft
 from . import export, plan
+from .config import Eagle3Spec, TTTSpec
 from .replay import chain_proposals
 
 
 class Eagle3Method(DraftMethod):
     name = "eagle3"
+    summary = "EAGLE-3 head, Llama attention (LlamaForCausalLMEagle3), trained with TTT; EAGLE-3.1 options"
     served_architecture = "LlamaForCausalLMEagle3"
     sglang_algorithm = "EAGLE3"
     vllm_method = "eagle3"
     model_class = Eagle3Draft
     config_class = DraftConfig
+    spec_class = Eagle3Spec  # draft.* (conf group option `draft=eagle3`)
     plan = plan
     export = export  # the serving folder's module: tensors, config, check, reload
     _units = ("fc_norm", "fc", "midlayer", "norm", "lm_head")  # fc_norm exists only with the option on
     context_parallel = True  # train/context_parallel.py: Ulysses attention, the TTT loss cut to each rank's window
 
-    def resolve_config(self, spec, target, num_aux: int = NUM_AUX) -> DraftConfig:
+    def resolve_config(self, spec: Eagle3Spec, target, num_aux: int = NUM_AUX) -> DraftConfig:
         """H = Ht (the draft embeds tokens with the target's frozen embedding); unset sizes follow
         the target; an MLA target's heads become MHA heads of hidden/heads."""
+        check_draft_vocab(spec, target)
         if num_aux != NUM_AUX:
             raise ValueError(f"{num_aux} capture points (target.aux_layers), but the EAGLE-3 head (fc over "
                              f"{NUM_AUX} x Ht, as SGLang and vLLM build it) takes exactly {NUM_AUX}: give "
@@ -62,9 +66,16 @@ class Eagle3Method(DraftMethod):
     def fsdp_units(self, model) -> list[str]:
         return [u for u in self._units if hasattr(model, u)]
 
-    def loss(self, model, batch: DraftBatch, *, depth: int, decay: float, normalizer=None, checkpoint: bool = False):
+    def depth(self, spec: TTTSpec, cfg) -> int:
+        """The TTT unroll, draft.ttt_length."""
+        return spec.ttt_length
+
+    def objective_fingerprint(self, spec: TTTSpec) -> dict:
+        return {"ttt_length": spec.ttt_length, "loss_decay": spec.loss_decay}
+
+    def loss(self, model, batch: DraftBatch, spec: TTTSpec, *, depth: int, normalizer=None, checkpoint: bool = False):
         return ttt.ttt_loss(model, batch.aux_hidden, batch.input_ids, batch.loss_mask, batch.lengths, batch.teacher,
-                            depth, decay, normalizer, checkpoint=checkpoint, seq=batch.seq)
+                            depth, spec.loss_decay, normalizer, checkpoint=checkpoint, seq=batch.seq)
 
     def loss_positions(self, batch: DraftBatch, depth: int) -> torch.Tensor:
         return ttt.loss_positions(batch.loss_mask, batch.lengths, batch.teacher, depth, batch.seq)
@@ -86,3 +97,8 @@ class Eagle3Method(DraftMethod):
         """One chain as deep as the deepest serving; a shallower chain proposes its first steps."""
         deepest = chain_proposals(model, aux_hidden, input_ids, max(s.depth for s in servings))
         return [deepest[: s.depth] for s in servings]
+
+
+def check_draft_vocab(spec: TTTSpec, target) -> None:
+    if spec.vocab_size > target.vocab_size:
+        raise ValueError(f"draft.vocab_size={spec.vocab_size} exceeds the target vocab {target.vocab_size}")

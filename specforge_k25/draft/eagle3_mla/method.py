@@ -1,10 +1,12 @@
-"""`draft.method=eagle3_mla`: the EAGLE-3 head with DeepSeek multi-latent attention
+"""`draft=eagle3_mla`: the EAGLE-3 head with DeepSeek multi-latent attention
 (draft/eagle3_mla/model.py) trained with the same TTT objective, served as
-`Eagle3DeepseekV2ForCausalLM` (SGLang's kimi_k25_eagle3.py, vLLM's deepseek_eagle3.py)."""
+`Eagle3DeepseekV2ForCausalLM` (SGLang's kimi_k25_eagle3.py, vLLM's deepseek_eagle3.py); its
+knobs: draft/eagle3_mla/config.py."""
 from __future__ import annotations
 
-from ..eagle3.method import Eagle3Method
+from ..eagle3.method import Eagle3Method, check_draft_vocab
 from . import export, plan
+from .config import Eagle3MLASpec
 from .model import Eagle3MLADraft, MLADraftConfig
 
 DEFAULT_NUM_AUX = 3
@@ -12,29 +14,28 @@ DEFAULT_NUM_AUX = 3
 
 class Eagle3MLAMethod(Eagle3Method):
     name = "eagle3_mla"
+    summary = "EAGLE-3 head, DeepSeek MLA attention (Eagle3DeepseekV2ForCausalLM), trained with TTT"
     served_architecture = export.ARCHITECTURE
     sglang_algorithm = "EAGLE3"
     model_class = Eagle3MLADraft
     config_class = MLADraftConfig
+    spec_class = Eagle3MLASpec  # draft.* (conf group option `draft=eagle3_mla`)
     plan = plan
     export = export
     _units = ("fc", "midlayer", "norm", "lm_head")
 
-    def resolve_config(self, spec, target, num_aux: int = DEFAULT_NUM_AUX) -> MLADraftConfig:
+    def resolve_config(self, spec: Eagle3MLASpec, target, num_aux: int = DEFAULT_NUM_AUX) -> MLADraftConfig:
         """Unset MLA sizes follow an MLA target (Kimi-K2.5: q_lora_rank 1536, kv_lora_rank 512,
         nope/rope/v head dims 128/64/128); behind a GQA/MHA target (head dim hd) they take
         Kimi's ratios: nope hd, rope hd/2, v hd, kv_lora_rank 4hd, q_lora_rank 12hd.
         RoPE is plain (YaRN factor 1, written as such): the head sees draft-length contexts."""
-        unsupported = [o for o in ("fc_norm", "norm_output") if getattr(spec, o, False)]
-        if unsupported:
-            raise ValueError(f"draft.{unsupported[0]}=true: the MLA head has no EAGLE-3.1 options "
-                             f"(SGLang 0.5.23's Eagle3DeepseekV2ForCausalLM reads neither); use draft.method=eagle3")
+        check_draft_vocab(spec, target)
         heads = spec.num_attention_heads or target.num_attention_heads
         hd = spec.head_dim or target.hidden_size // heads
         mla = target.kv_lora_rank is not None
 
         def pick(name: str, target_value, fallback: int) -> int:
-            value = getattr(spec, name, None)
+            value = getattr(spec, name)
             return value if value is not None else (target_value if mla and target_value else fallback)
 
         return MLADraftConfig(
