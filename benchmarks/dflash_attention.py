@@ -73,7 +73,7 @@ def child(spec: dict) -> None:
     from specforge_k25.draft.dflash import model as dflash_model
     from specforge_k25.draft.dflash.block_attention import dense_reference, make_tiling
     from specforge_k25.draft.dflash.model import DFlashAttention, DFlashConfig
-    from specforge_k25.draft.model import rope_cos_sin
+    from specforge_k25.draft.layers import rope_cos_sin
 
     s = spec["shape"]
     cfg = DFlashConfig(hidden_size=s["hidden"], intermediate_size=1, num_hidden_layers=1, num_attention_heads=s["heads"],

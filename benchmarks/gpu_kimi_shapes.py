@@ -85,7 +85,7 @@ def draft_config(small: bool):
     import yaml
 
     from specforge_k25.draft.eagle3.config import Eagle3Spec
-    from specforge_k25.draft.model import DraftConfig
+    from specforge_k25.draft.eagle3.model import DraftConfig
     from specforge_k25.plan import KIMI_K25, resolve_draft
 
     if small:
@@ -184,7 +184,7 @@ def optimizer_device(args, device: torch.device) -> str | None:
 
 
 def build_learner(cfg, device: torch.device, args):
-    from specforge_k25.draft.model import Eagle3Draft
+    from specforge_k25.draft.eagle3.model import Eagle3Draft
     from specforge_k25.train.optim import build_optimizer, build_scheduler
     from specforge_k25.draft.registry import method_of
     from specforge_k25.train.step import DraftLearner

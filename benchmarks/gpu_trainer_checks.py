@@ -22,8 +22,9 @@ import time
 import torch
 
 from _common import RESULTS, GiB, machine_info, print_table, write_json
-from specforge_k25.draft.loss import compute_teacher, ttt_loss
-from specforge_k25.draft.model import Attention, DraftConfig, Eagle3Draft
+from specforge_k25.draft.objective import compute_teacher
+from specforge_k25.draft.eagle3.loss import ttt_loss
+from specforge_k25.draft.eagle3.model import Attention, DraftConfig, Eagle3Draft
 from specforge_k25.draft.vocab import build_vocab_maps
 from specforge_k25.train.optim import OffloadedAdamW
 

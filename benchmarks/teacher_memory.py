@@ -80,7 +80,7 @@ def make_trainer(*, hidden, heads, kv_heads, head_dim, intermediate, vocab, draf
     """A DraftLearner on CPU, fp32, random weights; d2t = 0 (draft ids = the first Vd target ids)."""
     import torch
 
-    from specforge_k25.draft.model import DraftConfig, Eagle3Draft
+    from specforge_k25.draft.eagle3.model import DraftConfig, Eagle3Draft
     from specforge_k25.train.optim import build_optimizer, build_scheduler
     from specforge_k25.draft.registry import method_of
     from specforge_k25.train.step import DraftLearner

@@ -1,4 +1,4 @@
-"""One draft attention forward + backward at TTT step k: the exact attention (draft/ttt_attention.py)
+"""One draft attention forward + backward at TTT step k: the exact attention (draft/eagle3/ttt_attention.py)
 beside the dense-mask attention it replaced, peak memory and time against T.
 
 The draft's `Attention` module (q/k/v/o projections, RoPE, the TTT attention) at step k = 3 of one
@@ -77,8 +77,8 @@ def child(spec: dict) -> None:
     set_threads(spec["threads"])
     import torch
 
-    import specforge_k25.draft.model as draft_model
-    from specforge_k25.draft.ttt_attention import ttt_attention_dense_reference
+    import specforge_k25.draft.eagle3.model as draft_model
+    from specforge_k25.draft.eagle3.ttt_attention import ttt_attention_dense_reference
 
     if spec["method"] == "dense":
         draft_model.ttt_attention = ttt_attention_dense_reference  # the module looks the name up per call

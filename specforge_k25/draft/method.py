@@ -32,10 +32,12 @@ class DraftBatch:
     input_ids: torch.Tensor  # [B, T] int64, right-padded
     loss_mask: torch.Tensor  # [B, T] bool
     lengths: torch.Tensor  # [B]
-    aux_hidden: torch.Tensor  # [B, T, K*Ht] fp32, K aux states as the stream carries them
-    teacher: Any  # draft/loss.py Teacher: the target's distribution where the loss needs it; None for
+    aux_hidden: torch.Tensor  # [B, T, K*Ht] fp32, K aux states as the stream carries them (K may be 0)
+    teacher: Any  # draft/objective.py Teacher: the target's distribution where the loss needs it; None for
     # a method that does not read it (`DraftMethod.needs_teacher` False)
     draws: Any = None  # what the method's `prepare_batch` drew at random for this batch (DFlash: its anchors)
+    final_hidden: torch.Tensor | None = None  # [B, T, Ht] fp32, the target's final state (after its norm),
+    # for a method that reads it (`DraftMethod.needs_final_hidden`); None otherwise
     seq: Any = None  # train/context_parallel.py SeqShard: this rank holds positions [start, start+L) of the
     # sequences (aux_hidden [B, L, K*Ht], teacher from `start` on); input_ids / loss_mask stay whole. None: all of them
 
@@ -66,6 +68,7 @@ class DraftMethod:
     config_class: type = object  # what `resolve_config` returns (registry.method_of_config)
     spec_class: type = DraftSpec  # its `draft.*` config: the config group option `draft=<name>` (registry.method_of_spec)
     needs_teacher: bool = True  # the loss reads DraftBatch.teacher (the trainer computes it from the final states)
+    needs_final_hidden: bool = False  # the loss reads DraftBatch.final_hidden (an MTP-style head's input)
     context_parallel: bool = False  # the loss takes a DraftBatch whose `seq` splits the positions over ranks
     # config fields that bound memory (chunk and tile sizes), not what is learned: a resume may
     # change them (train/fingerprint.py), e.g. to get past an out-of-memory error
@@ -79,8 +82,9 @@ class DraftMethod:
         raise NotImplementedError
 
     def num_aux(self, cfg) -> int:
-        """K: the captured target states (inputs of K decoder layers) the model reads per token,
-        side by side [T, K*Ht]; the target's final state (teacher logits) is always read too."""
+        """K >= 0: the captured target states (inputs of K decoder layers) the model reads per token,
+        side by side [T, K*Ht]; the stream always carries the target's final state too (the
+        teacher's input, and `final_hidden` for a method that reads it)."""
         raise NotImplementedError
 
     def build(self, cfg) -> nn.Module:
@@ -129,7 +133,7 @@ class DraftMethod:
 
     def loss(self, model: nn.Module, batch: DraftBatch, spec, *, depth: int,
              normalizer: torch.Tensor | None, checkpoint: bool):
-        """-> draft/loss.py TTTResult (per-depth counters; train/metrics.py sums them)."""
+        """-> draft/objective.py TTTResult (per-depth counters; train/metrics.py sums them)."""
         raise NotImplementedError
 
     def loss_positions(self, batch: DraftBatch, depth: int) -> torch.Tensor:
@@ -181,9 +185,10 @@ class DraftMethod:
         return out
 
     def proposals(self, model: nn.Module, aux_hidden: torch.Tensor, input_ids: torch.Tensor,
-                  servings: list[Serving]) -> list[torch.Tensor] | None:
+                  servings: list[Serving], final_hidden: torch.Tensor | None = None) -> list[torch.Tensor] | None:
         """Per serving, the model's proposals at every root of a greedy output, as the server drafts
-        them under greedy verification: aux_hidden [T, K*Ht], input_ids [T] -> [depth, T] target
+        them under greedy verification: aux_hidden [T, K*Ht], final_hidden [T, Ht] (the target's
+        final state after its norm), input_ids [T] -> [depth, T] target
         token ids, column t what a verify step whose root is x[t+1] proposes for x[t+2..]
         (eval/acceptance.py replays them). None: the method has no replay (SGLang's AL only)."""
         return None

@@ -12,7 +12,7 @@ from typing import Callable
 
 import torch
 
-from ..draft.loss import simulated_acceptance_length
+from ..draft.objective import simulated_acceptance_length
 
 Proposer = Callable[[int], list[int]]  # index of the last committed token -> proposed next tokens
 

@@ -106,12 +106,12 @@ def _capture_points(export: Path) -> list[int] | None:
 
 
 def _target_hidden(job: EvalJobConfig, setup: RunSetup, sequences: list[list[int]]):
-    """Yields (index, aux [T, K*Ht]) for each sequence, from the same target process training uses."""
+    """Yields (index, aux [T, K*Ht], final [T, Ht]) for each sequence, from the same target process training uses."""
     samples = [SimpleNamespace(input_ids=torch.tensor(s)) for s in sequences]
     stream = make_target_stream(job, setup, samples, [[i] for i in range(len(samples))])
     with stream:
-        for index, (msg, aux, _final) in enumerate(stream):
-            yield index, aux.float().clone()
+        for index, (msg, aux, final) in enumerate(stream):
+            yield index, aux.float().clone(), final.float().clone()
             stream.release(msg)
 
 
@@ -176,11 +176,11 @@ def run_eval(job: EvalJobConfig, out_dir: str | Path) -> dict:
                   f"SGLang's AL only")
             del drafts[head]
         print("eval: target hidden states of prompt + greedy output, our heads replayed on them", flush=True)
-        for i, aux in tqdm(_target_hidden(job, setup, sequences), total=len(sequences), desc="replay",
+        for i, aux, final in tqdm(_target_hidden(job, setup, sequences), total=len(sequences), desc="replay",
                             unit="prompt", disable=not job.train.progress):
             ids = torch.tensor(sequences[i])
             for head, draft in list(drafts.items()):
-                proposals = methods[head].proposals(draft, aux[:, columns[head]], ids, served[head])
+                proposals = methods[head].proposals(draft, aux[:, columns[head]], ids, served[head], final)
                 if proposals is None:
                     print(f"eval: the {head} head ({methods[head].name}) has no proposals to replay; SGLang's AL only")
                     del drafts[head]

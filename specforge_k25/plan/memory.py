@@ -2,14 +2,14 @@
 hold on a GPU, phase by phase, for a batch of B sequences of T tokens.
 
 Sources: the trainer as it stands (train/step.py, train/optim.py, the draft method's model,
-draft/loss.py):
+draft/eagle3/loss.py):
 the draft lives in fp32 with fp32 grads (`hw.autocast=bf16` computes in bf16 and caches bf16
 weight copies until backward); AdamW's m/v sit next to it (the fp32 weights are the master copy)
 or, with `train.optimizer_device`, on the host or another GPU with their own fp32 master and
 gradient copies; the frozen embedding [V, H] and the target's lm_head [V, Ht] keep the target's
 dtype; the teacher holds [B, T, Vd] fp32 draft logits; each TTT step keeps its activations
 ([B, T, Vd] fp32 log-probs and teacher probs, the fused attention's q/K/V/out and logsumexp, for
-EAGLE-3 steps k >= 1 also the k diagonal scores and keys/values of draft/ttt_attention.py, no mask;
+EAGLE-3 steps k >= 1 also the k diagonal scores and keys/values of draft/eagle3/ttt_attention.py, no mask;
 a method with an attention mask counts it apart; never [B, nh, T, T] probabilities) or, with
 `train.activation_checkpointing`,
 only its inputs and recomputes one step at a time in backward. The draft method counts those

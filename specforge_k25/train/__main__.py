@@ -141,8 +141,11 @@ if __name__ == "__main__":
         print(__doc__)
         groups = sorted(p for p in Path(CONF_DIR).iterdir() if p.is_dir())
         print("Config groups (hw is added with +hw=NAME; the others replace the default with group=NAME):")
-        for group in groups:
-            print(f"  {group.name:<8} " + " | ".join(sorted(f.stem for f in group.glob("*.yaml"))))
+        from ..draft.registry import METHODS
+
+        for group in groups:  # the draft group also holds each method's own config (draft=<method>)
+            options = {f.stem for f in group.glob("*.yaml")} | (set(METHODS) if group.name == "draft" else set())
+            print(f"  {group.name:<8} " + " | ".join(sorted(options)))
         print()
         print("Fields (override as group.field=value):")
         print("\n".join(describe()))

@@ -73,7 +73,7 @@ def fingerprint_defaults(fingerprint: dict) -> dict:
     fields, which older checkpoints recorded, left out."""
     fp = {"trainer_ranks": 1, "trainer_layout": "dedicated", "draft_method": FIRST_METHOD, "group_by_length": False,
           "context_parallel": 1, **fingerprint}
-    if isinstance(fp.get("draft"), dict):  # the draft's EAGLE-3.1 options (draft/model.py), off when not recorded
+    if isinstance(fp.get("draft"), dict):  # the draft's EAGLE-3.1 options (draft/eagle3/model.py), off when not recorded
         memory_only = _memory_only(fp["draft_method"])  # recorded by older checkpoints, not compared
         fp["draft"] = {"fc_norm": False, "norm_output": False,
                        **{k: v for k, v in fp["draft"].items() if k not in memory_only}}

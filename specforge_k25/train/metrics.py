@@ -23,7 +23,7 @@ from pathlib import Path
 
 import torch
 
-from ..draft.loss import TTTResult, simulated_acceptance_length
+from ..draft.objective import TTTResult, simulated_acceptance_length
 
 
 class TTTStats:

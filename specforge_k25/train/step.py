@@ -6,7 +6,7 @@ import hashlib
 import torch
 import torch.nn.functional as F
 
-from ..draft.loss import TTTResult, compute_teacher
+from ..draft.objective import TTTResult, compute_teacher
 from ..draft.method import DraftBatch, DraftMethod, draft_state
 from ..stream.ring import SeqWindow
 from .context_parallel import SeqShard, shard_of
@@ -118,12 +118,13 @@ class DraftLearner:
             length, halo = seq.length, min(self.depth, seq.padded_length - seq.start - seq.length)
             input_ids, loss_mask = (F.pad(t, (0, seq.padded_length - T)) for t in (input_ids, loss_mask))
         aux = pad_packed(aux_packed, rows, 0, length).to(dev, torch.float32)
-        teacher = None
-        if self.method.needs_teacher:  # the window and the `depth` positions its shifts read
+        teacher = final = None
+        if self.method.needs_teacher or self.method.needs_final_hidden:  # the window and the `depth` positions its shifts read
             final = pad_packed(final_packed, rows, 0, length + halo).to(dev, torch.float32)
+        if self.method.needs_teacher:
             teacher = compute_teacher(final, self.lm_head, self.draft.d2t, self.teacher_chunk)
         return DraftBatch(input_ids.to(dev), loss_mask.to(dev), torch.tensor(lengths, device=dev), aux, teacher,
-                          seq=seq)
+                          seq=seq, final_hidden=final if self.method.needs_final_hidden else None)
 
     def shard(self, lengths: list[int]) -> SeqShard | None:
         """This rank's window of a batch of sequences of `lengths` (None: no context parallelism)."""

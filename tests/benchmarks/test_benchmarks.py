@@ -104,9 +104,9 @@ def test_analytic_flops_match_torch_flop_counter(bf16, checkpoint, one_torch_thr
 
 def test_step_flops_attention_and_checkpointing():
     """Hand-checked numbers for a toy config: step 0's causal SDPA sees T keys at hd = 2, step 1's
-    augmented SDPA (draft/ttt_attention.py) T+1 rows at W = 8 (2 + 2 sink columns under bf16,
+    augmented SDPA (draft/eagle3/ttt_attention.py) T+1 rows at W = 8 (2 + 2 sink columns under bf16,
     rounded up to 8); torch counts both at nh heads, every block."""
-    from specforge_k25.draft.model import DraftConfig
+    from specforge_k25.draft.eagle3.model import DraftConfig
 
     g = bench("gpu_kimi_shapes")
     cfg = DraftConfig(hidden_size=8, intermediate_size=16, num_attention_heads=4, num_key_value_heads=2, head_dim=2,

@@ -12,8 +12,9 @@ import pytest
 import torch
 
 from specforge_k25.data.tokenize import Sample
-from specforge_k25.draft.loss import Teacher, compute_teacher, simulated_acceptance_length, ttt_loss
-from specforge_k25.draft.model import Attention, DraftConfig
+from specforge_k25.draft.objective import Teacher, compute_teacher, simulated_acceptance_length
+from specforge_k25.draft.eagle3.loss import ttt_loss
+from specforge_k25.draft.eagle3.model import Attention, DraftConfig
 from specforge_k25.draft.vocab import build_vocab_maps, count_tokens, draft_to_target, target_to_draft
 from ttt_reference import _tiny_setup, reference_ttt  # tests/fixtures: the float64 loop reference
 

@@ -22,7 +22,8 @@ from specforge_k25.draft.eagle3_mla.export import (LAYER_PREFIX, expected_shapes
                                                    validate_export)
 from specforge_k25.draft.eagle3_mla.model import (Eagle3MLADraft, MLADraftConfig, apply_rope_interleaved,
                                                   rope_cos_sin, rope_inv_freq, softmax_scale)
-from specforge_k25.draft.loss import Teacher, ttt_loss
+from specforge_k25.draft.objective import Teacher
+from specforge_k25.draft.eagle3.loss import ttt_loss
 from specforge_k25.export.serving import export_draft
 from specforge_k25.target_engine.layers import DEEPSEEK_RULE, sglang_layer_ids
 
@@ -91,7 +92,7 @@ def test_fp32_module_is_within_1e5_of_the_float64_reference(case):
 
 
 def test_ttt_loss_over_the_mla_head_equals_the_reference_loss():
-    """draft/loss.py's ttt_loss, unchanged, over this head: loss, counts and gradients; the
+    """draft/eagle3/loss.py's ttt_loss, unchanged, over this head: loss, counts and gradients; the
     recomputed (checkpointed) steps give the same loss."""
     cfg, draft, d2t, input_ids, loss_mask, lengths, aux, final, lm_head_full = tiny_mla_setup(1)
     full = final @ lm_head_full.T

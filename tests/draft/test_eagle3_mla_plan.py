@@ -3,7 +3,7 @@ saves against the tensors autograd really saves (saved-tensor hooks; fp32 and bf
 and without activation checkpointing), the step's FLOPs against torch's flop counter, parameter
 counts against the module, and one FLOP count by hand with a value head dim of its own.
 
-Tiny shapes, dv = dn + dr and dv != dn + dr (draft/ttt_attention.py then pads step 0's q, k, v to
+Tiny shapes, dv = dn + dr and dv != dn + dr (draft/eagle3/ttt_attention.py then pads step 0's q, k, v to
 one head dim, so torch's CPU runs its fused SDPA kernel either way: what the plan counts), and no
 activation has a weight's shape.
 """
@@ -14,7 +14,8 @@ import torch
 
 from specforge_k25.draft.eagle3_mla import plan
 from specforge_k25.draft.eagle3_mla.model import Eagle3MLADraft, MLADraftConfig
-from specforge_k25.draft.loss import Teacher, compute_teacher, ttt_loss
+from specforge_k25.draft.objective import Teacher, compute_teacher
+from specforge_k25.draft.eagle3.loss import ttt_loss
 from specforge_k25.draft.method import trainable_count
 
 
@@ -169,5 +170,5 @@ def test_checkpointing_keeps_the_latent_cache_not_the_expanded_keys():
     kept = plan.ttt_saved_bytes(cfg, 1, T, K, bf16=True, checkpoint=True)
     assert kept["total"] == (6 * 7168 + 7 * 2 * 7168 + 6 * (4 * 512 + 2 * 64)) * T
     full = plan.ttt_saved_bytes(cfg, 1, T, K, bf16=True)
-    assert full["attention_mask"] == 0  # draft/ttt_attention.py builds no mask
+    assert full["attention_mask"] == 0  # draft/eagle3/ttt_attention.py builds no mask
     assert full["total"] > 10 * kept["total"]

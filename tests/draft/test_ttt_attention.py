@@ -1,4 +1,4 @@
-"""The exact TTT attention (draft/ttt_attention.py) against the dense-mask attention it replaced
+"""The exact TTT attention (draft/eagle3/ttt_attention.py) against the dense-mask attention it replaced
 (`ttt_attention_dense_reference`: one SDPA call over [causal | eye | ... | eye], [T, (k+1)T]).
 
 Outputs and gradients for q and every step's k and v at k = 0..3, with GQA (9/3 heads, SmolLM2's
@@ -16,9 +16,10 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import specforge_k25.draft.eagle3_mla.model as mla_model
-import specforge_k25.draft.model as draft_model
-from specforge_k25.draft.loss import compute_teacher, ttt_loss
-from specforge_k25.draft.ttt_attention import ttt_attention, ttt_attention_dense_reference
+import specforge_k25.draft.eagle3.model as draft_model
+from specforge_k25.draft.objective import compute_teacher
+from specforge_k25.draft.eagle3.loss import ttt_loss
+from specforge_k25.draft.eagle3.ttt_attention import ttt_attention, ttt_attention_dense_reference
 from mla_ttt_reference import tiny_mla_setup
 from ttt_reference import _tiny_setup
 
@@ -73,7 +74,7 @@ def test_equals_the_dense_mask_attention_outputs_and_grads(k, shape, dtype):
 def test_gqa_where_the_kernel_lacks_it_repeats_kv(k, monkeypatch):
     """The branch CUDA takes in fp32 (no fused kernel takes enable_gqa there): k/v repeated to nh
     heads, same result."""
-    import specforge_k25.draft.ttt_attention as tta
+    import specforge_k25.draft.eagle3.ttt_attention as tta
 
     monkeypatch.setattr(tta, "native_gqa", lambda q: False)
     nh, nkv, dq, dv = SHAPES["gqa_9_3"]

@@ -28,7 +28,7 @@ import torch
 from safetensors.torch import load_file
 
 from specforge_k25.draft.eagle3_mla.model import Eagle3MLADraft, MLADraftConfig
-from specforge_k25.draft.model import DraftConfig, Eagle3Draft
+from specforge_k25.draft.eagle3.model import DraftConfig, Eagle3Draft
 from specforge_k25.draft.vocab import draft_to_target
 from specforge_k25.export.serving import export_draft, load_exported_draft
 from specforge_k25.target_engine.hf_config import load_embedding_and_head

@@ -8,8 +8,9 @@ import pytest
 import torch
 
 from specforge_k25.draft.eagle3_mla.model import Eagle3MLADraft, MLADraftConfig
-from specforge_k25.draft.loss import Teacher, ttt_loss
-from specforge_k25.draft.model import DraftConfig, Eagle3Draft
+from specforge_k25.draft.objective import Teacher
+from specforge_k25.draft.eagle3.loss import ttt_loss
+from specforge_k25.draft.eagle3.model import DraftConfig, Eagle3Draft
 from specforge_k25.draft.vocab import build_vocab_maps, target_to_draft
 from specforge_k25.draft.eagle3.replay import chain_proposals as draft_predictions
 from specforge_k25.eval.acceptance import (

@@ -11,7 +11,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from specforge_k25.draft.model import DraftConfig, Eagle3Draft
+from specforge_k25.draft.eagle3.model import DraftConfig, Eagle3Draft
 from specforge_k25.draft.vocab import build_vocab_maps
 from specforge_k25.draft.registry import get_method
 from specforge_k25.export.serving import export_draft, load_exported_draft, validate_export

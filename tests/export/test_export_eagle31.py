@@ -12,7 +12,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from specforge_k25.draft.model import DraftConfig, Eagle3Draft
+from specforge_k25.draft.eagle3.model import DraftConfig, Eagle3Draft
 from specforge_k25.export.serving import export_draft, load_exported_draft, validate_export
 from test_export import (BOS, EOS, HD, LAYER_IDS, NH, NKV, POINTS, VARIANTS, VD, H, I, V, _edit_config, _edit_tensors,
                          _set, make_draft, serving_shapes)

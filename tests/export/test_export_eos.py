@@ -9,7 +9,7 @@ import json
 import torch
 
 from specforge_k25.config import compose_job
-from specforge_k25.draft.model import DraftConfig, Eagle3Draft
+from specforge_k25.draft.eagle3.model import DraftConfig, Eagle3Draft
 from specforge_k25.draft.vocab import build_vocab_maps
 from specforge_k25.export.serving import export_draft, served_eos
 

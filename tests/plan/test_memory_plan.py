@@ -24,8 +24,9 @@ from hydra import compose, initialize_config_dir
 from omegaconf import OmegaConf
 
 from specforge_k25.config import JobConfig
-from specforge_k25.draft.loss import Teacher, ttt_loss
-from specforge_k25.draft.model import DraftConfig, Eagle3Draft
+from specforge_k25.draft.objective import Teacher
+from specforge_k25.draft.eagle3.loss import ttt_loss
+from specforge_k25.draft.eagle3.model import DraftConfig, Eagle3Draft
 from specforge_k25.plan import (KIMI_K25, GiB, MiB, PlanError, check_fits, draft_param_counts, facts_from_folder,
                                 plan_memory, resolve_draft, trainable_params, ttt_saved_bytes)
 
@@ -160,7 +161,7 @@ def test_ttt_saved_bytes_match_what_autograd_saves(B, T, K, bf16, checkpoint):
 
 def _kimi_saved_by_hand(B: int, T: int, K: int = 7) -> tuple[int, int]:
     """(per-token bytes of one token over K steps, per-row bytes of one of the B*(T+1) rows of the
-    augmented SDPA calls of steps 1..K-1) for the Kimi draft, bf16 autocast (draft/ttt_attention.py:
+    augmented SDPA calls of steps 1..K-1) for the Kimi draft, bf16 autocast (draft/eagle3/ttt_attention.py:
     no mask; step k >= 1's SDPA runs over T+1 rows at head dim W = 136 = 128 + 2 sink columns,
     rounded up to 8)."""
     H, I, hd, Vd, qw, nh, nkv, W = 7168, 18432, 128, 32000, 56 * 128, 56, 8, 136

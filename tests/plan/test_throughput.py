@@ -8,7 +8,7 @@ Assumed numbers (each used below, written out by hand):
   8 per token + 1 shared, expert width 2048.
 - Kimi draft: 963,407,872 trainable parameters; the H200 files (docs/gpu_h200) counted its step FLOPs
   with the former dense-mask TTT attention (`_dense_mask_step_flops` below); today's count
-  (draft/ttt_attention.py) differs from it in the attention terms only.
+  (draft/eagle3/ttt_attention.py) differs from it in the attention terms only.
 - rtxpro6000x8: 503.8 TFLOP/s, 1792 GB/s, PCIe all-reduce 28 GB/s, TP8, trainer efficiency 0.425,
   target efficiency 0.35, host AdamW 0.367 s per step, T 2048 with activation checkpointing.
 - b300x8: 2250 TFLOP/s, 8000 GB/s, NVLink all-reduce 830 GB/s, 2 x TP4, trainer efficiency 0.406,
@@ -93,7 +93,7 @@ def test_target_facts_for_the_throughput_come_from_the_folder(tmp_path):
 
 # ---------------------------------------------------------------------------- trainer side
 def _dense_mask_step_flops(cfg, T: int, K: int, checkpoint: bool) -> dict:
-    """The FLOPs the H200 run counted (docs/gpu_h200, before draft/ttt_attention.py): TTT step k ran
+    """The FLOPs the H200 run counted (docs/gpu_h200, before draft/eagle3/ttt_attention.py): TTT step k ran
     one fused SDPA over the (k+1)T keys of steps 0..k at nh heads with the dense [T, (k+1)T] mask,
     B*4*nh*T*(k+1)T*hd forward, 2.5x that backward; every other term is today's."""
     f = dict(draft_step_flops(cfg, 1, T, K, checkpoint))
@@ -127,7 +127,7 @@ def test_profile_trainer_efficiency_is_the_h200_measurement_at_its_settings(hw, 
     """FLOPs of the teacher and TTT phases over their measured time, against the H200's 989.5 TFLOP/s
     (the optimizer step is planned apart). The run's FLOPs are the dense-mask attention's
     (`_dense_mask_step_flops`): the plan applies this efficiency to today's count until a run with
-    draft/ttt_attention.py is measured."""
+    draft/eagle3/ttt_attention.py is measured."""
     row = next(r for r in _h200(name)["shapes"] if r["seq_len"] == seq_len)
     job = _job(hw)
     assert job.data.max_length == seq_len
@@ -215,7 +215,7 @@ def test_b300_dedicated_has_ddp_traffic_and_two_replicas():
 def test_goal_colocated_near_the_bound_and_ahead_of_dedicated(hw, ratio):
     """The verdict docs/PERFORMANCE.md §5 reports: co-located >= 0.8 of the balanced bound on both
     profiles; >= 2x the dedicated layout on rtxpro6000x8 (the goal). On b300x8 the dense-mask
-    attention's FLOPs gave 2.21x; with draft/ttt_attention.py's (fewer trainer FLOPs, at the
+    attention's FLOPs gave 2.21x; with draft/eagle3/ttt_attention.py's (fewer trainer FLOPs, at the
     efficiency the H200 measured with the former attention) the dedicated trainer GPU is less
     loaded and co-located leads by 1.99x."""
     both = predict_layouts(_job(hw), KIMI_K25)

@@ -143,7 +143,7 @@ def test_kimi_as_two_pipeline_stages_equals_hf(tiny_kimi_path, sglang_capture):
 _LAYER_IDS_PROBE = """
     import json, sys, torch
     from specforge_k25.draft.eagle3.export import serving_config
-    from specforge_k25.draft.model import DraftConfig
+    from specforge_k25.draft.eagle3.model import DraftConfig
     from specforge_k25.target_engine.hf_config import load_embedding_and_head, read_target_info
     from specforge_k25.target_engine.layers import default_capture_points, layer_id_rule, sglang_layer_ids, vllm_layer_ids
     from specforge_k25.target_engine.sglang_engine import SGLangTarget

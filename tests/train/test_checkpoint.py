@@ -12,7 +12,7 @@ from safetensors.torch import load_file, save_file
 
 import specforge_k25.train.checkpoint as ckpt_mod
 from specforge_k25.draft.method import draft_state
-from specforge_k25.draft.model import DraftConfig, Eagle3Draft
+from specforge_k25.draft.eagle3.model import DraftConfig, Eagle3Draft
 from specforge_k25.draft.vocab import build_vocab_maps
 from specforge_k25.train.checkpoint import list_checkpoints, load_checkpoint, save_checkpoint
 from specforge_k25.train.optim import build_optimizer, build_scheduler

@@ -16,7 +16,8 @@ import torch
 from safetensors.torch import load_file
 
 from specforge_k25.config import compose_job
-from specforge_k25.draft.loss import Teacher, loss_positions, ttt_loss
+from specforge_k25.draft.objective import Teacher
+from specforge_k25.draft.eagle3.loss import loss_positions, ttt_loss
 from specforge_k25.setup.layout import World
 from specforge_k25.train import distributed
 from specforge_k25.train.distributed import Ranks

@@ -18,7 +18,7 @@ from specforge_k25.config import JobConfig
 from specforge_k25.data.dataset import TokenizedData
 from specforge_k25.data.tokenize import Sample
 from specforge_k25.draft.dflash.model import DFlashConfig
-from specforge_k25.draft.model import DraftConfig
+from specforge_k25.draft.eagle3.model import DraftConfig
 from specforge_k25.draft.registry import get_method
 from specforge_k25.target_engine import folder_digest
 from specforge_k25.target_engine.folder_digest import SAMPLE, target_digest

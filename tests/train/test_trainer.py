@@ -15,7 +15,7 @@ import torch
 from specforge_k25.config import JobConfig
 from specforge_k25.data.dataset import TokenizedData
 from specforge_k25.data.tokenize import Sample
-from specforge_k25.draft.loss import loss_positions
+from specforge_k25.draft.eagle3.loss import loss_positions
 from specforge_k25.plan import facts_from_folder, resolve_draft
 from specforge_k25.setup.run import RunSetup
 from specforge_k25.stream.target_stream import StreamError

@@ -23,7 +23,7 @@ recomputed in backward (only its hidden rows stay saved). total = sum_j w_j CE_j
 w_j = exp(-(j-1)/gamma): a position-weighted mean, equal to the weighted mean over all counted
 tokens when every position counts as many tokens.
 
-Counters (draft/loss.py TTTResult, index k = block position k+1, so train/metrics.py's acc_k is
+Counters (draft/objective.py TTTResult, index k = block position k+1, so train/metrics.py's acc_k is
 the k+1-th drafted token): counted = scored = the positions in CE_j; correct = argmax q == the
 label; alpha_sum = sum of q(label) (Σ_v min(p, q) with p the label's one-hot: the sequence's
 token stands for the target's choice, which it is for regenerated data).
@@ -36,8 +36,8 @@ import torch
 import torch.nn.functional as F
 import torch.utils.checkpoint
 
-from ..loss import TTTResult
-from ..model import at_least_fp32
+from ..objective import TTTResult
+from ..layers import at_least_fp32
 
 
 @dataclass

@@ -158,6 +158,6 @@ class DFlashMethod(DraftMethod):
                          "speculative_eagle_topk": 1, "speculative_num_draft_tokens": size},
                         {"method": self.vllm_method, "num_speculative_tokens": size - 1}) for size in sizes]
 
-    def proposals(self, model, aux_hidden, input_ids, servings: list[Serving]) -> list[torch.Tensor]:
+    def proposals(self, model, aux_hidden, input_ids, servings: list[Serving], final_hidden=None) -> list[torch.Tensor]:
         """One pass per block size: a block attends both ways, so a longer block changes the earlier proposals."""
         return [block_proposals(model, aux_hidden, input_ids, s.draft_tokens) for s in servings]

@@ -45,7 +45,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 import torch.utils.checkpoint
 
-from ..model import MLP, RMSNorm, apply_rope, rope_cos_sin
+from ..layers import MLP, RMSNorm, apply_rope, rope_cos_sin
 from .block_attention import Tiling, block_attention, make_tiling
 from .config import DFlashSpec, default_gamma
 

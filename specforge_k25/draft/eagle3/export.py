@@ -28,7 +28,7 @@ from safetensors.torch import load_file
 
 from ..export_folder import shape_problems
 from ..method import draft_state
-from ..model import NUM_AUX, DraftConfig, Eagle3Draft
+from .model import NUM_AUX, DraftConfig, Eagle3Draft
 from ..vocab import VOCAB_MAPS, vocab_map_problems, with_identity_maps, without_identity_maps
 
 # EAGLE-3.1 config keys, top level, read as booleans by SGLang and vLLM (absent = off). SGLang

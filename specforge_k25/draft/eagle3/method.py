@@ -1,5 +1,5 @@
-"""`draft=eagle3`: the Llama-style EAGLE-3 head (draft/model.py) trained with TTT
-(draft/loss.py), served as `LlamaForCausalLMEagle3` (SGLang, vLLM), with the EAGLE-3.1 options
+"""`draft=eagle3`: the Llama-style EAGLE-3 head (draft/eagle3/model.py) trained with TTT
+(draft/eagle3/loss.py), served as `LlamaForCausalLMEagle3` (SGLang, vLLM), with the EAGLE-3.1 options
 `draft.fc_norm` and `draft.norm_output`; its knobs: draft/eagle3/config.py."""
 from __future__ import annotations
 
@@ -7,9 +7,9 @@ from pathlib import Path
 
 import torch
 
-from .. import loss as ttt
+from . import loss as ttt
 from ..method import DraftBatch, DraftMethod, Serving
-from ..model import NUM_AUX, DraftConfig, Eagle3Draft
+from .model import NUM_AUX, DraftConfig, Eagle3Draft
 from . import export, plan
 from .config import Eagle3Spec, TTTSpec
 from .replay import chain_proposals
@@ -93,7 +93,7 @@ class Eagle3Method(DraftMethod):
         return self.export.load_export(export_dir, embed_weight)
 
     # ------------------------------------------------------------------ serve
-    def proposals(self, model, aux_hidden, input_ids, servings: list[Serving]) -> list[torch.Tensor]:
+    def proposals(self, model, aux_hidden, input_ids, servings: list[Serving], final_hidden=None) -> list[torch.Tensor]:
         """One chain as deep as the deepest serving; a shallower chain proposes its first steps."""
         deepest = chain_proposals(model, aux_hidden, input_ids, max(s.depth for s in servings))
         return [deepest[: s.depth] for s in servings]

@@ -5,11 +5,11 @@ them, tests/benchmarks/test_benchmarks.py).
 """
 from __future__ import annotations
 
-from ..model import NUM_AUX, DraftConfig
+from .model import NUM_AUX, DraftConfig
 
 
 def param_counts(cfg: DraftConfig) -> dict[str, int]:
-    """Parameters per module of `Eagle3Draft` (draft/model.py); `embed_tokens` is frozen."""
+    """Parameters per module of `Eagle3Draft` (draft/eagle3/model.py); `embed_tokens` is frozen."""
     H, Ht, I = cfg.hidden_size, cfg.target_hidden_size, cfg.intermediate_size
     q_out, kv_out = cfg.num_attention_heads * cfg.head_dim, cfg.num_key_value_heads * cfg.head_dim
     fc_norm = {f"fc_norm ({NUM_AUX} RMSNorm)": NUM_AUX * Ht} if cfg.fc_norm else {}  # EAGLE-3.1 option, off by default
@@ -28,7 +28,7 @@ def param_counts(cfg: DraftConfig) -> dict[str, int]:
 
 
 def sdpa_width(dq: int, dv: int, bf16: bool) -> int:
-    """Head dim W of the augmented SDPA call of TTT steps k >= 1 (draft/ttt_attention.py): q's dq
+    """Head dim W of the augmented SDPA call of TTT steps k >= 1 (draft/eagle3/ttt_attention.py): q's dq
     columns + the sink's score columns (2 under bf16 autocast: hi + lo; 1 in fp32), v's dv + the
     sink's weight column, one width for q', k', v', rounded up to a multiple of 8."""
     n = 2 if bf16 else 1
@@ -36,8 +36,8 @@ def sdpa_width(dq: int, dv: int, bf16: bool) -> int:
 
 
 def ttt_step_bytes(cfg: DraftConfig, batch: int, seq_len: int, k: int, bf16: bool) -> tuple[int, int]:
-    """(bytes, mask bytes) TTT step k saves for backward (draft/loss.py::ttt_loss, one step); no
-    mask (draft/ttt_attention.py builds none), so mask bytes are 0.
+    """(bytes, mask bytes) TTT step k saves for backward (draft/eagle3/loss.py::ttt_loss, one step); no
+    mask (draft/eagle3/ttt_attention.py builds none), so mask bytes are 0.
 
     N = B*T tokens, N1 = B*(T+1) rows of step k >= 1's augmented SDPA (a leading dummy row),
     a = 2 under bf16 autocast, 4 in fp32; W = `sdpa_width(hd, hd, bf16)`. Per token:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from ..loss import _shift
+from ..objective import shift
 from ..vocab import draft_to_target
 
 
@@ -26,7 +26,7 @@ def chain_proposals(draft, aux_hidden: torch.Tensor, input_ids: torch.Tensor, st
     to_target = draft_to_target(draft.d2t)
     rows = []
     for k in range(steps):
-        hidden, kv = draft.step(_shift(ids, k + 1, 0), hidden, positions + k, cache)
+        hidden, kv = draft.step(shift(ids, k + 1, 0), hidden, positions + k, cache)
         cache.append(kv)
         rows.append(to_target[draft.logits(hidden).argmax(-1)][0])  # [T]
     return torch.stack(rows)

@@ -1,7 +1,7 @@
 """EAGLE-3 draft head with DeepSeek multi-latent attention (MLA), served as
 `Eagle3DeepseekV2ForCausalLM` (SGLang's kimi_k25_eagle3.py, vLLM's deepseek_eagle3.py).
 
-The EAGLE-3 layout of draft/model.py (fc over the K captured target states, one decoder layer
+The EAGLE-3 layout of draft/eagle3/model.py (fc over the K captured target states, one decoder layer
 fed cat(input_layernorm(embedding), hidden_norm(hidden)) [2H], dense SiLU MLP, norm, lm_head
 over the draft vocab, d2t/t2d) with the attention of a DeepSeek-V3 / Kimi layer:
 
@@ -15,10 +15,10 @@ RoPE acts on the rope part of q and on kpe only, in DeepSeek's interleaved layou
 is_neox_style=False), with DeepSeek YaRN frequencies. With YaRN factor > 1 the softmax scale
 is (qk_nope + qk_rope)^-1/2 times mscale(factor, mscale_all_dim)^2, as both servers do.
 
-Parameter names follow draft/model.py (`midlayer.*`); the export renames the layer to `layers.0.*`.
-TTT (draft/loss.py) runs over this head unchanged: a step's cache entry is (latent c, roped kpe),
+Parameter names follow draft/eagle3/model.py (`midlayer.*`); the export renames the layer to `layers.0.*`.
+TTT (draft/eagle3/loss.py) runs over this head unchanged: a step's cache entry is (latent c, roped kpe),
 the two tensors MLA keeps per token, and attention at step k sees step 0's keys causally and the
-diagonal of steps 1..k (draft/ttt_attention.py).
+diagonal of steps 1..k (draft/eagle3/ttt_attention.py).
 
 Shapes: B batch, T positions, H hidden, Ht target hidden, K aux states, nh heads, dn/dr/dv
 nope/rope/value head dims, r kv_lora_rank, rq q_lora_rank, V target vocab, Vd draft vocab.
@@ -32,8 +32,9 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from ..model import DecoderLayer, RMSNorm
-from ..ttt_attention import ttt_attention
+from ..eagle3.model import DecoderLayer
+from ..layers import RMSNorm
+from ..eagle3.ttt_attention import ttt_attention
 
 YARN_KEYS = ("factor", "original_max_position_embeddings", "beta_fast", "beta_slow", "mscale", "mscale_all_dim",
              "extrapolation_factor", "attn_factor")
@@ -159,7 +160,7 @@ class MLAAttention(nn.Module):
 
         Keys and values are expanded from every step's latent here (kv_b_proj over each step's T
         rows, cheap next to the layer's other matmuls), so a step keeps only what MLA caches; then
-        the exact TTT attention of draft/ttt_attention.py (no [T, (k+1)T] mask).
+        the exact TTT attention of draft/eagle3/ttt_attention.py (no [T, (k+1)T] mask).
         """
         cfg = self.cfg
         B, T, _ = x.shape
@@ -197,8 +198,8 @@ class MLAAttention(nn.Module):
 
 
 class Eagle3MLADraft(nn.Module):
-    """Same surface as draft/model.py::Eagle3Draft (project / step / logits, frozen embed_tokens,
-    d2t / t2d), so draft/loss.py::ttt_loss and draft_state take it as they take that one."""
+    """Same surface as draft/eagle3/model.py::Eagle3Draft (project / step / logits, frozen embed_tokens,
+    d2t / t2d), so draft/eagle3/loss.py::ttt_loss and draft_state take it as they take that one."""
 
     def __init__(self, cfg: MLADraftConfig):
         super().__init__()

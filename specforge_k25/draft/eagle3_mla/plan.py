@@ -8,7 +8,7 @@ latent c [T, r] and the roped kpe [T, dr]; K and V are expanded from the latents
 (kv_b_proj over (k+1)T rows) at every step, so the step's kv_b_proj costs (k+1)T rows of FLOPs
 and the k diagonal keys [nh, T, dn+dr] the attention reads are new tensors at every step.
 
-The attention is draft/ttt_attention.py (no [T, (k+1)T] mask): step 0 one causal SDPA, q, k, v
+The attention is draft/eagle3/ttt_attention.py (no [T, (k+1)T] mask): step 0 one causal SDPA, q, k, v
 zero-padded to one head dim W0 when dn+dr != dv (Kimi: 192 vs 128, W0 = 192), so flash kernels
 take it on the CPU and the GPU; steps k >= 1 the k diagonal scores elementwise (fp32) and one
 causal SDPA over T+1 rows at head dim W with a sink key. Each SDPA keeps q, k, v, out and a
@@ -46,7 +46,7 @@ def param_counts(cfg: MLADraftConfig) -> dict[str, int]:
 
 
 def sdpa_widths(cfg: MLADraftConfig, bf16: bool) -> tuple[int, int]:
-    """(W0, W): the head dims of the SDPA calls of draft/ttt_attention.py. Step 0: dn+dr when it
+    """(W0, W): the head dims of the SDPA calls of draft/eagle3/ttt_attention.py. Step 0: dn+dr when it
     equals dv, else q, k, v padded with zero columns to one dim, max(dn+dr, dv) rounded up to 8.
     Steps k >= 1: the augmented call, `draft/eagle3/plan.py::sdpa_width`."""
     dq, dv = cfg.qk_nope_head_dim + cfg.qk_rope_head_dim, cfg.v_head_dim
@@ -54,8 +54,8 @@ def sdpa_widths(cfg: MLADraftConfig, bf16: bool) -> tuple[int, int]:
 
 
 def ttt_step_bytes(cfg: MLADraftConfig, batch: int, seq_len: int, k: int, bf16: bool) -> tuple[int, int]:
-    """(bytes, mask bytes) TTT step k saves for backward (draft/loss.py::ttt_loss, one step); no
-    mask (draft/ttt_attention.py builds none), so mask bytes are 0. (W0, W) = `sdpa_widths`;
+    """(bytes, mask bytes) TTT step k saves for backward (draft/eagle3/loss.py::ttt_loss, one step); no
+    mask (draft/eagle3/ttt_attention.py builds none), so mask bytes are 0. (W0, W) = `sdpa_widths`;
     N1 = B*(T+1) rows of step k >= 1's augmented SDPA (a leading dummy row).
 
     Per token:

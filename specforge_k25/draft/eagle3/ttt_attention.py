@@ -44,7 +44,7 @@ _DIM_MULTIPLE = 8
 
 
 def _acc_dtype(dtype: torch.dtype) -> torch.dtype:
-    """fp32 for bf16/fp16, float64 stays float64 (same rule as draft/model.py::at_least_fp32)."""
+    """fp32 for bf16/fp16, float64 stays float64 (same rule as draft/layers.py::at_least_fp32)."""
     return torch.promote_types(dtype, torch.float32)
 
 

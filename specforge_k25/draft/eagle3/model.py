@@ -18,6 +18,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from ..layers import MLP, RMSNorm, apply_rope, rope_cos_sin
 from .ttt_attention import ttt_attention
 
 
@@ -41,37 +42,6 @@ class DraftConfig:
     norm_output: bool = False  # EAGLE-3.1: the next step reads norm(h), not the pre-norm h
 
 
-def at_least_fp32(dtype: torch.dtype) -> torch.dtype:
-    """fp32 for bf16/fp16 inputs, float64 stays float64 (the reference tests run in float64)."""
-    return torch.promote_types(dtype, torch.float32)
-
-
-class RMSNorm(nn.Module):
-    def __init__(self, dim: int, eps: float):
-        super().__init__()
-        self.weight = nn.Parameter(torch.ones(dim))
-        self.eps = eps
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        xf = x.to(at_least_fp32(x.dtype))
-        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * xf.to(x.dtype)
-
-
-def rope_cos_sin(positions: torch.Tensor, head_dim: int, theta: float, dtype: torch.dtype):
-    """positions [B, T] -> cos, sin [B, 1, T, hd] (rotate-half layout, as Llama/SGLang)."""
-    inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, device=positions.device, dtype=torch.float64) / head_dim))
-    freqs = positions.double()[..., None] * inv_freq  # [B, T, hd/2]
-    emb = torch.cat([freqs, freqs], -1)[:, None]  # [B, 1, T, hd]
-    return emb.cos().to(dtype), emb.sin().to(dtype)
-
-
-def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    half = x.shape[-1] // 2
-    rotated = torch.cat([-x[..., half:], x[..., :half]], -1)
-    return x * cos + rotated * sin
-
-
 class Attention(nn.Module):
     def __init__(self, cfg: DraftConfig):
         super().__init__()
@@ -93,7 +63,7 @@ class Attention(nn.Module):
         heads over all positions (KV heads that do not split over C are first repeated to nh). Query i attends to step-0 keys at positions <= i (causal) and,
         for each step j in 1..k, to the key of position i only. Returns (out [B, T, H], (K_k, V_k)).
 
-        Exact TTT attention without a [T, (k+1)T] mask (draft/ttt_attention.py): one causal SDPA
+        Exact TTT attention without a [T, (k+1)T] mask (draft/eagle3/ttt_attention.py): one causal SDPA
         call over step 0's keys (flash / memory-efficient kernels, no [B, nh, T, T] kept) merged with
         the k diagonal terms, O(kT) per head.
         """
@@ -113,17 +83,6 @@ class Attention(nn.Module):
         if seq is not None:
             out = seq.to_positions(out)  # [B, nh, T, hd]
         return self.o_proj(out.transpose(1, 2).reshape(B, T, self.nh * self.hd)), (k, v)
-
-
-class MLP(nn.Module):
-    def __init__(self, cfg: DraftConfig):
-        super().__init__()
-        self.gate_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
-        self.up_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
-        self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
 
 
 class DecoderLayer(nn.Module):
