@@ -194,6 +194,34 @@ class DraftMethod:
         return None
 
 
+# What a method must define itself (the base raises NotImplementedError), and what its `plan`
+# module must hold: `method_problems` checks both when the registry takes a method.
+REQUIRED = ("resolve_config", "num_aux", "build", "fsdp_units", "describe", "depth", "loss", "loss_positions",
+            "serving_tensors", "serving_config", "validate_export", "load_export")
+PLAN_FUNCTIONS = ("param_counts", "ttt_step_bytes", "ttt_saved_bytes", "ttt_backward_working_bytes", "draft_step_flops")
+
+
+def method_problems(method: DraftMethod) -> list[str]:
+    """Every way `method` falls short of the interface: unset names and classes, members it does
+    not define, plan arithmetic it lacks (empty: it plugs in)."""
+    import dataclasses
+
+    cls = type(method)
+    problems = [f"{attr} is not set" for attr in ("name", "served_architecture") if not getattr(method, attr)]
+    if not (isinstance(method.spec_class, type) and issubclass(method.spec_class, DraftSpec)
+            and method.spec_class is not DraftSpec and dataclasses.is_dataclass(method.spec_class)):
+        problems.append("spec_class must be its own dataclass extending draft/spec.py DraftSpec (its draft.* "
+                        "config, by which the registry knows the method of a config)")
+    if not (isinstance(method.model_class, type) and issubclass(method.model_class, nn.Module)
+            and method.model_class is not nn.Module):
+        problems.append("model_class must be its nn.Module subclass")
+    if method.config_class is object:
+        problems.append("config_class (what resolve_config returns) is not set")
+    problems += [f"{name}() is not defined" for name in REQUIRED if getattr(cls, name) is getattr(DraftMethod, name)]
+    problems += [f"plan.{name} is missing" for name in PLAN_FUNCTIONS if not callable(getattr(method.plan, name, None))]
+    return problems
+
+
 def trainable_count(counts: dict[str, int]) -> int:
     return sum(n for name, n in counts.items() if not name.endswith("(frozen)"))
 

@@ -11,19 +11,27 @@ import torch.nn as nn
 from .dflash.method import DFlashMethod
 from .eagle3.method import Eagle3Method
 from .eagle3_mla.method import Eagle3MLAMethod
-from .method import DraftMethod
+from .method import DraftMethod, method_problems
 
-METHODS: dict[str, DraftMethod] = {m.name: m for m in (Eagle3Method(), Eagle3MLAMethod(), DFlashMethod())}
+METHODS: dict[str, DraftMethod] = {}
 FIRST_METHOD = Eagle3Method.name  # what runs that predate draft methods trained (their checkpoints name none)
 
 
 def register(method: DraftMethod) -> DraftMethod:
-    """Add a method (one not in the package: a test's, a user's); the config group gets its option
-    `draft=<name>` when the config is next composed (config.register_schemas)."""
+    """Add a method (the package's, or one defined elsewhere: a test's, a user's) once it passes the
+    interface check; the config group gets its option `draft=<name>` when the config is next
+    composed (config.register_schemas)."""
+    problems = method_problems(method)
+    if problems:
+        raise TypeError(f"{type(method).__name__} is not a complete draft method: " + "; ".join(problems))
     if method.name in METHODS and METHODS[method.name] is not method:
         raise ValueError(f"a draft method named {method.name!r} is registered already")
     METHODS[method.name] = method
     return method
+
+
+for _method in (Eagle3Method(), Eagle3MLAMethod(), DFlashMethod()):
+    register(_method)
 
 
 def get_method(name: str) -> DraftMethod:
