@@ -2,8 +2,9 @@
 (`fully_shard`): each rank keeps 1/W of the trainable weights, their gradients and AdamW's m/v,
 so the optimizer runs on the GPUs beside the target (docs/PERFORMANCE.md §5).
 
-Units: the method's (`DraftMethod.fsdp_units`: for EAGLE-3 fc, the decoder layer, the final norm
-and the draft lm_head, and fc_norm when on), each sharded on its own; the
+Units: the method's (`DraftMethod.fsdp_units`, submodule names, dotted ones included: for EAGLE-3
+fc, the decoder layer, the final norm and the draft lm_head, and fc_norm when on; for DFlash fc,
+hidden_norm, each `layers.i` and the norm), each sharded on its own; the
 frozen target embedding stays whole on every rank (it is never trained, and gathering its
 vocab x hidden rows every step would dominate the traffic). The TTT loop calls each unit K times
 per micro-batch: they stay gathered from the first call to the end of backward
@@ -37,11 +38,11 @@ def shard_draft(draft: nn.Module, units: list[str], bf16: bool = False) -> nn.Mo
     bf16: gather the weights in bf16 (what autocast computes with anyway), reduce in fp32."""
     mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if bf16 else MixedPrecisionPolicy()
     trainable = {n for n, p in draft.named_parameters() if p.requires_grad}
-    covered = {n for n in trainable if n.split(".")[0] in units}
+    covered = {n for n in trainable if any(n.startswith(unit + ".") for unit in units)}
     if covered != trainable:  # an unsharded trainable weight would get no gradient sum over ranks
         raise ValueError(f"trainable weights outside the FSDP units {units}: {sorted(trainable - covered)}")
     for name in units:
-        unit = fully_shard(getattr(draft, name), reshard_after_forward=False, mp_policy=mp)
+        unit = fully_shard(draft.get_submodule(name), reshard_after_forward=False, mp_policy=mp)
         unit.set_gradient_divide_factor(1.0)
         unit.set_force_sum_reduction_for_comms(True)
         unit.set_reshard_after_backward(False)
@@ -52,11 +53,18 @@ def reshard(draft: nn.Module, units: list[str]) -> None:
     """Free the gathered weights after a micro-batch's backward (the next forward gathers the
     updated shards)."""
     for name in units:
-        getattr(draft, name).reshard()
+        draft.get_submodule(name).reshard()
 
 
 def is_sharded(draft: nn.Module, units: list[str]) -> bool:
-    return any(isinstance(getattr(draft, name, None), torch.distributed.fsdp.FSDPModule) for name in units)
+    return any(isinstance(_submodule(draft, name), torch.distributed.fsdp.FSDPModule) for name in units)
+
+
+def _submodule(draft: nn.Module, name: str) -> nn.Module | None:
+    try:
+        return draft.get_submodule(name)
+    except AttributeError:
+        return None
 
 
 def full_model_state(draft: nn.Module) -> dict:
