@@ -132,6 +132,15 @@ COMMANDS: dict[str, Case] = {
                                                        "SGLang engine with the same speculative settings)"),
     'vllm serve <target> --speculative-config {"method": "eagle3", "model": "outputs/<run>/export", '
     '"num_speculative_tokens": 3}': Case(SKIP, why="vLLM is not installed here"),
+    # Draft methods
+    "python -m specforge_k25.train +hw=rtxpro6000x8 target=kimi_k25 target.path=/models/Kimi-K2.5 draft=kimi_mla "
+    "train.out_dir=runs/mla": FITS,
+    "python -m sglang.launch_server --model-path <target> --speculative-algorithm DFLASH "
+    "--speculative-draft-model-path outputs/<run>/export --speculative-num-steps 1 --speculative-eagle-topk 1 "
+    "--speculative-num-draft-tokens 8": Case(SKIP, why="SGLang's server (tests/eval/test_eval_dflash.py serves a "
+                                                      "DFlash export in an SGLang engine with these settings)"),
+    'vllm serve <target> --speculative-config {"method": "dflash", "model": "outputs/<run>/export", '
+    '"num_speculative_tokens": 7}': Case(SKIP, why="vLLM is not installed here"),
     # Acceptance length
     EVAL: Case(RUN, "acceptance length", SHORT_EVAL, after=CHECKPOINTED),
     "python -m specforge_k25.eval export_dir=... eval.num_prompts=20 eval.chains=[[3,1,4]]":
@@ -174,6 +183,34 @@ def test_every_readme_command_has_a_case():
     assert len(shown) == len(set(shown))
     assert [c for c in shown if c not in COMMANDS] == [], "README commands this test does not try"
     assert [c for c in COMMANDS if c not in shown] == [], "cases for commands the README no longer shows"
+
+
+def test_readme_serving_commands_are_each_methods_servings():
+    """The SGLang and vLLM commands the README shows serve each method as `DraftMethod.servings` says
+    (what the eval serves and replays), flag for flag; its vLLM command serves the same setting as
+    its SGLang one (DFlash: num_speculative_tokens = the SGLang block size - 1)."""
+    from specforge_k25.draft.registry import METHODS
+
+    sglang, vllm = {}, {}
+    for command in readme_commands(README.read_text()):
+        words = command.split(" ")
+        if words[:3] == ["python", "-m", "sglang.launch_server"]:
+            flags = dict(zip(words[3::2], words[4::2]))
+            method = {"EAGLE3": "eagle3", "DFLASH": "dflash"}[flags["--speculative-algorithm"]]
+            chain = [int(flags["--speculative-num-steps"]), int(flags["--speculative-eagle-topk"]),
+                     int(flags["--speculative-num-draft-tokens"])]
+            sglang[method] = METHODS[method].servings([chain])[0]
+            shown = {k[2:].replace("-", "_"): v for k, v in flags.items() if k.startswith("--speculative-")
+                     and k != "--speculative-draft-model-path"}
+            assert shown == {k: str(v) for k, v in sglang[method].sglang_args.items()}, command
+        elif words[:2] == ["vllm", "serve"]:
+            config = json.loads(command.split("--speculative-config ", 1)[1])  # readme_commands: the JSON whole
+            vllm[config.pop("method")] = config
+    assert set(sglang) == set(vllm) == {"eagle3", "dflash"}
+    for method, serving in sglang.items():
+        expected = {k: v for k, v in serving.vllm_speculative_config.items() if k != "method"}
+        assert {k: v for k, v in vllm[method].items() if k != "model"} == expected, method
+    assert vllm["dflash"]["num_speculative_tokens"] == sglang["dflash"].draft_tokens - 1
 
 
 # what a COVERED run may set otherwise than the README's example (the comparison's batch)

@@ -145,7 +145,8 @@ class DraftMethod:
     # (plan/) read, each taking the method's config:
     #   param_counts(cfg) -> {module: parameters}, '(frozen)' names not trained
     #   ttt_step_bytes(cfg, batch, seq_len, k, bf16) -> (bytes of the B*T tokens, mask bytes) step k keeps
-    #   ttt_saved_bytes(cfg, batch, seq_len, depth, bf16, checkpoint=False) -> {..., "total": bytes}
+    #   ttt_saved_bytes(cfg, batch, seq_len, depth, bf16, checkpoint=False) -> {"per_token": bytes linear in T,
+    #     "attention_mask": bytes of masks (0: none), "total": both}
     #   ttt_backward_working_bytes(cfg, batch, seq_len, depth, bf16) -> bytes
     #   draft_step_flops(cfg, batch, seq_len, depth, checkpoint=False) -> {"teacher", ..., "total"}
     #   context_parallel_values(cfg, size) -> values a rank sends per position per step forward

@@ -196,9 +196,10 @@ def with_hw_overrides(job, facts: TargetFacts) -> TargetFacts:
 
 # ----------------------------------------------------------------------------------- draft
 def num_capture_points(job, facts: TargetFacts) -> int:
-    """K, the target states the run captures: len(target.aux_layers), or the default's
-    (target_engine/layers.py, checked there against the target when a run starts)."""
-    return len(job.target.aux_layers or default_capture_points(facts.num_layers))
+    """K, the target states the run captures: len(target.aux_layers) (0 for []), or the default's
+    when it is null (target_engine/layers.py, checked there against the target when a run starts)."""
+    points = job.target.aux_layers
+    return len(default_capture_points(facts.num_layers) if points is None else points)
 
 
 def resolve_draft(spec, facts: TargetFacts, num_aux: int = 3):

@@ -1,11 +1,11 @@
 """A bounded ring of preallocated shared tensors between one producer and one consumer.
 
-Each slot holds one target batch: aux [max_tokens, K*Ht] (K aux states, one per capture point) and
-final [max_tokens, Ht]. The producer takes a free slot (blocking when all are in use: that is the
-backpressure), writes, and announces it on `ready`; the consumer reads and hands the slot back on
-`free`. Only slot numbers and small metadata cross these channels (pipes, stream/channel.py: no
-named semaphores to leave behind when a run is killed); the tensors themselves are created
-once and shared when the producer process starts: POSIX shared memory (tmpfs, never a disk) on CPU,
+Each slot holds one target batch: aux [max_tokens, K*Ht] (K aux states, one per capture point; K = 0
+is an aux of width 0) and final [max_tokens, Ht]. The producer takes a free slot (blocking when all
+are in use: that is the backpressure), writes, and announces it on `ready`; the consumer reads and
+hands the slot back on `free`. Only slot numbers and small metadata cross these channels (pipes,
+stream/channel.py: no named semaphores to leave behind when a run is killed); the tensors themselves
+are created once and shared when the producer process starts: POSIX shared memory (tmpfs, never a disk) on CPU,
 CUDA IPC handles when `device` is a GPU (torch.multiprocessing does both).
 """
 from __future__ import annotations
@@ -65,8 +65,8 @@ class SlotRing:
     def __init__(self, ctx, num_slots: int, max_tokens: int, hidden_size: int, dtype: torch.dtype, device: str = "cpu",
                  *, num_aux: int):
         """num_aux: K, the aux states per token (TargetSpec.num_aux): no default, so that a ring is never
-        sized for another K than its target captures."""
-        self.aux = [torch.empty(max_tokens, num_aux * hidden_size, dtype=dtype, device=device) for _ in range(num_slots)]
+        sized for another K than its target captures. num_aux = 0 (no capture point): aux [max_tokens, 0]."""
+        self.aux = [_aux_slot(max_tokens, num_aux * hidden_size, dtype, device) for _ in range(num_slots)]
         self.final = [torch.empty(max_tokens, hidden_size, dtype=dtype, device=device) for _ in range(num_slots)]
         # token ids of each slot's sequences: the trainer's only source for answers the target generated
         self.ids = [torch.empty(max_tokens, dtype=torch.int64).share_memory_() for _ in range(num_slots)]
@@ -133,6 +133,16 @@ class SlotRing:
             if channel is not None:
                 channel.close()
         self.free = self.ready = None
+
+
+def _aux_slot(max_tokens: int, width: int, dtype: torch.dtype, device: str) -> torch.Tensor:
+    """One slot's aux tensor [max_tokens, width]. Width 0 (no capture point) is a view of a one-column
+    tensor, so that it has storage to share: torch shares an empty CPU storage as a special case, but a
+    CUDA IPC handle of an empty allocation is not something to rely on; the column costs max_tokens
+    elements per slot and is never read."""
+    if width == 0:
+        return torch.empty(max_tokens, 1, dtype=dtype, device=device)[:, :0]
+    return torch.empty(max_tokens, width, dtype=dtype, device=device)
 
 
 def slot_checksum(aux: torch.Tensor, final: torch.Tensor) -> float:

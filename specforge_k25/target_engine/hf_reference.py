@@ -69,8 +69,9 @@ class HFTarget:
         aux, final = [], []
         for ids in sequences:
             out = self.model.model(ids[None], output_hidden_states=True)
-            aux.append(torch.cat([out.hidden_states[p][0] for p in self.capture_points], -1))  # [T, K*Ht]
             final.append(out.last_hidden_state[0])  # [T, Ht], post-norm
+            aux.append(torch.cat([out.hidden_states[p][0] for p in self.capture_points], -1) if self.capture_points
+                       else final[-1].new_empty((len(ids), 0)))  # [T, K*Ht]; no capture point: [T, 0]
         return TargetOutput(torch.cat(aux), torch.cat(final), [len(s) for s in sequences])
 
     @torch.no_grad()

@@ -2,9 +2,12 @@
 
 Our one convention: a **capture point** p is an index into HF transformers'
 `output_hidden_states` tuple, i.e. the residual stream entering decoder layer p
-(= leaving layer p-1; 0 is the embedding output). K >= 1 points, strictly increasing, each in
+(= leaving layer p-1; 0 is the embedding output). K >= 0 points, strictly increasing, each in
 [1, num_layers-1]; their number K is the number of aux states every batch carries (K*Ht wide).
-Whether the draft takes K states is the draft's business, checked in setup/run.py.
+K = 0 (`target.aux_layers=[]`, as an MTP-style head that reads only the final state asks; null is
+the default three) captures nothing: the batches carry aux [N, 0] beside the final state [N, Ht],
+and the SGLang engine then starts without EAGLE-3 capture (sglang_engine.py). Whether the draft
+takes K states is the draft's business, checked in setup/run.py.
 
 SGLang 0.5.23 takes EAGLE-3 "layer ids" whose meaning depends on the model class
 (`set_eagle3_layers_to_capture`): Llama captures the input of layer id+1; DeepseekV2/V3 (hence
@@ -48,9 +51,10 @@ def default_capture_points(num_layers: int) -> list[int]:
 
 
 def validate_capture_points(points: list[int], num_layers: int) -> list[int]:
+    """`points` checked against a `num_layers`-layer target; [] (no capture point) is valid."""
     points = [int(p) for p in points]
     if not points:
-        raise ValueError("target.aux_layers needs at least one capture point")
+        return []
     if len(set(points)) != len(points) or points != sorted(points):
         raise ValueError(f"target.aux_layers={points}: must be strictly increasing and distinct")
     if points[0] < 1 or points[-1] > num_layers - 1:
@@ -63,16 +67,19 @@ def validate_capture_points(points: list[int], num_layers: int) -> list[int]:
 
 def resolve_capture_points(aux_layers: list[int] | None, num_layers: int) -> list[int]:
     """`target.aux_layers` (null = the default) checked against the target: the one place a run's
-    capture points are decided (the trainer's node and the TP-only nodes alike)."""
-    return validate_capture_points(aux_layers or default_capture_points(num_layers), num_layers)
+    capture points are decided (the trainer's node and the TP-only nodes alike). An explicit [] is
+    no capture point (K = 0), not the default: only None is."""
+    return validate_capture_points(default_capture_points(num_layers) if aux_layers is None else aux_layers,
+                                   num_layers)
 
 
 def sglang_layer_ids(points: list[int], rule: str) -> list[int]:
-    """Capture points -> the ids SGLang's `set_eagle3_layers_to_capture` needs to capture them."""
+    """Capture points -> the ids SGLang's `set_eagle3_layers_to_capture` needs to capture them
+    ([] -> []: the engine then asks SGLang for no capture at all, sglang_engine.engine_server_args)."""
     if rule == LLAMA_RULE:
         return [p - 1 for p in points]
     if rule == DEEPSEEK_RULE:
-        if points[0] == 1:
+        if points and points[0] == 1:
             raise ValueError(
                 "SGLang's DeepSeek rule cannot capture the input of layer 1 first "
                 "(ids starting with 1 are shifted by one); choose aux_layers starting at >= 2"

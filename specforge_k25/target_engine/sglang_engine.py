@@ -8,7 +8,8 @@ SGLang internals touched (all in this file, covered by tests/target_engine/test_
 - `sglang.benchmark.one_batch.{load_model, extend, publish, SpawnRanks, spawn_world_rank,
   _init_process_global_configs}` and `entrypoints.engine._set_envs_and_config`;
 - `ServerArgs(enable_return_aux_hidden_states, speculative_algorithm="EAGLE3",
-  return_aux_hidden_state_layer_ids)`: makes the model capture the aux layers;
+  return_aux_hidden_state_layer_ids)`: makes the model capture the aux layers (not set with zero
+  capture points: the plain engine's final state, aux [N, 0]);
 - a forward hook on the text model (`model.model`, or `model.language_model.model` for
   Kimi-K2.5), whose output is `(final_hidden_after_norm, aux_hidden)`;
 - `Req` fields the extend path reads; chunked prefill (`prefill_chunk`): `Req.prefix_len` /
@@ -70,9 +71,14 @@ def engine_server_args(model_path: str, *, device: str, dtype: str, tp_size: int
                        dist_timeout: int | None, load_threads: int, pp_size: int = 1) -> dict:
     """The `ServerArgs` fields of one TP rank's engine (plain values: tests check them without SGLang).
     pp_size > 1 (a pipeline stage, sglang_pipeline.py): without the EAGLE-3 capture fields, which
-    SGLang 0.5.23 refuses with pp != 1 (validation_hook.py); the stages capture through hooks."""
+    SGLang 0.5.23 refuses with pp != 1 (validation_hook.py); the stages capture through hooks.
+    No layer ids (zero capture points): without them too. SGLang 0.5.23 refuses an empty
+    `return_aux_hidden_state_layer_ids` ("must not be empty", validation_hook.py), and were the
+    capture switched on with no layer (set_eagle3_layers_to_capture([])), the text model would return
+    its plain final state (`len(aux_hidden_states) == 0`, llama.py / deepseek_v2.py) where the causal
+    LM unpacks a (final, aux) pair; the plain engine returns the same final state."""
     capture = dict(enable_return_aux_hidden_states=True, speculative_algorithm="EAGLE3",
-                   return_aux_hidden_state_layer_ids=layer_ids) if pp_size == 1 else {}
+                   return_aux_hidden_state_layer_ids=layer_ids) if pp_size == 1 and layer_ids else {}
     return dict(
         model_path=model_path,
         device=device,
@@ -153,8 +159,11 @@ def packed_aux(aux_hidden, final_hidden: torch.Tensor, num_aux: int) -> torch.Te
     """What SGLang's capture hook saw -> aux [N, K*Ht]. Llama models hand a list of K [N, Ht],
     DeepSeek ones (Kimi-K2.5) one packed [N, K*Ht]; both in increasing layer order, which is the
     capture points' order. A count other than the `num_aux` points asked for is refused: the ring's
-    slots and the draft are sized for that K."""
-    if isinstance(aux_hidden, (list, tuple)):
+    slots and the draft are sized for that K. Nothing captured (None, or an empty list: a pipeline
+    stage's collector with K = 0) is aux [N, 0]."""
+    if aux_hidden is None or (isinstance(aux_hidden, (list, tuple)) and not aux_hidden):
+        aux_hidden = final_hidden.new_empty((final_hidden.shape[0], 0))
+    elif isinstance(aux_hidden, (list, tuple)):
         aux_hidden = torch.cat(list(aux_hidden), -1)
     ht = final_hidden.shape[-1]
     if aux_hidden.shape[-1] != num_aux * ht:
@@ -294,6 +303,20 @@ class SGLangTarget:
     def _capture(self, module, args, output):
         self._captured = output
 
+    def _hook_output(self) -> tuple[torch.Tensor, object]:
+        """(final state, aux as SGLang handed it) of the forward just run. With capture points the text
+        model returns a (final, aux) pair; with none (K = 0: the engine runs without EAGLE-3 capture,
+        `engine_server_args`) its plain final state, and the aux is None (`packed_aux`: [N, 0])."""
+        captured, self._captured = self._captured, None
+        if self.num_aux == 0:
+            if not isinstance(captured, torch.Tensor):
+                raise RuntimeError(f"SGLang's text model returned {type(captured).__name__} for an engine without "
+                                   f"capture points, not its final hidden state")
+            return captured, None
+        if not isinstance(captured, tuple) or len(captured) != 2:
+            raise RuntimeError("SGLang did not return aux hidden states (capture hook saw no (final, aux) pair)")
+        return captured
+
     @torch.no_grad()
     def forward(self, sequences: list[torch.Tensor]) -> TargetOutput:
         total = sum(len(s) for s in sequences)
@@ -317,10 +340,7 @@ class SGLangTarget:
                     batch.append(req)
                 self._captured = None
                 self._runner.extend(batch)
-                if not isinstance(self._captured, tuple) or len(self._captured) != 2:
-                    raise RuntimeError("SGLang did not return aux hidden states (capture hook saw no (final, aux) pair)")
-                final_hidden, aux_hidden = self._captured
-                self._captured = None
+                final_hidden, aux_hidden = self._hook_output()
                 aux_hidden = packed_aux(aux_hidden, final_hidden, self.num_aux)
                 if len(rounds) == 1:
                     aux, final = aux_hidden, final_hidden

@@ -258,7 +258,8 @@ class SGLangPipelineStage:
         from sglang.srt.distributed.parallel_state import get_world_group
 
         group = get_world_group()
-        return [dist.isend(t, dst=group.ranks[rank], group=group.device_group, tag=tag) for t in tensors]
+        # an empty tensor (aux [n, 0] without capture points) is not sent: the receiver skips it alike
+        return [dist.isend(t, dst=group.ranks[rank], group=group.device_group, tag=tag) for t in tensors if t.numel()]
 
     def recv_states(self, rank: int, tensors: list[torch.Tensor], tag: int) -> list:
         """Start receiving into `tensors` what world rank `rank` sends with the same tag (`send_states`)."""
@@ -266,7 +267,7 @@ class SGLangPipelineStage:
         from sglang.srt.distributed.parallel_state import get_world_group
 
         group = get_world_group()
-        return [dist.irecv(t, src=group.ranks[rank], group=group.device_group, tag=tag) for t in tensors]
+        return [dist.irecv(t, src=group.ranks[rank], group=group.device_group, tag=tag) for t in tensors if t.numel()]
 
     def generate(self, prompts, budgets, regen):
         raise NotImplementedError(

@@ -538,3 +538,28 @@ def test_readme_states_the_minimum_versions():
     assert cells["eagle3_mla"][3].startswith(MIN_VLLM["eagle3_mla"]) and MIN_VLLM["eagle3_mla-4_aux"] in cells["eagle3_mla"][3]
     assert cells["eagle3"][4].startswith("`draft=eagle3`")
     assert cells["eagle3_mla"][4].startswith("`draft=eagle3_mla`")
+    # DFlash (vLLM's sources read, not run): by target family, and the B - 1 rule
+    dflash = cells["dflash"][3]
+    assert dflash.startswith(f"{DFLASH_MIN_VLLM['deepseek']} behind Kimi-K2.5 / DeepSeek")
+    assert f"{DFLASH_MIN_VLLM['llama']} behind Llama / Qwen" in dflash and "`num_speculative_tokens` = block size - 1" in dflash
+    assert cells["dflash"][4].startswith("`draft=dflash`") and "`draft=kimi_dflash`" in cells["dflash"][4]
+
+
+# DFlash in vLLM (read in its release sources 0.17.1-0.34.0, not run): the method and
+# `DFlashDraftModel` -> `DFlashQwen3ForCausalLM` arrive in 0.20.0 (model_executor/models/registry.py),
+# which serves it behind Llama / Qwen targets; behind an MLA target (DeepSeek, Kimi) 0.20.x sets
+# non-causal attention for the whole engine (attention/selector.py), no MLA backend supports it and
+# start-up fails ("No valid attention backend found"); 0.21.0 sets it on the draft only. No release
+# reads `dflash_config.block_size`: a step runs 1 + num_speculative_tokens queries, so vLLM must be
+# given block_size - 1 (DFlashMethod.servings; tests/test_readme_commands.py checks the README's command).
+DFLASH_MIN_VLLM = {"llama": "0.20.0", "deepseek": "0.21.0"}
+
+
+def test_dflash_is_served_by_vllm_at_block_size_minus_one():
+    from specforge_k25.draft.registry import get_method
+
+    for block in (4, 8, 16):
+        (serving,) = get_method("dflash").servings([[block - 1, 1, block]])
+        assert serving.vllm_speculative_config == {"method": "dflash", "num_speculative_tokens": block - 1}
+        assert serving.sglang_args["speculative_num_draft_tokens"] == block and serving.depth == block - 1
+    assert V(DFLASH_MIN_VLLM["llama"]) < V(DFLASH_MIN_VLLM["deepseek"])

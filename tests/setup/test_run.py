@@ -76,3 +76,23 @@ def test_regeneration_budget_null_reaches_max_length():
     assert regeneration(capped, tokenizer).budget(1000) == 128
     with pytest.raises(ValueError, match="regen_max_new_tokens must be >= 1"):
         regeneration(compose_job(["data.regenerate=true", "data.regen_max_new_tokens=0"]), tokenizer)
+
+
+def test_empty_aux_layers_reach_the_run_as_zero_capture_points(monkeypatch, smollm2_path):
+    """target.aux_layers=[] is K = 0 everywhere a run reads it (the plan's K, the run's capture points,
+    the target spec, hence the engine and the ring), not the default that null means: the EAGLE-3 head
+    refuses zero points by name, and a method that takes them gets K = 0."""
+    import specforge_k25.setup.run as run
+    from specforge_k25.plan.facts import facts_from_folder, num_capture_points
+    from specforge_k25.target_engine.hf_config import read_target_info
+
+    empty, default = compose_job(["target.aux_layers=[]"]), compose_job([])
+    facts, info = facts_from_folder(smollm2_path), read_target_info(smollm2_path)
+    assert empty.target.aux_layers == [] and default.target.aux_layers is None
+    assert num_capture_points(empty, facts) == 0 and num_capture_points(default, facts) == 3
+    with pytest.raises(ValueError, match=r"^0 capture points \(target.aux_layers\), but the EAGLE-3 head"):
+        run.capture_points(empty, info)
+    asked = []
+    monkeypatch.setattr(run, "resolve_draft", lambda spec, facts, k: asked.append(k))  # a head of K = 0
+    spec = target_spec(empty)
+    assert spec.capture_points == [] and spec.num_aux == 0 and asked == [0]

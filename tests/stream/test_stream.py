@@ -194,3 +194,55 @@ def test_stalled_target_times_out(tiny_deepseek_path):
                     stream.release(msg)
             finally:
                 os.kill(stream.process.pid, signal.SIGCONT)
+
+
+def test_a_ring_without_capture_points_carries_width_zero_aux():
+    """K = 0 (target.aux_layers=[]): slots of aux [max_tokens, 0] that share like any other (a view
+    with storage, SlotRing._aux_slot), put / view / checksum and a co-located share with a
+    context-parallel window, the final states intact."""
+    from specforge_k25.stream.ring import SeqWindow, SlotRing
+    from specforge_k25.stream.target_process import put_share
+    from specforge_k25.target_engine.base import TargetOutput
+
+    ring = SlotRing(torch.multiprocessing.get_context("spawn"), 2, 8, 4, torch.float32, num_aux=0)
+    try:
+        assert all(t.shape == (8, 0) and t.is_shared() for t in ring.aux)
+        final = torch.arange(20, dtype=torch.float32).reshape(5, 4)
+        with pytest.raises(ValueError, match=r"aux \[5, 4\] / final \[5, 4\] for a ring of 0 aux states x 4"):
+            ring.put(0, torch.ones(5, 4), final, [5])
+        ring.put(0, final.new_empty(5, 0), final, [2, 3])
+        msg = ring.get(timeout=10)
+        aux, got = ring.view(msg)
+        assert aux.shape == (5, 0) and torch.equal(got, final) and msg.checksum == float(final.sum())
+        ring.release(msg)
+        # the second sequence's rows [2, 4) + a halo of 1, of rank 1 of a context-parallel pair
+        out = TargetOutput(final.new_empty(5, 0), final, [2, 3])
+        put_share(ring, 1, out, [1], None, None, SeqWindow(rank=1, size=2, halo=1))
+        msg = ring.get(timeout=10)
+        aux, got = ring.view(msg)
+        assert msg.lengths == [1] and aux.shape == (1, 0) and torch.equal(got, final[4:5])
+    finally:
+        ring.close()
+
+
+@pytest.mark.slow
+def test_zero_capture_points_stream_the_final_state_alone(tiny_deepseek_path):
+    """A target process with no capture point (the HF reference; the SGLang engine's own [N, 0] is in
+    tests/target_engine/test_target.py): the ring's width-0 aux slots cross the process boundary,
+    every batch arrives with aux [N, 0] and HF's final states."""
+    from specforge_k25.stream.ring import slot_checksum
+
+    spec, info = _spec(tiny_deepseek_path)
+    spec.capture_points = []
+    assert spec.num_aux == 0
+    seqs = _seqs(4, info.vocab_size, seed=5)
+    plan = [[0, 1], [2, 3]]
+    ref = HFTarget(tiny_deepseek_path, [])
+    with TargetStream(spec, seqs, plan, hidden_size=info.hidden_size, slots=2, timeout_s=120) as stream:
+        for msg, aux, final in stream:
+            copy = (aux.clone(), final.clone())
+            stream.release(msg)
+            assert copy[0].shape == (sum(msg.lengths), 0)
+            assert slot_checksum(*copy) == msg.checksum
+            torch.testing.assert_close(copy[1], ref.forward([seqs[i] for i in plan[msg.item]]).final_hidden,
+                                       rtol=1e-5, atol=1e-5)

@@ -144,6 +144,33 @@ def test_sglang_hidden_states_equal_hf(target, request, tmp_path):
         assert not torch.allclose(block, hs[p + 1][0], atol=1e-3, rtol=1e-4), f"{target}: block {k} is point {p + 1}"
 
 
+@pytest.mark.engine
+def test_sglang_without_capture_points_gives_empty_aux_and_hf_final(tiny_deepseek_path, tmp_path):
+    """Zero capture points (target.aux_layers=[], an MTP-style head): the engine starts without
+    EAGLE-3 capture and returns aux [N, 0] beside the final post-norm state == HF's, one forward per
+    batch and in chunks of 16 (the chunked path's buffers at width 0). The DeepSeek family (Kimi's
+    code path); SmolLM2 runs with zero points end to end in tests/draft/test_plugin_method.py."""
+    path = tiny_deepseek_path
+    info = read_target_info(path)
+    g = torch.Generator().manual_seed(0)
+    seqs = [torch.randint(3, info.vocab_size, (n,), generator=g) for n in (23, 7, 41)]
+    got = _engine_capture(path, [], [seqs[:2], seqs[2:]], [seqs[2], seqs[0]], 16, None, None, tmp_path)
+    assert got["forwards"] == [30, 41, 16, 16, 16, 16]
+    hf = HFTarget(path, [])
+    ref = hf.forward(seqs)
+    assert ref.aux_hidden.shape == (71, 0)
+    with_points = HFTarget(path, CAPTURES["tiny_deepseek"]).forward(seqs).final_hidden
+    assert torch.equal(ref.final_hidden, with_points)  # capturing nothing changes nothing else
+    for lengths, aux, final in got["batches"]:
+        assert aux.shape == (sum(lengths), 0) and final.shape == (sum(lengths), info.hidden_size)
+    final = torch.cat([f for _, _, f in got["batches"]])
+    assert _worst(final, ref.final_hidden) <= 1.0, f"final differs from HF by {(final - ref.final_hidden).abs().max():.3g}"
+    lengths, c_aux, c_final = got["chunked"]
+    assert lengths == [41, 23] and c_aux.shape == (64, 0)
+    order = torch.cat([torch.arange(30, 71), torch.arange(0, 23)])
+    assert _worst(c_final, final[order]) <= 1.0, f"chunked differs from one forward by {(c_final - final[order]).abs().max():.3g}"
+
+
 def _sglang_captured_layers(model_cls_name: str, ids: list[int], num_layers: int) -> list[int]:
     """Ask SGLang's own `set_eagle3_layers_to_capture` which layers it captures for `ids`."""
     from specforge_k25.target_engine import sglang_cpu_compat
@@ -233,10 +260,11 @@ def test_setup_refuses_a_capture_count_the_draft_cannot_take(smollm2_path):
 
 def test_capture_point_validation():
     assert validate_capture_points([2, 30, 58], 61) == [2, 30, 58]
-    # any number K >= 1 of points: K is the number of aux states the stream carries
+    # any number K >= 0 of points: K is the number of aux states the stream carries ([]: none,
+    # tests/target_engine/test_layers.py)
     assert validate_capture_points([2, 3], 61) == [2, 3]
     assert validate_capture_points([1, 2, 30, 40, 60], 61) == [1, 2, 30, 40, 60]
-    for bad in ([2, 2, 5], [5, 3, 7], [0, 3, 5], [2, 3, 61], [], [4, 4], [9, 3]):
+    for bad in ([2, 2, 5], [5, 3, 7], [0, 3, 5], [2, 3, 61], [4, 4], [9, 3]):
         with pytest.raises(ValueError):
             validate_capture_points(bad, 61)
     with pytest.raises(ValueError, match="layer 1"):
