@@ -183,7 +183,7 @@ def describe(cls=JobConfig) -> list[str]:
 
 # Keys that left the config, with where their meaning went: an override of one fails before Hydra
 # composes, naming the new home (Hydra alone would say only that the key is not in the struct).
-DRAFT_OPTIONS = ("draft=eagle3 | eagle3_mla | dflash (sizes from the target), draft=kimi | kimi_mla "
+DRAFT_OPTIONS = ("draft=eagle3 | eagle3_mla | dflash (sizes from the target), draft=kimi | kimi_mla | kimi_dflash "
                  "(Kimi-K2.5's), draft=small (the CPU default)")
 MOVED_KEYS = {
     "draft.method": "the draft config group, which also selects the method's own draft.* fields: " + DRAFT_OPTIONS,
