@@ -300,7 +300,7 @@ def check_slots(job, setup, device: torch.device, n_batches: int, sleep_s: float
 # ---------------------------------------------------------------------------- d) EAGLE-3 in SGLang
 def check_spec(args, setup, trainer, export_dir: Path, size: dict) -> tuple[list[dict], dict]:
     """Rows per CUDA-graphs mode; a mode that raises is a row with its error (traceback in the dict)."""
-    export_draft(trainer.draft, export_dir, setup.eagle_layer_ids, setup.info.bos_token_id, setup.info.eos_token_id,
+    export_draft(trainer.draft, export_dir, setup.sglang_capture_ids, setup.info.bos_token_id, setup.info.eos_token_id,
                  capture_points=setup.capture_points)
     g = torch.Generator().manual_seed(args.seed + 1)
     prompts = [torch.randint(3, setup.info.vocab_size, (int(n),), generator=g).tolist() for n in (12, 20, 31, 24)]

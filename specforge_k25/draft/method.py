@@ -116,7 +116,7 @@ class DraftMethod:
 
     # --------------------------------------------------------------- training
     def depth(self, spec, cfg) -> int:
-        """How many positions per token the loss counts: the length of its TTTResult counters
+        """How many positions per token the loss counts: the length of its LossResult counters
         (acc_0..depth-1, the data-parallel normalizer). EAGLE-3: the TTT unroll, draft.ttt_length."""
         raise NotImplementedError
 
@@ -133,7 +133,7 @@ class DraftMethod:
 
     def loss(self, model: nn.Module, batch: DraftBatch, spec, *, depth: int,
              normalizer: torch.Tensor | None, checkpoint: bool):
-        """-> draft/objective.py TTTResult (per-depth counters; train/metrics.py sums them)."""
+        """-> draft/objective.py LossResult (per-depth counters; train/metrics.py sums them)."""
         raise NotImplementedError
 
     def loss_positions(self, batch: DraftBatch, depth: int) -> torch.Tensor:
@@ -144,10 +144,10 @@ class DraftMethod:
     # `plan`: a module of the method's folder with the arithmetic the memory and throughput plans
     # (plan/) read, each taking the method's config:
     #   param_counts(cfg) -> {module: parameters}, '(frozen)' names not trained
-    #   ttt_step_bytes(cfg, batch, seq_len, k, bf16) -> (bytes of the B*T tokens, mask bytes) step k keeps
-    #   ttt_saved_bytes(cfg, batch, seq_len, depth, bf16, checkpoint=False) -> {"per_token": bytes linear in T,
+    #   step_bytes(cfg, batch, seq_len, k, bf16) -> (bytes of the B*T tokens, mask bytes) step k keeps
+    #   saved_bytes(cfg, batch, seq_len, depth, bf16, checkpoint=False) -> {"per_token": bytes linear in T,
     #     "attention_mask": bytes of masks (0: none), "total": both}
-    #   ttt_backward_working_bytes(cfg, batch, seq_len, depth, bf16) -> bytes
+    #   backward_working_bytes(cfg, batch, seq_len, depth, bf16) -> bytes
     #   draft_step_flops(cfg, batch, seq_len, depth, checkpoint=False) -> {"teacher", ..., "total"}
     #   context_parallel_values(cfg, size) -> values a rank sends per position per step forward
     #     (methods with `context_parallel` only)
@@ -199,7 +199,7 @@ class DraftMethod:
 # module must hold: `method_problems` checks both when the registry takes a method.
 REQUIRED = ("resolve_config", "num_aux", "build", "fsdp_units", "describe", "depth", "loss", "loss_positions",
             "serving_tensors", "serving_config", "validate_export", "load_export")
-PLAN_FUNCTIONS = ("param_counts", "ttt_step_bytes", "ttt_saved_bytes", "ttt_backward_working_bytes", "draft_step_flops")
+PLAN_FUNCTIONS = ("param_counts", "step_bytes", "saved_bytes", "backward_working_bytes", "draft_step_flops")
 
 
 def method_problems(method: DraftMethod) -> list[str]:

@@ -1,6 +1,6 @@
 """What every method's objective shares: the target's distribution where a loss reads it
 (`Teacher`, computed in chunks from the final hidden states), the per-position counters a loss
-returns (`TTTResult`: index k is EAGLE-3's TTT step k, DFlash's block position k+1; train/metrics.py
+returns (`LossResult`: index k is EAGLE-3's TTT step k, DFlash's block position k+1; train/metrics.py
 sums them) and the simulated acceptance length they give."""
 from __future__ import annotations
 
@@ -56,7 +56,7 @@ def shift(x: torch.Tensor, n: int, fill) -> torch.Tensor:
 
 
 @dataclass
-class TTTResult:
+class LossResult:
     loss: torch.Tensor  # scalar, Σ_k decay^k ploss_k
     ploss: torch.Tensor  # [K] per-step mean soft-CE over counted positions (detached)
     counted: torch.Tensor  # [K] positions in the loss

@@ -29,17 +29,17 @@ def served_eos(eos_token_id, end_of_turn_id: int | None = None):
     return [int(end_of_turn_id), *rest] if rest else int(end_of_turn_id)
 
 
-def export_draft(draft: nn.Module, out_dir: str | Path, eagle_layer_ids: list[int], bos_token_id, eos_token_id,
+def export_draft(draft: nn.Module, out_dir: str | Path, sglang_capture_ids: list[int], bos_token_id, eos_token_id,
                  dtype: torch.dtype = torch.float32, *, capture_points: list[int],
                  end_of_turn_id: int | None = None) -> Path:
     """Atomically write <out_dir>/{config.json, model.safetensors}; no embedding (the server shares the target's).
 
-    `eagle_layer_ids` are SGLang's ids (`target_engine.layers.sglang_layer_ids`), `capture_points`
+    `sglang_capture_ids` are SGLang's ids (`target_engine.layers.sglang_layer_ids`), `capture_points`
     the layer inputs they capture; the vLLM ids are derived from the latter. `end_of_turn_id`
     (target.end_of_turn_token's id) goes first in the written `eos_token_id` (`served_eos`).
     """
     method = method_of(draft)
-    config = method.serving_config(draft.cfg, sglang_layer_ids=list(eagle_layer_ids),
+    config = method.serving_config(draft.cfg, sglang_layer_ids=list(sglang_capture_ids),
                                    vllm_layer_ids=vllm_layer_ids(capture_points), bos_token_id=bos_token_id,
                                    eos_token_id=served_eos(eos_token_id, end_of_turn_id),
                                    dtype=str(dtype).replace("torch.", ""))

@@ -12,8 +12,8 @@ from .fit import check_fits, longest_fitting_length, suggest_override
 from .facts import (KIMI_K25, GiB, MiB, PlanError, TargetFacts, draft_of, draft_param_counts, facts_from_folder,
                     method_of_config, num_capture_points, resolve_draft, target_facts_for, trainable_params,
                     with_hw_overrides)
-from .memory import (PHASE_OPT, PHASE_TEACHER, PHASE_TTT, Item, optimizer_items, trainer_items, ttt_saved_bytes,
-                     ttt_step_bytes)
+from .memory import (PHASE_OPT, PHASE_TEACHER, PHASE_DRAFT, Item, optimizer_items, trainer_items, saved_bytes,
+                     step_bytes)
 from .throughput import (Throughput, allreduce_bytes_per_token, draft_step_flops, predict, predict_layouts,
                          target_flops_per_token, target_params_per_token)
 from .choose import MethodRow, compare_methods
@@ -41,12 +41,12 @@ __all__ = [
     "with_hw_overrides",
     "PHASE_OPT",
     "PHASE_TEACHER",
-    "PHASE_TTT",
+    "PHASE_DRAFT",
     "Item",
     "optimizer_items",
     "trainer_items",
-    "ttt_saved_bytes",
-    "ttt_step_bytes",
+    "saved_bytes",
+    "step_bytes",
     "MethodRow",
     "Throughput",
     "allreduce_bytes_per_token",

@@ -19,7 +19,7 @@ from dataclasses import replace
 
 from ..config import compose_job
 from ..draft.registry import method_of_spec
-from . import (PHASE_OPT, PHASE_TEACHER, PHASE_TTT, GiB, MemoryPlan, PlanError, check_fits, draft_param_counts,
+from . import (PHASE_OPT, PHASE_TEACHER, PHASE_DRAFT, GiB, MemoryPlan, PlanError, check_fits, draft_param_counts,
                plan_memory, target_facts_for, with_hw_overrides)
 from .budget import LAYOUTS, context_parallel, node_layout, with_layout
 from .fit import length_binding, longest_fitting_length
@@ -90,7 +90,7 @@ def render(job, plan: MemoryPlan) -> None:
             if (i.name, i.phase) not in names:
                 names.append((i.name, i.phase))
                 notes[(i.name, i.phase)] = i.note
-    order = [None, PHASE_TEACHER, PHASE_TTT, PHASE_OPT]
+    order = [None, PHASE_TEACHER, PHASE_DRAFT, PHASE_OPT]
     for name, phase in sorted(names, key=lambda k: order.index(k[1]) if k[1] in order else len(order)):
         label = escape(name if phase is None else f"[{phase}] {name}")
         cells = []

@@ -13,8 +13,8 @@ EAGLE-3 steps k >= 1 also the k diagonal scores and keys/values of draft/eagle3/
 a method with an attention mask counts it apart; never [B, nh, T, T] probabilities) or, with
 `train.activation_checkpointing`,
 only its inputs and recomputes one step at a time in backward. The draft method counts those
-tensors (its `plan` module: `ttt_saved_bytes`, exact against saved-tensor hooks in the tests;
-`ttt_backward_working_bytes`, an estimate); the runtime reserves are estimates. The co-located layout
+tensors (its `plan` module: `saved_bytes`, exact against saved-tensor hooks in the tests;
+`backward_working_bytes`, an estimate); the runtime reserves are estimates. The co-located layout
 (hw.trainer_layout=colocated) shards the trainable state over the trainer ranks with FSDP2
 (train/sharding.py; `_sharded_trainer_items`).
 """
@@ -26,7 +26,7 @@ from typing import Optional
 from ..draft.method import DraftMethod
 from .facts import GiB, method_of_config, trainable_params
 
-PHASE_TEACHER, PHASE_TTT, PHASE_OPT = "teacher", "TTT fwd+bwd", "optimizer step"
+PHASE_TEACHER, PHASE_DRAFT, PHASE_OPT = "teacher", "draft fwd+bwd", "optimizer step"
 
 
 @dataclass
@@ -56,15 +56,15 @@ def optimizer_items(P: int, on_gpu: bool) -> list[Item]:
     return items
 
 
-def ttt_step_bytes(cfg, batch: int, seq_len: int, k: int, bf16: bool, method: DraftMethod | None = None):
+def step_bytes(cfg, batch: int, seq_len: int, k: int, bf16: bool, method: DraftMethod | None = None):
     """(bytes, mask bytes) TTT step k of the draft saves for backward (its method's count)."""
-    return _method(cfg, method).plan.ttt_step_bytes(cfg, batch, seq_len, k, bf16)
+    return _method(cfg, method).plan.step_bytes(cfg, batch, seq_len, k, bf16)
 
 
-def ttt_saved_bytes(cfg, batch: int, seq_len: int, ttt_length: int, bf16: bool, checkpoint: bool = False,
+def saved_bytes(cfg, batch: int, seq_len: int, ttt_length: int, bf16: bool, checkpoint: bool = False,
                     method: DraftMethod | None = None) -> dict[str, int]:
     """{"per_token", "attention_mask", "total"}: bytes all K TTT steps leave saved for backward."""
-    return _method(cfg, method).plan.ttt_saved_bytes(cfg, batch, seq_len, ttt_length, bf16, checkpoint)
+    return _method(cfg, method).plan.saved_bytes(cfg, batch, seq_len, ttt_length, bf16, checkpoint)
 
 
 def _method(cfg, method: DraftMethod | None) -> DraftMethod:
@@ -105,8 +105,8 @@ def trainer_items(cfg, *, batch: int, seq_len: int, ttt_length: int, teacher_chu
                           note="upper bound: train/step.py all-reduces each grad in place"))
     teacher = method.needs_teacher
     items += _teacher_items(cfg, K, batch * seq_len, teacher_chunk, frozen_bytes) if teacher else []
-    items += [_batch_item(cfg, K, batch * seq_len, PHASE_TTT, teacher),
-              Item("bf16 autocast weight copies", 2 * P if bf16 else 0, PHASE_TTT)]
+    items += [_batch_item(cfg, K, batch * seq_len, PHASE_DRAFT, teacher),
+              Item("bf16 autocast weight copies", 2 * P if bf16 else 0, PHASE_DRAFT)]
     items += _ttt_items(cfg, method, batch, seq_len, ttt_length, bf16, checkpoint)
     items.append(_batch_item(cfg, K, batch * seq_len, PHASE_OPT, teacher))
     if not optimizer_offloaded:
@@ -140,10 +140,10 @@ def _sharded_trainer_items(cfg, method: DraftMethod, shards: int, *, batch: int,
     items += _frozen_items(cfg, frozen_bytes)
     teacher = method.needs_teacher
     items += _teacher_items(cfg, K, batch * seq_len, teacher_chunk, frozen_bytes) if teacher else []
-    items += [_batch_item(cfg, K, batch * seq_len, PHASE_TTT, teacher),
-              Item(f"all-gathered draft params {'bf16' if bf16 else 'fp32'} (FSDP2)", a * P, PHASE_TTT,
+    items += [_batch_item(cfg, K, batch * seq_len, PHASE_DRAFT, teacher),
+              Item(f"all-gathered draft params {'bf16' if bf16 else 'fp32'} (FSDP2)", a * P, PHASE_DRAFT,
                    note="whole unit, kept from forward through backward"),
-              Item("unsharded grads fp32 before reduce-scatter", 4 * P, PHASE_TTT, note="upper bound: one unit")]
+              Item("unsharded grads fp32 before reduce-scatter", 4 * P, PHASE_DRAFT, note="upper bound: one unit")]
     items += _ttt_items(cfg, method, batch, seq_len, ttt_length, bf16, checkpoint)
     items += [_batch_item(cfg, K, batch * seq_len, PHASE_OPT, teacher),
               Item(f"AdamW foreach temporaries fp32 (shard 1/{shards})", 4 * shard, PHASE_OPT)]
@@ -188,20 +188,20 @@ def _teacher_items(cfg, num_aux: int, tokens: int, teacher_chunk: int, frozen_by
 def _ttt_items(cfg, method: DraftMethod, batch: int, seq_len: int, ttt_length: int, bf16: bool,
                checkpoint: bool) -> list[Item]:
     arithmetic = method.plan
-    saved = arithmetic.ttt_saved_bytes(cfg, batch, seq_len, ttt_length, bf16, checkpoint)
+    saved = arithmetic.saved_bytes(cfg, batch, seq_len, ttt_length, bf16, checkpoint)
     items = [
-        Item("TTT saved: per-token tensors (K steps)", saved["per_token"], PHASE_TTT,
+        Item("TTT saved: per-token tensors (K steps)", saved["per_token"], PHASE_DRAFT,
              note=("checkpointed: each step's hidden input + its attention cache" if checkpoint else
                    "incl. [B,T,Vd] fp32 log-probs + teacher probs per step")),
     ]
     if saved["attention_mask"] > 0:  # a method with masks (DFlash); EAGLE-3's TTT attention builds none
-        items.append(Item("TTT saved: attention masks (K steps)", saved["attention_mask"], PHASE_TTT))
+        items.append(Item("TTT saved: attention masks (K steps)", saved["attention_mask"], PHASE_DRAFT))
     if checkpoint:  # backward recomputes one step at a time: the last (largest) one at most
-        per_token, mask = arithmetic.ttt_step_bytes(cfg, batch, seq_len, ttt_length - 1, bf16)
-        items.append(Item("TTT one step recomputed in backward", per_token + mask, PHASE_TTT,
+        per_token, mask = arithmetic.step_bytes(cfg, batch, seq_len, ttt_length - 1, bf16)
+        items.append(Item("TTT one step recomputed in backward", per_token + mask, PHASE_DRAFT,
                           note="activation checkpointing: the largest step's saved tensors"))
     items.append(Item("TTT backward working set (estimate)",
-                      arithmetic.ttt_backward_working_bytes(cfg, batch, seq_len, ttt_length, bf16), PHASE_TTT))
+                      arithmetic.backward_working_bytes(cfg, batch, seq_len, ttt_length, bf16), PHASE_DRAFT))
     return items
 
 
@@ -209,9 +209,9 @@ def activation_note(cfg, batch: int, seq_len: int, ttt_length: int, bf16: bool, 
                     method: DraftMethod | None = None) -> str:
     """The TTT activations with and without train.activation_checkpointing at this length."""
     arithmetic = _method(cfg, method).plan
-    plain = arithmetic.ttt_saved_bytes(cfg, batch, seq_len, ttt_length, bf16)["total"]
-    kept = arithmetic.ttt_saved_bytes(cfg, batch, seq_len, ttt_length, bf16, checkpoint=True)["total"]
-    one = sum(arithmetic.ttt_step_bytes(cfg, batch, seq_len, ttt_length - 1, bf16))
+    plain = arithmetic.saved_bytes(cfg, batch, seq_len, ttt_length, bf16)["total"]
+    kept = arithmetic.saved_bytes(cfg, batch, seq_len, ttt_length, bf16, checkpoint=True)["total"]
+    one = sum(arithmetic.step_bytes(cfg, batch, seq_len, ttt_length - 1, bf16))
     state = "on" if checkpoint else "off"
     return (f"TTT activations at T={seq_len}, K={ttt_length}: {gib(plain)} kept for backward without activation "
             f"checkpointing; {gib(kept)} kept + {gib(one)} for the one step recomputed with it "

@@ -34,7 +34,7 @@ class RunSetup:
     model_path: str
     info: TargetInfo
     capture_points: list[int]
-    eagle_layer_ids: list[int]  # SGLang's ids for the capture points (docs/EAGLE3.md §4)
+    sglang_capture_ids: list[int]  # SGLang's ids for the capture points (docs/EAGLE3.md §4)
     tokenizer: object
     data: TokenizedData
     method: DraftMethod  # the method whose config job.draft is (draft/registry.py)

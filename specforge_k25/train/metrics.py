@@ -23,16 +23,16 @@ from pathlib import Path
 
 import torch
 
-from ..draft.objective import TTTResult, simulated_acceptance_length
+from ..draft.objective import LossResult, simulated_acceptance_length
 
 
-class TTTStats:
+class LossStats:
     """Sums of TTT counters over batches -> acc_k, alpha_k, ploss_k, tau_sim."""
 
     def __init__(self):
         self.correct = self.scored = self.alpha = self.ploss_weighted = self.counted = None
 
-    def add(self, res: TTTResult) -> None:
+    def add(self, res: LossResult) -> None:
         vals = [res.correct.double(), res.scored.double(), res.alpha_sum.double(),
                 (res.ploss * res.counted).double(), res.counted.double()]
         if self.correct is None:

@@ -68,7 +68,7 @@ def print_overview(job: JobConfig, setup: RunSetup, schedule: list[BatchItem], s
         f"target      {job.target.name}: {setup.info.architecture}, {setup.info.num_layers} layers, hidden {H}, "
         f"vocab {setup.info.vocab_size} ({setup.model_path})",
         f"engine      SGLang in its own process, device {job.hw.device}, TP {job.hw.target_tp}{f' x {job.hw.target_pp} pipeline stages' if job.hw.target_pp > 1 else ''}, {job.hw.target_dtype}, prefill {f'in chunks of {job.hw.target_prefill_chunk} tokens' if job.hw.target_prefill_chunk else 'one forward per batch'}",
-        f"aux layers  inputs of layers {setup.capture_points} (SGLang's ids {setup.eagle_layer_ids})",
+        f"aux layers  inputs of layers {setup.capture_points} (SGLang's ids {setup.sglang_capture_ids})",
         f"draft       {setup.method.name}: {setup.method.describe(setup.draft_cfg)}; {_fmt_params(trainable)} "
         f"trainable (+{_fmt_params(draft.embed_tokens.weight.numel())} frozen embedding)",
         f"data        {len(setup.data.train)} train / {len(setup.data.heldout)} held-out samples, max_length "

@@ -6,12 +6,12 @@ import hashlib
 import torch
 import torch.nn.functional as F
 
-from ..draft.objective import TTTResult, compute_teacher
+from ..draft.objective import LossResult, compute_teacher
 from ..draft.method import DraftBatch, DraftMethod, draft_state
 from ..stream.ring import SeqWindow
 from .context_parallel import SeqShard, shard_of
 from .distributed import Ranks
-from .metrics import TTTStats
+from .metrics import LossStats
 from .sharding import full_model_state, full_state, is_sharded, load_full_state, reshard, unsharded_copy
 
 
@@ -68,7 +68,7 @@ class DraftLearner:
         self.method, self.draft, self.lm_head, self.optimizer, self.scheduler = method, draft, lm_head, optimizer, scheduler
         self.ranks = ranks or Ranks()
         self.spec, self.grad_accum = spec, grad_accum
-        self.depth = method.depth(spec, draft.cfg)  # positions the loss counts per token (TTTResult's length)
+        self.depth = method.depth(spec, draft.cfg)  # positions the loss counts per token (LossResult's length)
         self.generator = torch.Generator().manual_seed(seed)  # the batches' random draws (CPU)
         method.attach_target(draft, lm_head)
         self.grad_clip, self.teacher_chunk = grad_clip, teacher_chunk
@@ -143,12 +143,12 @@ class DraftLearner:
                                torch.zeros(sum(rows), self.aux_width), torch.zeros(sum(rows), ht), rows)
         return self.method.prepare_batch(self.draft.cfg, batch, torch.Generator().manual_seed(0))  # draws nothing counted
 
-    def _loss(self, batch: DraftBatch, normalizer: torch.Tensor | None = None) -> TTTResult:
+    def _loss(self, batch: DraftBatch, normalizer: torch.Tensor | None = None) -> LossResult:
         with self.autocast():
             return self.method.loss(self.draft, batch, self.spec, depth=self.depth, normalizer=normalizer,
                                     checkpoint=self.activation_checkpointing)
 
-    def train_micro(self, batch: DraftBatch | None) -> TTTResult | None:
+    def train_micro(self, batch: DraftBatch | None) -> LossResult | None:
         """Forward + backward of this rank's part of a micro-batch. None: this rank has no sample in
         it (a short last batch); it still takes part in the count all-reduce."""
         normalizer = None
@@ -166,14 +166,14 @@ class DraftLearner:
                 reshard(self.draft, self.method.fsdp_units(self.draft))
         return res if batch is not None else None
 
-    def loss_value(self, res: TTTResult | None) -> float:
+    def loss_value(self, res: LossResult | None) -> float:
         """The micro-batch's loss as logged; with several ranks the sum of their parts."""
         if not self.ranks.distributed:
             return res.loss.item()
         loss = res.loss.detach().float().reshape(1) if res is not None else torch.zeros(1, device=self.device)
         return self.ranks.sum(loss).item()
 
-    def sum_stats(self, stats: TTTStats) -> TTTStats:
+    def sum_stats(self, stats: LossStats) -> LossStats:
         """In place: the counters of all ranks (a no-op with one rank)."""
         if self.ranks.distributed:
             stats.all_reduce(self.ranks, self.depth, self.device)
@@ -193,7 +193,7 @@ class DraftLearner:
             return float(grad_norm)
 
     @torch.no_grad()
-    def evaluate(self, batch: DraftBatch | None) -> TTTResult | None:
+    def evaluate(self, batch: DraftBatch | None) -> LossResult | None:
         """None: this rank has no share of the batch (sharded: it still runs the forward)."""
         with self.ranks.collectives("an evaluation forward, where FSDP2 all-gathers the weights"):
             if batch is None:

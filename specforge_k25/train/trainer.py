@@ -29,7 +29,7 @@ from .distributed import RankFailed, Ranks, launcher_env_hidden, start_ranks, st
 from .fingerprint import (RESHARDABLE, check_fingerprint, fingerprint_defaults, run_fingerprint, unrecorded,
                           with_recorded_optimizer)
 from .feed import rebuild_regenerated, take_batches
-from .metrics import MetricsLogger, NullLogger, TTTStats
+from .metrics import MetricsLogger, NullLogger, LossStats
 from .regenerated import COLUMNS, RegenerationLog
 from .optim import build_optimizer, build_scheduler
 from .overview import eval_line, print_overview
@@ -126,8 +126,8 @@ class Trainer:
         self.logger = NullLogger()
         self.bar = None
         self.stream: TargetStream | None = None
-        self._eval: tuple[str, TTTStats] | None = None  # the evaluation under way: (tag, stats)
-        self._train_stats = TTTStats()
+        self._eval: tuple[str, LossStats] | None = None  # the evaluation under way: (tag, stats)
+        self._train_stats = LossStats()
         self._t_train: float | None = None  # set at the first training batch: throughput excludes start-up
         self._wait_at_train_start = 0.0
         self._session_tokens = self._tokens_streamed = 0
@@ -203,14 +203,14 @@ class Trainer:
                              "train/lr": self.learner.scheduler.get_last_lr()[0],
                              "perf/tokens_per_s": self._session_tokens / elapsed, "stream/depth": self.stream.depth(),
                              "stream/wait_frac": self.stream.wait_s / elapsed}, p.step)
-            self._train_stats = TTTStats()
+            self._train_stats = LossStats()
         if tr.checkpoint_every and p.step % tr.checkpoint_every == 0 and p.step < self.steps:
             self.save()
 
     def evaluate(self, item: BatchItem, batch) -> None:
         """One held-out batch of the evaluation `item.tag`; its metrics are logged when it ends."""
         if self._eval is None:
-            self._eval = (item.tag, TTTStats())
+            self._eval = (item.tag, LossStats())
         result = self.learner.evaluate(batch)  # sharded, without a share: FSDP's collectives still run
         if result is not None:
             self._eval[1].add(result)
@@ -291,7 +291,7 @@ class Trainer:
             self.bar.close()
             self.save(done=True)
             draft = self.learner.plain_draft() if (self.ranks.main or self.learner.sharded) else None
-            export = (export_draft(draft, self.run_dir / "export", self.setup.eagle_layer_ids,
+            export = (export_draft(draft, self.run_dir / "export", self.setup.sglang_capture_ids,
                                    self.setup.info.bos_token_id, self.setup.info.eos_token_id,
                                    capture_points=self.setup.capture_points, end_of_turn_id=self.setup.end_of_turn_id)
                       if self.ranks.main else None)

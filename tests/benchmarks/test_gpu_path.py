@@ -184,7 +184,7 @@ def test_gpu_e2e_one_graphs_mode_failing_keeps_the_other(monkeypatch, tmp_path):
     monkeypatch.setattr(g, "export_draft", lambda *a, **k: None)
     from specforge_k25.draft.registry import get_method
 
-    setup = SimpleNamespace(model_path=str(tmp_path), eagle_layer_ids=[], capture_points=[], info=SimpleNamespace(
+    setup = SimpleNamespace(model_path=str(tmp_path), sglang_capture_ids=[], capture_points=[], info=SimpleNamespace(
         bos_token_id=1, eos_token_id=2, vocab_size=100), method=get_method("eagle3"))
     args = g.parse_args(["--device", "cuda"])
     rows, errors = g.check_spec(args, setup, SimpleNamespace(draft=None), tmp_path, g.SIZES["small"])

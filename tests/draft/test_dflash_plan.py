@@ -81,19 +81,19 @@ def _measured_saved_bytes(cfg: DFlashConfig, B: int, T: int, bf16: bool, checkpo
 @pytest.mark.parametrize("case", range(len(CASES)))
 def test_saved_bytes_match_what_autograd_keeps(case, bf16, checkpoint, monkeypatch, one_torch_thread):
     cfg, B, T = CASES[case]
-    assert (plan.ttt_saved_bytes(cfg, B, T, 0, bf16, checkpoint)["total"]
+    assert (plan.saved_bytes(cfg, B, T, 0, bf16, checkpoint)["total"]
             == _measured_saved_bytes(cfg, B, T, bf16, checkpoint, monkeypatch))
 
 
 def test_a_step_is_one_layer(monkeypatch, one_torch_thread):
-    """ttt_step_bytes(k) is what a layer adds (k = 0: the first, whose input needs no grad; the plan
+    """step_bytes(k) is what a layer adds (k = 0: the first, whose input needs no grad; the plan
     counts a later one as the step recomputed under checkpointing)."""
     cfg, B, T = CFG, 2, 11
     for bf16 in (False, True):
         one, two, three = (_measured_saved_bytes(dataclasses.replace(cfg, num_hidden_layers=n), B, T, bf16, False,
                                                  monkeypatch) for n in (1, 2, 3))
-        assert sum(plan.ttt_step_bytes(cfg, B, T, 1, bf16)) == three - two == two - one
-        assert sum(plan.ttt_step_bytes(cfg, B, T, 0, bf16)) < three - two
+        assert sum(plan.step_bytes(cfg, B, T, 1, bf16)) == three - two == two - one
+        assert sum(plan.step_bytes(cfg, B, T, 0, bf16)) < three - two
 
 
 @pytest.mark.parametrize("case,bf16,checkpoint", [(0, False, False), (1, True, True), (2, False, True)])
@@ -147,15 +147,15 @@ def test_kimi_sized_draft_by_hand():
     f = plan.draft_step_flops(cfg, 1, T)
     assert f["attention_fwd"] == 6 * 4 * 56 * Q * 2304 * 128
     assert f["draft_recompute"] == 2 * P * 7168 * 163840
-    kept = plan.ttt_saved_bytes(cfg, 1, T, 7, bf16=True, checkpoint=True)
-    plain = plan.ttt_saved_bytes(cfg, 1, T, 7, True)
+    kept = plan.saved_bytes(cfg, 1, T, 7, bf16=True, checkpoint=True)
+    plain = plan.saved_bytes(cfg, 1, T, 7, True)
     assert kept["attention_mask"] == plain["attention_mask"] == 0 and kept["total"] < plain["total"] / 5
     # a layer keeps K/V at the 8 kv heads, 2 x 2 x 8 x 128 = 4 KiB per key in bf16 (the dense path
     # kept them repeated to 56 heads, 28 KiB, and a [Q, T+Q] additive mask)
-    one, two = (plan.ttt_step_bytes(dataclasses.replace(cfg, num_hidden_layers=n), 1, T, 1, True)[0] for n in (1, 2))
+    one, two = (plan.step_bytes(dataclasses.replace(cfg, num_hidden_layers=n), 1, T, 1, True)[0] for n in (1, 2))
     assert one == two
     # the backward's score tiles: 2 fp32 [56, 512, 1024] + a bool [512, 1024] (~224.5 MiB), bounded by
     # the tile whatever T is
     tiles = 2 * 4 * 56 * 512 * 1024 + 512 * 1024
-    grow = plan.ttt_backward_working_bytes(cfg, 1, 2 * T, 7, True) - plan.ttt_backward_working_bytes(cfg, 1, T, 7, True)
+    grow = plan.backward_working_bytes(cfg, 1, 2 * T, 7, True) - plan.backward_working_bytes(cfg, 1, T, 7, True)
     assert tiles == 235405312 and grow < 1e9  # linear terms only (the fp32 K/V grads, 2x T more keys)

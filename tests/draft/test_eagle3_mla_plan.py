@@ -68,16 +68,16 @@ def _measured_saved_bytes(cfg: MLADraftConfig, B: int, T: int, K: int, bf16: boo
 @pytest.mark.parametrize("B,T,K", [(2, 11, 3), (3, 7, 2)])
 def test_ttt_saved_bytes_match_what_autograd_saves(B, T, K, bf16, checkpoint, dv, one_torch_thread):
     cfg = _cfg(v_head_dim=dv)
-    assert (plan.ttt_saved_bytes(cfg, B, T, K, bf16, checkpoint)["total"]
+    assert (plan.saved_bytes(cfg, B, T, K, bf16, checkpoint)["total"]
             == _measured_saved_bytes(cfg, B, T, K, bf16, checkpoint))
 
 
 def test_one_step_is_the_difference_of_two_unrolls(one_torch_thread):
-    """ttt_step_bytes(k) is what step k adds (the plan counts the last step as the one recomputed
+    """step_bytes(k) is what step k adds (the plan counts the last step as the one recomputed
     under checkpointing)."""
     cfg, B, T = _cfg(), 1, 13
     for bf16 in (False, True):
-        step, mask = plan.ttt_step_bytes(cfg, B, T, 2, bf16)
+        step, mask = plan.step_bytes(cfg, B, T, 2, bf16)
         assert step + mask == (_measured_saved_bytes(cfg, B, T, 3, bf16, False)
                                - _measured_saved_bytes(cfg, B, T, 2, bf16, False))
 
@@ -167,8 +167,8 @@ def test_checkpointing_keeps_the_latent_cache_not_the_expanded_keys():
                          kv_lora_rank=512, qk_nope_head_dim=128, qk_rope_head_dim=64, v_head_dim=128,
                          vocab_size=163840, draft_vocab_size=32000, target_hidden_size=7168)
     T, K = 4096, 7
-    kept = plan.ttt_saved_bytes(cfg, 1, T, K, bf16=True, checkpoint=True)
+    kept = plan.saved_bytes(cfg, 1, T, K, bf16=True, checkpoint=True)
     assert kept["total"] == (6 * 7168 + 7 * 2 * 7168 + 6 * (4 * 512 + 2 * 64)) * T
-    full = plan.ttt_saved_bytes(cfg, 1, T, K, bf16=True)
+    full = plan.saved_bytes(cfg, 1, T, K, bf16=True)
     assert full["attention_mask"] == 0  # draft/eagle3/ttt_attention.py builds no mask
     assert full["total"] > 10 * kept["total"]

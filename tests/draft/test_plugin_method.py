@@ -24,7 +24,7 @@ import torch.nn.functional as F
 from safetensors.torch import load_file
 
 from specforge_k25.draft.export_folder import publish_folder, shape_problems
-from specforge_k25.draft.objective import TTTResult
+from specforge_k25.draft.objective import LossResult
 from specforge_k25.draft.method import DraftBatch, DraftMethod, Serving
 from specforge_k25.draft.layers import RMSNorm
 from specforge_k25.draft.registry import METHODS, register
@@ -92,14 +92,14 @@ def mtp_plan():
         H, V = cfg.hidden_size, cfg.vocab_size
         return {"fc": 2 * H * H, "norm": H, "embed_tokens (frozen)": V * H}
 
-    def ttt_step_bytes(cfg, batch, seq_len, k, bf16):
+    def step_bytes(cfg, batch, seq_len, k, bf16):
         return batch * seq_len * 4 * (3 * cfg.hidden_size + cfg.vocab_size), batch * seq_len
 
-    def ttt_saved_bytes(cfg, batch, seq_len, depth, bf16, checkpoint=False):
-        per_token, mask = ttt_step_bytes(cfg, batch, seq_len, 0, bf16)
+    def saved_bytes(cfg, batch, seq_len, depth, bf16, checkpoint=False):
+        per_token, mask = step_bytes(cfg, batch, seq_len, 0, bf16)
         return {"per_token": per_token, "attention_mask": mask, "total": per_token + mask}
 
-    def ttt_backward_working_bytes(cfg, batch, seq_len, depth, bf16):
+    def backward_working_bytes(cfg, batch, seq_len, depth, bf16):
         return 2 * batch * seq_len * 4 * cfg.vocab_size
 
     def draft_step_flops(cfg, batch, seq_len, depth, checkpoint=False):
@@ -107,8 +107,8 @@ def mtp_plan():
         head = 3 * 2 * N * (2 * H * H + H * V)  # forward and backward
         return {"teacher": 0, "draft": head, "total": head}
 
-    return SimpleNamespace(param_counts=param_counts, ttt_step_bytes=ttt_step_bytes, ttt_saved_bytes=ttt_saved_bytes,
-                           ttt_backward_working_bytes=ttt_backward_working_bytes, draft_step_flops=draft_step_flops)
+    return SimpleNamespace(param_counts=param_counts, step_bytes=step_bytes, saved_bytes=saved_bytes,
+                           backward_working_bytes=backward_working_bytes, draft_step_flops=draft_step_flops)
 
 
 class MTPMethod(DraftMethod):
@@ -154,7 +154,7 @@ class MTPMethod(DraftMethod):
         with torch.no_grad():
             correct = ((logits.argmax(-1) == _shifted(batch.input_ids, 2, 0)) & counted).sum()
             alpha = (torch.exp(-ce) * counted).sum()
-        return TTTResult(loss, (ce_sum / n.clamp(min=1)).detach()[None], n[None], correct[None], n[None], alpha[None])
+        return LossResult(loss, (ce_sum / n.clamp(min=1)).detach()[None], n[None], correct[None], n[None], alpha[None])
 
     def loss_positions(self, batch: DraftBatch, depth: int) -> torch.Tensor:
         return _counted(batch).sum()[None]

@@ -278,6 +278,6 @@ def test_eval_heads(smollm2_path, copy_head, tmp_path):
     assert type(untrained) is get_method("eagle3_mla").model_class
     assert untrained.cfg.kv_lora_rank == setup.draft_cfg.kv_lora_rank and untrained.cfg.draft_vocab_size == 4096
     config = json.loads((heads["untrained"] / "config.json").read_text())
-    assert config["eagle_config"]["eagle_aux_hidden_state_layer_ids"] == setup.eagle_layer_ids == SMOLLM2_EAGLE_IDS
+    assert config["eagle_config"]["eagle_aux_hidden_state_layer_ids"] == setup.sglang_capture_ids == SMOLLM2_EAGLE_IDS
     with pytest.raises(ValueError, match="taken"):
         _heads(compose_job([*common, f"+eval.heads.ngram={copy_head}"], config_name="eval"), setup, tmp_path)

@@ -59,8 +59,8 @@ def test_rtx_colocated_gpu_hand_computed():
     # TTT phase: the dedicated trainer's (checked by hand in test_memory_plan.py) with FSDP2's
     # all-gathered bf16 params (2P) and unsharded fp32 grads (4P) in place of the autocast copies (2P)
     dedicated = plan_memory(_job("rtxpro6000x8", "hw.trainer_layout=dedicated"), KIMI_K25).gpu(0)
-    assert gpu3.phases()["TTT fwd+bwd"] == dedicated.phases()["TTT fwd+bwd"] - 2 * P + 2 * P + 4 * P
-    assert gpu3.peak_phase() == "TTT fwd+bwd"
+    assert gpu3.phases()["draft fwd+bwd"] == dedicated.phases()["draft fwd+bwd"] - 2 * P + 2 * P + 4 * P
+    assert gpu3.peak_phase() == "draft fwd+bwd"
     assert round(gpu3.total() / GiB, 2) == 93.59 and gpu3.headroom() > 0
     assert plan.tokens_per_step == 2048 * 8
     assert any("hw.trainer_layout=colocated" in n and "1/8" in n for n in plan.notes)
@@ -73,7 +73,7 @@ def test_b300_colocated_gpu_hand_computed():
     gpu5 = plan.gpu(5)
     assert gpu5.resident() == _resident_by_hand(4, 4 * 8192, 8192, marlin=False)  # a TP4 replica: 4 x 8192
     dedicated = plan_memory(_job("b300x8", "hw.trainer_layout=dedicated"), KIMI_K25).gpu(0)
-    assert gpu5.phases()["TTT fwd+bwd"] == dedicated.phases()["TTT fwd+bwd"] + 4 * P
+    assert gpu5.phases()["draft fwd+bwd"] == dedicated.phases()["draft fwd+bwd"] + 4 * P
     assert round(gpu5.total() / GiB, 2) == 209.00
     assert plan.tokens_per_step == 8192 * 8  # 8 trainer ranks over the two replicas
 
@@ -102,7 +102,7 @@ def test_context_parallel_splits_the_trainer_and_the_target_batch():
     assert gpu.get("KV cache pool") == 16384 * 70_272
     assert gpu.resident() == _resident_by_hand(8, 16384, 2055, marlin=True)
     whole = plan_memory(_job("rtxpro6000x8", COLOC, "data.max_length=2055"), KIMI_K25).gpu(5)
-    assert gpu.phases()["TTT fwd+bwd"] == whole.phases()["TTT fwd+bwd"]
+    assert gpu.phases()["draft fwd+bwd"] == whole.phases()["draft fwd+bwd"]
     assert plan.tokens_per_step == 16384
     assert any("each computing on 2055 of its 16384 positions" in n for n in plan.notes)
     # the issue's goals at batch 1: >= 16k on the RTX node, >= 64k on the B300 node (TP4 replicas: C <= 4)

@@ -28,7 +28,7 @@ from specforge_k25.draft.objective import Teacher
 from specforge_k25.draft.eagle3.loss import ttt_loss
 from specforge_k25.draft.eagle3.model import DraftConfig, Eagle3Draft
 from specforge_k25.plan import (KIMI_K25, GiB, MiB, PlanError, check_fits, draft_param_counts, facts_from_folder,
-                                plan_memory, resolve_draft, trainable_params, ttt_saved_bytes)
+                                plan_memory, resolve_draft, trainable_params, saved_bytes)
 
 ROOT = Path(__file__).resolve().parents[2]
 CONF = str(ROOT / "conf")
@@ -155,7 +155,7 @@ def test_ttt_saved_bytes_match_what_autograd_saves(B, T, K, bf16, checkpoint):
     # dims chosen so no activation has a weight's shape (B*T not in {48, 56, 168, 60, 20, 88, 36})
     cfg = DraftConfig(hidden_size=48, intermediate_size=88, num_attention_heads=6, num_key_value_heads=2, head_dim=10,
                       vocab_size=100, draft_vocab_size=36, target_hidden_size=56)
-    assert (ttt_saved_bytes(cfg, B, T, K, bf16, checkpoint)["total"]
+    assert (saved_bytes(cfg, B, T, K, bf16, checkpoint)["total"]
             == _measured_saved_bytes(cfg, B, T, K, bf16, checkpoint))
 
 
@@ -196,12 +196,12 @@ def _kimi_saved_by_hand(B: int, T: int, K: int = 7) -> tuple[int, int]:
 def test_kimi_ttt_activation_bytes_hand_computed():
     B, T, K = 1, 4096, 7
     per_token, per_row = _kimi_saved_by_hand(B, T, K)
-    got = ttt_saved_bytes(_kimi_draft_cfg(), B, T, K, bf16=True)
+    got = saved_bytes(_kimi_draft_cfg(), B, T, K, bf16=True)
     assert got["per_token"] == per_token * B * T + per_row * B * (T + 1)
     assert got["attention_mask"] == 0
     assert round(got["total"] / GiB, 2) == 21.5  # the dense [T, (k+1)T]-mask attention kept 22.06 + 0.88 GiB of masks
     # checkpointed: the fc input cast, the hidden entering each step, the K/V (8 heads) of steps 0..5
-    kept = ttt_saved_bytes(_kimi_draft_cfg(), B, T, K, bf16=True, checkpoint=True)
+    kept = saved_bytes(_kimi_draft_cfg(), B, T, K, bf16=True, checkpoint=True)
     assert kept["total"] == (6 * 7168 + 7 * 2 * 7168 + 6 * 2 * 2 * 8 * 128) * T
     assert round(kept["total"] / GiB, 2) == 0.64
 
@@ -226,8 +226,8 @@ def test_trainer_budget_hand_computed():
     # the last step's (k = 6) backward: dq', dk', dv' of its SDPA at 56 heads over N+1 rows at W = 136 (bf16),
     # fp32 grads of q, U and its 6 diagonal keys and values (8 heads), the log-softmax's, the MLP's
     working = 3 * 2 * 56 * 136 * (N + 1) + (4 * (2 * 56 + 2 * 8 * 6) * 128 + 8 * Vd + 3 * 2 * I) * N
-    assert gpu0.phases()["TTT fwd+bwd"] == batch + 2 * P + per_token * N + per_row * (N + 1) + working
-    assert gpu0.peak_phase() == "TTT fwd+bwd"
+    assert gpu0.phases()["draft fwd+bwd"] == batch + 2 * P + per_token * N + per_row * (N + 1) + working
+    assert gpu0.peak_phase() == "draft fwd+bwd"
     # tokens per optimizer step = batch x max_length x grad_accum x trainer ranks
     assert plan.tokens_per_step == 1 * 8192 * 1 * 2
     assert plan_memory(_compose(["+hw=b300x8", *KIMI_DRAFT, "train.grad_accum=4"]), KIMI_K25).tokens_per_step == 65536
@@ -305,7 +305,7 @@ def test_rtx_fits_with_checkpointing_and_adamw_on_the_host():
     batch = N * (12 * H + 8 + 1 + 4 * Vd + 4 + 8)
     kept = (6 * H + 7 * 2 * H + 6 * 2 * 2 * 8 * 128) * N
     working = 3 * 2 * 56 * 136 * (N + 1) + (4 * (2 * 56 + 2 * 8 * 6) * 128 + 8 * Vd + 3 * 2 * 18432) * N
-    assert gpu0.phases()["TTT fwd+bwd"] == batch + 2 * P + kept + last_step + working
+    assert gpu0.phases()["draft fwd+bwd"] == batch + 2 * P + kept + last_step + working
     assert round(gpu0.total() / GiB, 2) == 92.23 and gpu0.total() < gpu0.capacity
     assert any("pinned host memory" in n for n in plan.notes)
     # without the two switches it does not fit, and the refusal names them

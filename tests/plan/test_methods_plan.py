@@ -12,7 +12,7 @@ import pytest
 from specforge_k25.config import compose_job
 from specforge_k25.draft.registry import get_method
 from specforge_k25.plan import (KIMI_K25, PlanError, compare_methods, draft_param_counts, draft_step_flops, plan_memory,
-                                predict_layouts, trainable_params, ttt_saved_bytes)
+                                predict_layouts, trainable_params, saved_bytes)
 
 KIMI = ["target=kimi_k25", "draft=kimi"]
 MLA = "eagle3_mla"
@@ -41,10 +41,10 @@ def test_the_plan_asks_the_method_draft_method_names():
     assert draft_param_counts(plan.draft)["kv_b_proj"] == 512 * 56 * 256
     gpu0 = plan.gpu(0)
     assert gpu0.get("draft weights fp32") == 4 * MLA_P
-    saved = method.plan.ttt_saved_bytes(plan.draft, 1, 8192, 7, True)
-    assert gpu0.get("TTT saved: per-token tensors (K steps)") == saved["per_token"] == ttt_saved_bytes(
+    saved = method.plan.saved_bytes(plan.draft, 1, 8192, 7, True)
+    assert gpu0.get("TTT saved: per-token tensors (K steps)") == saved["per_token"] == saved_bytes(
         plan.draft, 1, 8192, 7, True)["per_token"]
-    assert gpu0.get("TTT backward working set (estimate)") == method.plan.ttt_backward_working_bytes(
+    assert gpu0.get("TTT backward working set (estimate)") == method.plan.backward_working_bytes(
         plan.draft, 1, 8192, 7, True)
     assert draft_step_flops(plan.draft, 1, 8192, 7) == method.plan.draft_step_flops(plan.draft, 1, 8192, 7)
     # the other method's numbers differ: nothing of it leaks in

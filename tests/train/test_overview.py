@@ -33,7 +33,7 @@ def _fake_setup():
                            turns_dropped=0, skipped={})
     info = SimpleNamespace(architecture="DeepseekV3ForCausalLM", num_layers=8, hidden_size=128, vocab_size=49152)
     setup = SimpleNamespace(data=data, info=info, model_path="/tiny", capture_points=[2, 4, 5],
-                            eagle_layer_ids=[2, 4, 5], method=method, draft_cfg=None)
+                            sglang_capture_ids=[2, 4, 5], method=method, draft_cfg=None)
     draft = SimpleNamespace(trainable_parameters=lambda: [torch.zeros(4)],
                             embed_tokens=SimpleNamespace(weight=torch.zeros(2, 2)))
     return setup, draft, [BatchItem("train", [0])]

@@ -23,7 +23,7 @@ recomputed in backward (only its hidden rows stay saved). total = sum_j w_j CE_j
 w_j = exp(-(j-1)/gamma): a position-weighted mean, equal to the weighted mean over all counted
 tokens when every position counts as many tokens.
 
-Counters (draft/objective.py TTTResult, index k = block position k+1, so train/metrics.py's acc_k is
+Counters (draft/objective.py LossResult, index k = block position k+1, so train/metrics.py's acc_k is
 the k+1-th drafted token): counted = scored = the positions in CE_j; correct = argmax q == the
 label; alpha_sum = sum of q(label) (Σ_v min(p, q) with p the label's one-hot: the sequence's
 token stands for the target's choice, which it is for regenerated data).
@@ -36,7 +36,7 @@ import torch
 import torch.nn.functional as F
 import torch.utils.checkpoint
 
-from ..objective import TTTResult
+from ..objective import LossResult
 from ..layers import at_least_fp32
 
 
@@ -103,9 +103,9 @@ def loss_positions(loss_mask, lengths, anchors, valid, block_size: int) -> torch
 
 def dflash_loss(model, aux_hidden: torch.Tensor, input_ids: torch.Tensor, loss_mask: torch.Tensor,
                 lengths: torch.Tensor, anchors: torch.Tensor, valid: torch.Tensor,
-                normalizer: torch.Tensor | None = None, checkpoint: bool = False) -> TTTResult:
+                normalizer: torch.Tensor | None = None, checkpoint: bool = False) -> LossResult:
     """aux_hidden [B, T, K*Ht], input_ids / loss_mask [B, T] right-padded, lengths [B], anchors /
-    valid [B, A] (sample_anchors) -> TTTResult over block positions 1..Bk-1.
+    valid [B, A] (sample_anchors) -> LossResult over block positions 1..Bk-1.
 
     normalizer [Bk-1]: divide position j's summed CE by normalizer[j-1] (the count summed over
     data-parallel ranks, `loss_positions`) instead of this batch's own count.
@@ -154,5 +154,5 @@ def dflash_loss(model, aux_hidden: torch.Tensor, input_ids: torch.Tensor, loss_m
     loss = (w * ce_sum / denom).sum() / w.sum()
     if h.shape[0] == 0:
         loss = loss + 0 * hidden.sum()  # keep the graph (a rank without counted positions still backpropagates)
-    return TTTResult(loss, ce_sum.detach() / counted.clamp(min=1), counted, correct_sum, counted.clone(), alpha_sum)
+    return LossResult(loss, ce_sum.detach() / counted.clamp(min=1), counted, correct_sum, counted.clone(), alpha_sum)
 

@@ -3,7 +3,7 @@ module, the bytes the block loss keeps for backward (tests/draft/test_dflash_pla
 with saved-tensor hooks) and the analytic FLOPs of one training step (torch's flop counter checks
 them in the same file).
 
-A "step" (`ttt_step_bytes`) is one draft layer: what the plan's TTT items count per step is what
+A "step" (`step_bytes`) is one draft layer: what the plan's TTT items count per step is what
 one layer keeps, and with train.activation_checkpointing (one checkpoint per layer) the step that
 backward recomputes at a time. `depth` / `ttt_length` arguments are not used: the block size and
 the anchors set the positions.
@@ -35,7 +35,7 @@ The block attention's own transient memory is bounded by its tile, R = whole blo
 cfg.attention_tile_rows rows x C = cfg.attention_tile_keys context keys (`attention_tile`): forward
 holds one [B, nh, R, C] score tile (softmax in place), backward two (p, then dP -> dS in place)
 plus a [B, R, C] bool visibility mask, besides the fp32 grads of the context K/V it accumulates
-(`ttt_backward_working_bytes`). The former dense path (a [Q, T+Q] boolean mask and SDPA's additive
+(`backward_working_bytes`). The former dense path (a [Q, T+Q] boolean mask and SDPA's additive
 copy of it per layer, K/V repeated to nh heads, every query scored against all T+Q keys) is gone
 from training; eval's replay still passes a mask (model.py).
 
@@ -98,7 +98,7 @@ def attention_scores(cfg: DFlashConfig, seq_len: int) -> int:
     return len(anchors) * Bk * Bk + context
 
 
-def ttt_step_bytes(cfg: DFlashConfig, batch: int, seq_len: int, k: int, bf16: bool) -> tuple[int, int]:
+def step_bytes(cfg: DFlashConfig, batch: int, seq_len: int, k: int, bf16: bool) -> tuple[int, int]:
     """(bytes, mask bytes = 0) draft layer k keeps for backward (k = 0: the first layer, whose input
     needs no grad; any other k: a later layer).
 
@@ -107,7 +107,7 @@ def ttt_step_bytes(cfg: DFlashConfig, batch: int, seq_len: int, k: int, bf16: bo
       logsumexp 4nh; MLP 4a*I; its own K, V 2a*nkv*hd. First layer: 4H + 4 less.
     Per context token: bf16 4H (the context cast for k_proj and v_proj; fp32 reads the context
       itself, counted once); k_norm (4 + a)nkv*hd + 4nkv; K, V 2a*nkv*hd.
-    No mask (the prefixes, shared by all layers, are counted once in `ttt_saved_bytes`)."""
+    No mask (the prefixes, shared by all layers, are counted once in `saved_bytes`)."""
     H, I, nh, nkv, hd = (cfg.hidden_size, cfg.intermediate_size, cfg.num_attention_heads, cfg.num_key_value_heads,
                          cfg.head_dim)
     a = 2 if bf16 else 4
@@ -121,9 +121,9 @@ def ttt_step_bytes(cfg: DFlashConfig, batch: int, seq_len: int, k: int, bf16: bo
     return batch * (Q * block + T * context), 0
 
 
-def ttt_saved_bytes(cfg: DFlashConfig, batch: int, seq_len: int, depth: int = 0, bf16: bool = False,
+def saved_bytes(cfg: DFlashConfig, batch: int, seq_len: int, depth: int = 0, bf16: bool = False,
                     checkpoint: bool = False) -> dict[str, int]:
-    """Bytes the block loss's forward leaves for backward: the N layers (`ttt_step_bytes`) and once
+    """Bytes the block loss's forward leaves for backward: the N layers (`step_bytes`) and once
 
       per context token: bf16 the fc input cast 2K*Ht; hidden_norm 4H + aH + 4; fp32 the context
         4H (the layers' input); RoPE cos/sin 8hd
@@ -146,11 +146,11 @@ def ttt_saved_bytes(cfg: DFlashConfig, batch: int, seq_len: int, depth: int = 0,
         linear += batch * (T * 4 * H + Q * N * 4 * H)
     else:
         linear += batch * T * (0 if bf16 else 4 * H)
-        linear += sum(ttt_step_bytes(cfg, batch, seq_len, k, bf16)[0] for k in range(N))
+        linear += sum(step_bytes(cfg, batch, seq_len, k, bf16)[0] for k in range(N))
     return {"per_token": linear, "attention_mask": 0, "total": linear}
 
 
-def ttt_backward_working_bytes(cfg: DFlashConfig, batch: int, seq_len: int, depth: int = 0, bf16: bool = False) -> int:
+def backward_working_bytes(cfg: DFlashConfig, batch: int, seq_len: int, depth: int = 0, bf16: bool = False) -> int:
     """Estimate (not measured) of the transient memory on top of the saved tensors at the peak of
     backward: one logits chunk recomputed ([c, V] logits in a, their fp32 copy, log-softmax, and
     the grads of both: (2a + 12) bytes per element, c = min(logits_chunk, counted rows)), the grad

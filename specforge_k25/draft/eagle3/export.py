@@ -36,9 +36,9 @@ from ..vocab import VOCAB_MAPS, vocab_map_problems, with_identity_maps, without_
 EAGLE31_OPTIONS = ("fc_norm", "norm_output")
 
 
-def serving_config(cfg: DraftConfig, eagle_layer_ids: list[int], vllm_ids: list[int], bos_token_id, eos_token_id,
+def serving_config(cfg: DraftConfig, sglang_capture_ids: list[int], vllm_ids: list[int], bos_token_id, eos_token_id,
                    dtype: str = "float32") -> dict:
-    """config.json. `eagle_layer_ids`: SGLang's ids for the target; `vllm_ids`: vLLM's (the capture
+    """config.json. `sglang_capture_ids`: SGLang's ids for the target; `vllm_ids`: vLLM's (the capture
     points); `eos_token_id` as served (export/serving.py::served_eos)."""
     config = {
         "architectures": ["LlamaForCausalLMEagle3"],
@@ -62,7 +62,7 @@ def serving_config(cfg: DraftConfig, eagle_layer_ids: list[int], vllm_ids: list[
         "torch_dtype": dtype,
         "bos_token_id": bos_token_id,
         "eos_token_id": eos_token_id,
-        "eagle_config": {"eagle_aux_hidden_state_layer_ids": list(eagle_layer_ids), "use_aux_hidden_state": True,
+        "eagle_config": {"eagle_aux_hidden_state_layer_ids": list(sglang_capture_ids), "use_aux_hidden_state": True,
                          "layer_ids": vllm_ids},
         "eagle_aux_hidden_state_layer_ids": vllm_ids,
     }

@@ -17,7 +17,7 @@ import torch
 import torch.nn.functional as F
 
 from ..layers import at_least_fp32
-from ..objective import Teacher, TTTResult, shift
+from ..objective import Teacher, LossResult, shift
 
 
 def _window(x: torch.Tensor, seq, length: int) -> torch.Tensor:
@@ -57,7 +57,7 @@ def ttt_loss(
     normalizer: torch.Tensor | None = None,
     checkpoint: bool = False,
     seq=None,
-) -> TTTResult:
+) -> LossResult:
     """aux_hidden [B, T, 3Ht], input_ids/loss_mask [B, T] (right-padded), lengths [B].
 
     seq: context parallelism: aux_hidden [B, L, 3Ht] and the teacher are this rank's window
@@ -115,4 +115,4 @@ def ttt_loss(
         stats["correct"].append(correct)
         stats["scored"].append(scored.sum())
         stats["alpha_sum"].append(alpha_sum)
-    return TTTResult(loss, *(torch.stack(stats[n]) for n in ("ploss", "counted", "correct", "scored", "alpha_sum")))
+    return LossResult(loss, *(torch.stack(stats[n]) for n in ("ploss", "counted", "correct", "scored", "alpha_sum")))

@@ -35,7 +35,7 @@ def sdpa_width(dq: int, dv: int, bf16: bool) -> int:
     return -(-max(dq + n, dv + 1) // 8) * 8
 
 
-def ttt_step_bytes(cfg: DraftConfig, batch: int, seq_len: int, k: int, bf16: bool) -> tuple[int, int]:
+def step_bytes(cfg: DraftConfig, batch: int, seq_len: int, k: int, bf16: bool) -> tuple[int, int]:
     """(bytes, mask bytes) TTT step k saves for backward (draft/eagle3/loss.py::ttt_loss, one step); no
     mask (draft/eagle3/ttt_attention.py builds none), so mask bytes are 0.
 
@@ -72,15 +72,15 @@ def ttt_step_bytes(cfg: DraftConfig, batch: int, seq_len: int, k: int, bf16: boo
     return (layer + diagonal) * N + augmented * N1, 0
 
 
-def ttt_saved_bytes(cfg: DraftConfig, batch: int, seq_len: int, ttt_length: int, bf16: bool,
+def saved_bytes(cfg: DraftConfig, batch: int, seq_len: int, ttt_length: int, bf16: bool,
                     checkpoint: bool = False) -> dict[str, int]:
-    """Bytes the TTT forward leaves saved for backward, all K steps (`ttt_step_bytes` each).
+    """Bytes the TTT forward leaves saved for backward, all K steps (`step_bytes` each).
 
     Once: bf16: the fc input cast [T, 3Ht] (6Ht per token); fp32: fc's output (4H per token).
     checkpoint=True (train.activation_checkpointing): a step keeps only its inputs: the hidden
     [B, T, H] entering every step (a bytes; step 0's is fc's output) and the K/V [B, nkv, T, hd]
     of steps 0..K-2 (a bytes each); backward then recomputes one step at a time
-    (`ttt_step_bytes`, counted by the plan as a transient of the TTT phase).
+    (`step_bytes`, counted by the plan as a transient of the TTT phase).
     Returns {"per_token": bytes linear in T, "attention_mask": 0 (no mask; the key stays for the
     plan's API, draft/dflash/plan.py has masks), "total": both}.
     """
@@ -94,13 +94,13 @@ def ttt_saved_bytes(cfg: DraftConfig, batch: int, seq_len: int, ttt_length: int,
     else:
         linear = (6 * cfg.target_hidden_size if bf16 else 4 * cfg.hidden_size) * N
         for k in range(ttt_length):
-            step, mask = ttt_step_bytes(cfg, batch, seq_len, k, bf16)
+            step, mask = step_bytes(cfg, batch, seq_len, k, bf16)
             linear += step
             quadratic += mask
     return {"per_token": linear, "attention_mask": quadratic, "total": linear + quadratic}
 
 
-def ttt_backward_working_bytes(cfg: DraftConfig, batch: int, seq_len: int, ttt_length: int, bf16: bool) -> int:
+def backward_working_bytes(cfg: DraftConfig, batch: int, seq_len: int, ttt_length: int, bf16: bool) -> int:
     """Estimate (not measured) of the transient memory on top of the saved tensors, in the last
     step's backward (k = K-1 >= 1; W = `sdpa_width`): the augmented SDPA's input grads dq', dk',
     dv' over N1 = B*(T+1) rows, dk'/dv' at nh heads (a GQA backward accumulates per query head

@@ -47,11 +47,11 @@ def serving_tensors(draft: Eagle3MLADraft, dtype: torch.dtype = torch.float32) -
     return out
 
 
-def serving_config(cfg: MLADraftConfig, eagle_layer_ids: list[int], vllm_layer_ids: list[int], bos_token_id,
+def serving_config(cfg: MLADraftConfig, sglang_capture_ids: list[int], vllm_layer_ids: list[int], bos_token_id,
                    eos_token_id, dtype: str = "float32") -> dict:
-    """config.json. `eagle_layer_ids`: SGLang's ids for the target (target_engine/layers.py::sglang_layer_ids);
+    """config.json. `sglang_capture_ids`: SGLang's ids for the target (target_engine/layers.py::sglang_layer_ids);
     `vllm_layer_ids`: vLLM's (vllm_layer_ids(capture points)). One id per aux state."""
-    for ids, who in ((eagle_layer_ids, "SGLang"), (vllm_layer_ids, "vLLM")):
+    for ids, who in ((sglang_capture_ids, "SGLang"), (vllm_layer_ids, "vLLM")):
         if len(ids) != cfg.num_aux_hidden_states:
             raise ValueError(f"{len(ids)} {who} layer ids for a draft that reads "
                              f"{cfg.num_aux_hidden_states} aux states")
@@ -88,7 +88,7 @@ def serving_config(cfg: MLADraftConfig, eagle_layer_ids: list[int], vllm_layer_i
         "torch_dtype": dtype,
         "bos_token_id": bos_token_id,
         "eos_token_id": eos_token_id,
-        "eagle_config": {"eagle_aux_hidden_state_layer_ids": list(eagle_layer_ids), "use_aux_hidden_state": True,
+        "eagle_config": {"eagle_aux_hidden_state_layer_ids": list(sglang_capture_ids), "use_aux_hidden_state": True,
                          "layer_ids": list(vllm_layer_ids)},
         "eagle_aux_hidden_state_layer_ids": list(vllm_layer_ids),
     }

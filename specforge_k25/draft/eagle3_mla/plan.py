@@ -53,7 +53,7 @@ def sdpa_widths(cfg: MLADraftConfig, bf16: bool) -> tuple[int, int]:
     return (dq if dq == dv else -(-max(dq, dv) // 8) * 8), sdpa_width(dq, dv, bf16)
 
 
-def ttt_step_bytes(cfg: MLADraftConfig, batch: int, seq_len: int, k: int, bf16: bool) -> tuple[int, int]:
+def step_bytes(cfg: MLADraftConfig, batch: int, seq_len: int, k: int, bf16: bool) -> tuple[int, int]:
     """(bytes, mask bytes) TTT step k saves for backward (draft/eagle3/loss.py::ttt_loss, one step); no
     mask (draft/eagle3/ttt_attention.py builds none), so mask bytes are 0. (W0, W) = `sdpa_widths`;
     N1 = B*(T+1) rows of step k >= 1's augmented SDPA (a leading dummy row).
@@ -96,15 +96,15 @@ def ttt_step_bytes(cfg: MLADraftConfig, batch: int, seq_len: int, k: int, bf16: 
     return (outside + diagonal) * N + augmented * N1, 0
 
 
-def ttt_saved_bytes(cfg: MLADraftConfig, batch: int, seq_len: int, ttt_length: int, bf16: bool,
+def saved_bytes(cfg: MLADraftConfig, batch: int, seq_len: int, ttt_length: int, bf16: bool,
                     checkpoint: bool = False) -> dict[str, int]:
-    """Bytes the TTT forward leaves saved for backward, all K steps (`ttt_step_bytes` each).
+    """Bytes the TTT forward leaves saved for backward, all K steps (`step_bytes` each).
 
     Once: bf16: the fc input cast [T, Kx*Ht] (2Kx*Ht per token); fp32: fc's output (4H per token).
     checkpoint=True (train.activation_checkpointing): a step keeps only its inputs: the hidden
     [B, T, H] entering every step (a bytes; step 0's is fc's output) and the cache of steps
     0..K-2: the latent c (fp32 also under autocast: the RMSNorm's fp32 weight promotes it, 4r) and
-    the roped kpe (a*dr); backward recomputes one step at a time (`ttt_step_bytes`).
+    the roped kpe (a*dr); backward recomputes one step at a time (`step_bytes`).
     Returns {"per_token": bytes linear in T, "attention_mask": 0 (no mask; the key stays for the
     plan's API, draft/dflash/plan.py has masks), "total": both}.
     """
@@ -117,13 +117,13 @@ def ttt_saved_bytes(cfg: MLADraftConfig, batch: int, seq_len: int, ttt_length: i
     else:
         linear = (once if bf16 else 4 * cfg.hidden_size) * N
         for k in range(K):
-            step, mask = ttt_step_bytes(cfg, batch, seq_len, k, bf16)
+            step, mask = step_bytes(cfg, batch, seq_len, k, bf16)
             linear += step
             quadratic += mask
     return {"per_token": linear, "attention_mask": quadratic, "total": linear + quadratic}
 
 
-def ttt_backward_working_bytes(cfg: MLADraftConfig, batch: int, seq_len: int, ttt_length: int, bf16: bool) -> int:
+def backward_working_bytes(cfg: MLADraftConfig, batch: int, seq_len: int, ttt_length: int, bf16: bool) -> int:
     """Estimate (not measured) of the transient memory on top of the saved tensors, in the last
     step's backward (k = K-1; (W0, W) = `sdpa_widths`): the SDPA's input grads dq', dk', dv' (over
     N1 = B*(T+1) rows at W, or N rows at W0 when K = 1), the fp32 grads of q, U and the k diagonal
