@@ -87,14 +87,34 @@ class DraftMethod:
         teacher's input, and `final_hidden` for a method that reads it)."""
         raise NotImplementedError
 
-    def build(self, cfg) -> nn.Module:
+    def new_model(self, cfg) -> nn.Module:
+        """The method's model for `cfg`, freshly initialised (callers use `build`)."""
         raise NotImplementedError
+
+    def build(self, cfg, *, embed: torch.Tensor | None = None, lm_head: torch.Tensor | None = None) -> nn.Module:
+        """The model for `cfg` with the target's frozen pieces when given: `embed` [V, H] copied into
+        its embed_tokens, `lm_head` [V, Ht] attached where the model computes with it (`attach_target`)."""
+        model = self.new_model(cfg)
+        if embed is not None:
+            with torch.no_grad():
+                model.embed_tokens.weight.copy_(embed.float())
+        if lm_head is not None:
+            self.attach_target(model, lm_head)
+        return model
+
+    def load(self, export_dir: Path, embed_weight: torch.Tensor, lm_head: torch.Tensor | None = None) -> nn.Module:
+        """An exported head rebuilt (`load_export`) with the target's embedding, and its lm_head
+        attached when given."""
+        model = self.load_export(Path(export_dir), embed_weight)
+        if lm_head is not None:
+            self.attach_target(model, lm_head)
+        return model
 
     def attach_target(self, model: nn.Module, lm_head: torch.Tensor) -> None:
         """Hand `model` the target's frozen lm_head [V, Ht] when it computes with it (never trained,
-        checkpointed or exported). Called on every model a caller computes with: after `build`
-        (train: the lm_head on the trainer's device, in the target's dtype), a resume, `load_export`
-        and an unsharded copy. Default: nothing (the EAGLE-3 heads have their own lm_head)."""
+        checkpointed or exported); `build` and `load` call it, and the learner, which owns the
+        lm_head on the trainer's device, after a resume. Default: nothing (the EAGLE-3 heads have
+        their own lm_head)."""
 
     def reserved_token_ids(self, cfg) -> list[int]:
         """Token ids real input must never contain (DFlash: its mask token); setup refuses data with them."""
@@ -197,7 +217,7 @@ class DraftMethod:
 
 # What a method must define itself (the base raises NotImplementedError), and what its `plan`
 # module must hold: `method_problems` checks both when the registry takes a method.
-REQUIRED = ("resolve_config", "num_aux", "build", "fsdp_units", "describe", "depth", "loss", "loss_positions",
+REQUIRED = ("resolve_config", "num_aux", "new_model", "fsdp_units", "describe", "depth", "loss", "loss_positions",
             "serving_tensors", "serving_config", "validate_export", "load_export")
 PLAN_FUNCTIONS = ("param_counts", "step_bytes", "saved_bytes", "backward_working_bytes", "draft_step_flops")
 

@@ -52,11 +52,6 @@ def validate_export(export_dir: str | Path) -> None:
 
 
 def load_exported_draft(export_dir: str | Path, embed_weight: torch.Tensor, lm_head: torch.Tensor | None = None) -> nn.Module:
-    """Rebuild the draft (of whichever method wrote the folder) plus the target's embedding [V, H];
-    with `lm_head` [V, Ht], the method's `attach_target` gets it (DFlash computes its logits with
-    the target's lm_head; the EAGLE-3 heads have their own)."""
-    method = method_of_export(export_dir)
-    draft = method.load_export(Path(export_dir), embed_weight)
-    if lm_head is not None:
-        method.attach_target(draft, lm_head)
-    return draft
+    """Rebuild the draft (of whichever method wrote the folder) plus the target's embedding [V, H]
+    and, given, its lm_head [V, Ht] (DFlash computes its logits with it; the EAGLE-3 heads have their own)."""
+    return method_of_export(export_dir).load(Path(export_dir), embed_weight, lm_head)

@@ -220,19 +220,19 @@ def prompt_renderer(job: JobConfig, tokenizer):
     raise ValueError(f"target.chat_format={job.target.chat_format!r}: expected template or kimi")
 
 
-def fresh_draft(setup: RunSetup, seed: int) -> tuple[torch.nn.Module, torch.Tensor]:
+def fresh_draft(setup: RunSetup, seed: int, device: torch.device | str = "cpu",
+                lm_head_dtype: torch.dtype | None = None) -> tuple[torch.nn.Module, torch.Tensor]:
     """An untrained draft of the run's method (seeded init, the target's embedding, vocab maps
     from the training split only, the target's lm_head attached where the method computes with
-    it) and the target's lm_head [V, Ht]."""
+    it) and the target's lm_head [V, Ht], on `device` in `lm_head_dtype` (default: as stored)."""
     torch.manual_seed(seed)
     d2t, t2d = build_vocab_maps(count_tokens(setup.data.train, setup.info.vocab_size), setup.draft_cfg.draft_vocab_size)
     embed, lm_head = load_embedding_and_head(setup.model_path)
-    draft = setup.method.build(setup.draft_cfg)
+    lm_head = lm_head.to(device, lm_head_dtype)
+    draft = setup.method.build(setup.draft_cfg, embed=embed, lm_head=lm_head)
     with torch.no_grad():
-        draft.embed_tokens.weight.copy_(embed.float())
         draft.d2t.copy_(d2t)
         draft.t2d.copy_(t2d)
-    setup.method.attach_target(draft, lm_head)  # a method whose model computes with the target's lm_head
     return draft, lm_head
 
 

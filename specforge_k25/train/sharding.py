@@ -89,8 +89,6 @@ def load_full_state(draft: nn.Module, optimizer, model: dict, optim: dict | None
 def unsharded_copy(method: DraftMethod, draft: nn.Module, model: dict, lm_head: torch.Tensor | None = None) -> nn.Module:
     """A plain (unsharded, host) draft holding the full state `model` (rank 0's, from full_state);
     `lm_head`: the target's, attached as the method's model needs it (DraftMethod.attach_target)."""
-    plain = method.build(draft.cfg)
+    plain = method.build(draft.cfg, lm_head=lm_head)
     plain.load_state_dict(model)
-    if lm_head is not None:
-        method.attach_target(plain, lm_head)
     return plain

@@ -57,10 +57,9 @@ def build_learner(job: JobConfig, setup: RunSetup, steps: int, device: torch.dev
     hw.trainer_layout=colocated with several ranks: the draft sharded over them (train/sharding.py),
     AdamW on each rank's shard (train.optimizer_device does not apply, as the plan says)."""
     tr = job.train
-    draft, lm_head = fresh_draft(setup, tr.seed)
     frozen = getattr(torch, job.hw.target_dtype)  # the frozen embedding / lm_head keep the target's dtype
-    lm_head = lm_head.to(device, frozen)
-    setup.method.attach_target(draft, lm_head)  # before draft.to: a draft that holds it moves no copy of it
+    # the lm_head made on the trainer's device: a draft that holds it moves no copy of it with draft.to
+    draft, lm_head = fresh_draft(setup, tr.seed, device, frozen)
     draft.embed_tokens.to(frozen)
     draft.to(device)
     opt_device = tr.optimizer_device

@@ -56,7 +56,7 @@ def test_export_round_trip_and_what_the_folder_holds(tmp_path):
     config = AutoConfig.from_pretrained(out)  # what both servers do first
     assert (config.model_type, config.head_dim, config.num_hidden_layers) == ("qwen3", 8, 2)
     assert config.dflash_config == {"target_layer_ids": [0, 2, 4], "block_size": 4, "mask_token_id": 49}
-    back = METHOD.load_export(out, draft.embed_tokens.weight, lm_head)
+    back = METHOD.load(out, draft.embed_tokens.weight, lm_head)
     aux = torch.randn(5, 3 * CFG.hidden_size)
     torch.testing.assert_close(back.draft_block(aux, 3), draft.draft_block(aux, 3), rtol=0, atol=0)
 

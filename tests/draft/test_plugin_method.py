@@ -130,7 +130,7 @@ class MTPMethod(DraftMethod):
     def num_aux(self, cfg) -> int:
         return 0
 
-    def build(self, cfg) -> MTPHead:
+    def new_model(self, cfg) -> MTPHead:
         return MTPHead(cfg)
 
     def attach_target(self, model, lm_head) -> None:
@@ -174,7 +174,7 @@ class MTPMethod(DraftMethod):
         if problems:
             raise ValueError("; ".join(problems))
 
-    def load_export(self, export_dir: Path, embed_weight: torch.Tensor, lm_head=None) -> MTPHead:
+    def load_export(self, export_dir: Path, embed_weight: torch.Tensor) -> MTPHead:
         cfg = json.loads((export_dir / "config.json").read_text())
         model = MTPHead(MTPConfig(**{k: cfg[k] for k in ("hidden_size", "vocab_size", "target_hidden_size",
                                                            "rms_norm_eps")}))

@@ -69,7 +69,7 @@ class DFlashMethod(DraftMethod):
     def num_aux(self, cfg: DFlashConfig) -> int:
         return cfg.num_aux_hidden_states
 
-    def build(self, cfg: DFlashConfig) -> DFlashDraft:
+    def new_model(self, cfg: DFlashConfig) -> DFlashDraft:
         return DFlashDraft(cfg)
 
     def attach_target(self, model: DFlashDraft, lm_head: torch.Tensor) -> None:
@@ -140,8 +140,8 @@ class DFlashMethod(DraftMethod):
     def validate_export(self, export_dir: Path) -> None:
         export.validate_export(export_dir)
 
-    def load_export(self, export_dir: Path, embed_weight: torch.Tensor, lm_head: torch.Tensor | None = None) -> DFlashDraft:
-        return export.load_export(export_dir, embed_weight, lm_head)
+    def load_export(self, export_dir: Path, embed_weight: torch.Tensor) -> DFlashDraft:
+        return export.load_export(export_dir, embed_weight)
 
     # ------------------------------------------------------------------ serve
     def servings(self, chains: list) -> list[Serving]:

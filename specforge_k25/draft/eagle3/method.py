@@ -54,7 +54,7 @@ class Eagle3Method(DraftMethod):
     def num_aux(self, cfg) -> int:
         return NUM_AUX
 
-    def build(self, cfg) -> Eagle3Draft:
+    def new_model(self, cfg) -> Eagle3Draft:
         return self.model_class(cfg)
 
     def describe(self, cfg) -> str:
