@@ -60,6 +60,20 @@ class HwConfig:
 
 
 @dataclass
+class KimiOptions:
+    """target.kimi.*: the Kimi-K2.5 renderer's options (target.chat_format=kimi; docs/KIMI_K25.md §5)."""
+    default_system: Optional[str] = doc(None, "system turn put before a conversation that has none; null = none, as Kimi-K2.5's template (Kimi-K2-Instruct/K2-Thinking's insert \"You are Kimi, an AI assistant created by Moonshot AI.\")")
+    declare_tools: bool = doc(True, "render a row's `tools` as the template's tool_declare turn (TypeScript style) before the conversation")
+    tool_call_ids: str = doc("kimi", "kimi = a tool call id not of the form functions.NAME:IDX is renumbered (and its result's tool_call_id with it), a call without an id skips the row (tool_call_without_id) | verbatim = ids as the data gives them, a missing one printed None as the server does")
+    tool_call_index: str = doc("global", "IDX of a renumbered call counts the calls of the conversation (global) or of its message (per_message)")
+    tool_arguments: str = doc("served", "served = a call's JSON arguments printed as SGLang serves them in a prompt (parsed, then json.dumps), the final turn's as generated (the string as given) | verbatim = the string as given")
+    keep_reasoning: str = doc("tool_loop", "thinking mode: reasoning kept in the assistant turns after the last one without tool calls (tool_loop, the template's) | the final turn's only (final)")
+    supervise_history: bool = doc(True, "train on earlier assistant turns too (their reasoning dropped), not only the final turn(s)")
+    missing_reasoning: str = doc("error", "thinking mode: a kept turn without reasoning_content is refused (error) or rendered <think></think> (empty)")
+    add_bos: bool = doc(False, "prepend [BOS] (the template does not)")
+
+
+@dataclass
 class TargetConfig:
     name: str = doc("smollm2", "target name (for logs and checks)")
     builtin: str = doc("smollm2", "embedded target built locally when path is unset: smollm2 | tiny_deepseek | tiny_kimi | none")
@@ -67,17 +81,9 @@ class TargetConfig:
     aux_layers: Optional[list] = doc(None, "capture points = inputs of these decoder layers (the EAGLE-3 draft takes 3); null = [2, L//2, L-3]; [] = none (a method that reads only the final hidden state)")
     end_of_turn_token: Optional[str] = doc(None, "token closing an assistant turn; null = tokenizer eos")
     trust_remote_code: bool = doc(False, "pass trust_remote_code to tokenizer and engine (Kimi needs it)")
-    chat_format: str = doc("template", "template (the tokenizer's chat template) | kimi (Kimi-K2.5 format, thinking/tools)")
+    chat_format: str = doc("template", "data/chat_formats.py: template (the tokenizer's chat template) | kimi (Kimi-K2.5 format, thinking/tools; options target.kimi.*)")
     chat_mode: str = doc("thinking", "kimi format: the serving mode to train for, thinking | instant")
-    kimi_default_system: Optional[str] = doc(None, "kimi format: system turn put before a conversation that has none; null = none, as Kimi-K2.5's template (Kimi-K2-Instruct/K2-Thinking's insert \"You are Kimi, an AI assistant created by Moonshot AI.\")")
-    kimi_declare_tools: bool = doc(True, "kimi format: render a row's `tools` as the template's tool_declare turn (TypeScript style) before the conversation")
-    kimi_tool_call_ids: str = doc("kimi", "kimi format: kimi = a tool call id not of the form functions.NAME:IDX is renumbered (and its result's tool_call_id with it), a call without an id skips the row (tool_call_without_id) | verbatim = ids as the data gives them, a missing one printed None as the server does")
-    kimi_tool_call_index: str = doc("global", "kimi format: IDX of a renumbered call counts the calls of the conversation (global) or of its message (per_message)")
-    kimi_tool_arguments: str = doc("served", "kimi format: served = a call's JSON arguments printed as SGLang serves them in a prompt (parsed, then json.dumps), the final turn's as generated (the string as given) | verbatim = the string as given")
-    kimi_keep_reasoning: str = doc("tool_loop", "kimi format, thinking: reasoning kept in the assistant turns after the last one without tool calls (tool_loop, the template's) | the final turn's only (final)")
-    kimi_supervise_history: bool = doc(True, "kimi format: train on earlier assistant turns too (their reasoning dropped), not only the final turn(s)")
-    kimi_missing_reasoning: str = doc("error", "kimi format, thinking: a kept turn without reasoning_content is refused (error) or rendered <think></think> (empty)")
-    kimi_add_bos: bool = doc(False, "kimi format: prepend [BOS] (the template does not)")
+    kimi: KimiOptions = field(default_factory=KimiOptions)
     tiny_layers: int = doc(8, "tiny_deepseek / tiny_kimi: number of decoder layers", at_least=1)
     tiny_hidden: int = doc(128, "tiny_deepseek / tiny_kimi: hidden size", at_least=1)
 
@@ -189,6 +195,9 @@ MOVED_KEYS = {
     "draft.method": "the draft config group, which also selects the method's own draft.* fields: " + DRAFT_OPTIONS,
     "train.ttt_length": "draft.ttt_length (a knob of the EAGLE-3 methods)",
     "train.loss_decay": "draft.loss_decay (a knob of the EAGLE-3 methods)",
+    **{f"target.kimi_{name}": f"target.kimi.{name} (the Kimi renderer's options, target.kimi.*)" for name in (
+        "default_system", "declare_tools", "tool_call_ids", "tool_call_index", "tool_arguments", "keep_reasoning",
+        "supervise_history", "missing_reasoning", "add_bos")},
     "eval.dflash_blocks": "eval.chains: a DFlash head is served at a block of each distinct num_draft_tokens "
                           "there (e.g. 'eval.chains=[[3,1,4],[7,1,8]]' serves blocks 4 and 8)",
 }

@@ -63,7 +63,7 @@ name; empty or null content is "". The tools are deep-sorted by key and written 
 style (`kimi_tool_declaration`), as Kimi-K2.5's tokenizer (`tokenization_kimi.py`) does before
 the template runs.
 
-Choices of this renderer (all configurable in `KimiFormat`; target.kimi_* in the config):
+Choices of this renderer (all configurable in `KimiFormat`; target.kimi.* in the config):
 * tool call ids: a call's own `id` is used when it already has the `functions.{name}:{idx}`
   form Kimi generates, otherwise `functions.{name}:{idx}` with idx counting calls across the
   conversation (`tool_call_index="global"`) or within the message (`"per_message"`), and a tool
@@ -132,13 +132,13 @@ class KimiFormat:
 
 
 def kimi_format_of(target) -> KimiFormat:
-    """The `KimiFormat` of a `TargetConfig` (its kimi_* fields)."""
+    """The `KimiFormat` of a `TargetConfig` (its `kimi` options, config.py KimiOptions)."""
+    k = target.kimi
     return KimiFormat(
-        default_system=target.kimi_default_system, add_bos=target.kimi_add_bos,
-        keep_reasoning=target.kimi_keep_reasoning, supervise_history=target.kimi_supervise_history,
-        missing_reasoning=target.kimi_missing_reasoning, tool_call_index=target.kimi_tool_call_index,
-        tool_call_ids=target.kimi_tool_call_ids, tool_arguments=target.kimi_tool_arguments,
-        declare_tools=target.kimi_declare_tools,
+        default_system=k.default_system, add_bos=k.add_bos, keep_reasoning=k.keep_reasoning,
+        supervise_history=k.supervise_history, missing_reasoning=k.missing_reasoning,
+        tool_call_index=k.tool_call_index, tool_call_ids=k.tool_call_ids, tool_arguments=k.tool_arguments,
+        declare_tools=k.declare_tools,
     )
 
 

@@ -10,6 +10,7 @@ from dataclasses import dataclass
 import torch
 
 from ..config import JobConfig
+from ..data.chat_formats import chat_format
 from ..data.dataset import TokenizedData, build_dataset
 from ..data.regenerate import regeneration_prompt
 from ..draft.method import DraftMethod
@@ -196,28 +197,14 @@ def regeneration(job: JobConfig, tokenizer) -> Regeneration | None:
 
 
 def _renderer(job: JobConfig, tokenizer):
-    """None: the tokenizer's chat template; else our Kimi renderer (docs/KIMI_K25.md §5)."""
-    if job.target.chat_format == "kimi":
-        from ..data.kimi_format import kimi_format_of, kimi_renderer
-
-        return kimi_renderer(tokenizer, mode=job.target.chat_mode, fmt=kimi_format_of(job.target))
-    if job.target.chat_format == "template":
-        return None
-    raise ValueError(f"target.chat_format={job.target.chat_format!r}: expected template or kimi")
+    """The training renderer of the run's chat format (None: the tokenizer's chat template)."""
+    return chat_format(job.target.chat_format).renderer(tokenizer, job.target)
 
 
 def prompt_renderer(job: JobConfig, tokenizer):
     """`messages -> ids` of the generation prompt after them, by the same renderer and format as
     the run's training data (so eval measures the prompts the head was trained and is served on)."""
-    if job.target.chat_format == "kimi":
-        from ..data.kimi_format import kimi_format_of, kimi_prompt_renderer
-
-        return kimi_prompt_renderer(tokenizer, mode=job.target.chat_mode, fmt=kimi_format_of(job.target))
-    if job.target.chat_format == "template":
-        from ..data.tokenize import template_prompt_ids
-
-        return lambda messages: template_prompt_ids(tokenizer, messages)
-    raise ValueError(f"target.chat_format={job.target.chat_format!r}: expected template or kimi")
+    return chat_format(job.target.chat_format).prompt_renderer(tokenizer, job.target)
 
 
 def fresh_draft(setup: RunSetup, seed: int, device: torch.device | str = "cpu",

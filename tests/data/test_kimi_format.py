@@ -927,11 +927,11 @@ def test_target_config_kimi_options_reach_the_renderer(tok, E):
 
     job = compose_job(["target=kimi_k25"])
     assert kimi_format_of(job.target) == KimiFormat()  # the yaml spells out the defaults
-    job = compose_job(["target=kimi_k25", "target.chat_mode=instant", "target.kimi_default_system='Be Kimi.'",
-                       "target.kimi_tool_call_ids=verbatim", "target.kimi_tool_call_index=per_message",
-                       "target.kimi_tool_arguments=verbatim", "target.kimi_keep_reasoning=final",
-                       "target.kimi_supervise_history=false", "target.kimi_missing_reasoning=empty",
-                       "target.kimi_declare_tools=false", "target.kimi_add_bos=true"])
+    job = compose_job(["target=kimi_k25", "target.chat_mode=instant", "target.kimi.default_system='Be Kimi.'",
+                       "target.kimi.tool_call_ids=verbatim", "target.kimi.tool_call_index=per_message",
+                       "target.kimi.tool_arguments=verbatim", "target.kimi.keep_reasoning=final",
+                       "target.kimi.supervise_history=false", "target.kimi.missing_reasoning=empty",
+                       "target.kimi.declare_tools=false", "target.kimi.add_bos=true"])
     fmt = kimi_format_of(job.target)
     assert fmt == KimiFormat(default_system="Be Kimi.", tool_call_ids="verbatim", tool_call_index="per_message",
                              tool_arguments="verbatim", keep_reasoning="final", supervise_history=False,
@@ -940,4 +940,4 @@ def test_target_config_kimi_options_reach_the_renderer(tok, E):
     assert _renderer(job, tok)(msgs, 64).input_ids.tolist() == render_kimi(tok, msgs, 64, mode="instant", fmt=fmt).input_ids.tolist()
     assert prompt_renderer(job, tok)(msgs[:1])[:2] == [BOS, IM_SYSTEM]
     with pytest.raises(ValueError, match="tool_call_ids"):
-        kimi_format_of(compose_job(["target=kimi_k25", "target.kimi_tool_call_ids=openai"]).target)
+        kimi_format_of(compose_job(["target=kimi_k25", "target.kimi.tool_call_ids=openai"]).target)
