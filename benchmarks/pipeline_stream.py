@@ -90,8 +90,6 @@ def sglang_version() -> str | None:
 
 def run_layout(label: str, pp: int, tp: int, args, model_path: str, info, points, seqs, plan) -> tuple:
     """Stream the plan through one layout; the arrival times and the first batch's states."""
-    import torch
-
     from specforge_k25.stream.target_stream import TargetStream
     from specforge_k25.target_engine.factory import TargetSpec
 

@@ -32,7 +32,7 @@ import statistics
 import time
 from pathlib import Path
 
-from _common import (GiB, MiB, RESULTS, fmt_bytes, machine_info, new_figure, print_table, replot, run_child_points, save_figure,
+from _common import (MiB, RESULTS, fmt_bytes, machine_info, new_figure, print_table, replot, run_child_points, save_figure,
                      set_threads, write_json)
 
 DEFAULT_OUT = RESULTS / "ttt_attention.json"

@@ -24,7 +24,7 @@ from . import (PHASE_OPT, PHASE_TEACHER, PHASE_DRAFT, GiB, MemoryPlan, PlanError
 from .budget import LAYOUTS, context_parallel, node_layout, with_layout
 from .fit import length_binding, longest_fitting_length
 from .choose import compare_methods
-from .throughput import PARTS, predict_layouts
+from .throughput import predict_layouts
 
 
 def _g(n: int) -> str:

@@ -23,7 +23,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 from safetensors.torch import load_file
 
-from specforge_k25.draft.export_folder import publish_folder, shape_problems
+from specforge_k25.draft.export_folder import shape_problems
 from specforge_k25.draft.objective import LossResult
 from specforge_k25.draft.method import DraftBatch, DraftMethod, Serving
 from specforge_k25.draft.layers import RMSNorm

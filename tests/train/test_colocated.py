@@ -24,7 +24,7 @@ from specforge_k25.setup.layout import World, check_layout
 from specforge_k25.train.distributed import Ranks, balanced_shares
 
 from colocated_settings import COLOCATED, COMMON, PIPELINE_COLOCATED
-from rank_runs import assert_same_evals, max_rel_diff, rank_env, run_side_by_side
+from rank_runs import assert_same_evals, checkpoint_diffs, max_rel_diff, rank_env, run_side_by_side
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -104,12 +104,9 @@ def test_two_colocated_ranks_equal_one_dedicated_rank(colocated_runs):
     assert json.loads((two / "checkpoints" / "step_00000004" / "state.json").read_text()
                       )["fingerprint"]["trainer_layout"] == "colocated"
 
+    diffs = checkpoint_diffs(one, two)
     ckpts = sorted(p.name for p in (one / "checkpoints").iterdir())
-    assert ckpts == sorted(p.name for p in (two / "checkpoints").iterdir()) and len(ckpts) == 4
-    diffs = {c: max_rel_diff(load_file(one / "checkpoints" / c / "draft.safetensors"),
-                              load_file(two / "checkpoints" / c / "draft.safetensors")) for c in ckpts}
-    diffs["export"] = max_rel_diff(load_file(one / "export" / "model.safetensors"),
-                                    load_file(two / "export" / "model.safetensors"))
+    assert len(diffs) == len(ckpts) + 1 == 5
     print("max relative weight difference, dedicated vs co-located:", diffs)
     assert max(diffs.values()) < 1e-6, diffs
     first = load_file(one / "checkpoints" / ckpts[0] / "draft.safetensors")

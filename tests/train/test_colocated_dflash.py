@@ -15,7 +15,7 @@ import pytest
 from safetensors.torch import load_file
 
 from colocated_settings import COMMON
-from rank_runs import max_rel_diff, run_side_by_side
+from rank_runs import checkpoint_diffs, max_rel_diff, run_side_by_side
 
 EAGLE_ONLY = ("draft.vocab_size=1024", "draft.ttt_length=3")
 DFLASH = [*(o for o in COMMON if o not in EAGLE_ONLY), "draft=dflash", "draft.block_size=4", "draft.num_anchors=64"]
@@ -42,12 +42,9 @@ def test_two_colocated_dflash_ranks_equal_one_dedicated_rank(dflash_runs):
     s1, s2 = (json.loads((d / "summary.json").read_text()) for d in (one, two))
     assert (s1["trainer_ranks"], s2["trainer_ranks"]) == (1, 2)
     assert s1["steps"] == s2["steps"] == 4 and s1["tokens_trained"] == s2["tokens_trained"]
+    diffs = checkpoint_diffs(one, two)
     ckpts = sorted(p.name for p in (one / "checkpoints").iterdir())
-    assert ckpts == sorted(p.name for p in (two / "checkpoints").iterdir()) and len(ckpts) == 4
-    diffs = {c: max_rel_diff(load_file(one / "checkpoints" / c / "draft.safetensors"),
-                              load_file(two / "checkpoints" / c / "draft.safetensors")) for c in ckpts}
-    diffs["export"] = max_rel_diff(load_file(one / "export" / "model.safetensors"),
-                                    load_file(two / "export" / "model.safetensors"))
+    assert len(diffs) == len(ckpts) + 1 == 5
     print("max relative weight difference, dedicated vs co-located DFlash:", diffs)
     assert max(diffs.values()) < 1e-6, diffs
     first = load_file(one / "checkpoints" / ckpts[0] / "draft.safetensors")

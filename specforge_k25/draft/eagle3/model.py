@@ -16,7 +16,6 @@ from dataclasses import dataclass
 
 import torch
 import torch.nn as nn
-import torch.nn.functional as F
 
 from ..layers import MLP, RMSNorm, apply_rope, rope_cos_sin
 from .ttt_attention import ttt_attention
