@@ -73,6 +73,9 @@ class DraftMethod:
     # config fields that bound memory (chunk and tile sizes), not what is learned: a resume may
     # change them (train/fingerprint.py), e.g. to get past an out-of-memory error
     memory_only: tuple[str, ...] = ()
+    # model config fields added after checkpoints were first written, with the value an older
+    # checkpoint that does not record them meant (train/fingerprint.py compares them so)
+    config_recorded_later: dict = {}
 
     # ------------------------------------------------------------------ shape
     def resolve_config(self, spec, target, num_aux: int = 3) -> Any:

@@ -68,14 +68,15 @@ def fingerprint_defaults(fingerprint: dict) -> dict:
     """A saved fingerprint with the keys older checkpoints left out at the value they meant: the
     trainer ranks were recorded only when there were several (absent: one), the layout only when
     co-located, regen_cut not at all (absent while regenerating: its default, keep), the draft
-    method not at all (the one method there was), nor its fc_norm / norm_output (off), nor
-    length grouping (off), nor context parallelism (none); and the method's memory-only draft
-    fields, which older checkpoints recorded, left out."""
+    method not at all (the one method there was), nor the config fields its method added later
+    (`DraftMethod.config_recorded_later`), nor length grouping (off), nor context parallelism
+    (none); and the method's memory-only draft fields, which older checkpoints recorded, left out."""
     fp = {"trainer_ranks": 1, "trainer_layout": "dedicated", "draft_method": FIRST_METHOD, "group_by_length": False,
           "context_parallel": 1, **fingerprint}
-    if isinstance(fp.get("draft"), dict):  # the draft's EAGLE-3.1 options (draft/eagle3/model.py), off when not recorded
-        memory_only = _memory_only(fp["draft_method"])  # recorded by older checkpoints, not compared
-        fp["draft"] = {"fc_norm": False, "norm_output": False,
+    if isinstance(fp.get("draft"), dict):  # the method's fields added later, at the value older checkpoints meant
+        method = METHODS.get(fp["draft_method"])  # a method this version does not know: compare everything
+        memory_only = method.memory_only if method else ()  # recorded by older checkpoints, not compared
+        fp["draft"] = {**(method.config_recorded_later if method else {}),
                        **{k: v for k, v in fp["draft"].items() if k not in memory_only}}
     fp.setdefault("regen_cut", "keep" if fp.get("regeneration") else None)
     return fp
@@ -135,7 +136,3 @@ def with_recorded_optimizer(saved: dict, state: dict) -> dict:
 def _override(value) -> str:
     return f"[{','.join(map(str, value))}]" if isinstance(value, list) else str(value)
 
-
-def _memory_only(method: str) -> tuple[str, ...]:
-    known = METHODS.get(method)
-    return known.memory_only if known else ()  # a method this version does not know: compare everything

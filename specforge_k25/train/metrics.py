@@ -1,17 +1,15 @@
 """Metric names, aggregation of TTT statistics, and the wandb / no-op logger behind one interface.
 
-Metric glossary (also the wandb panel names). k counts the draft method's depth (DraftMethod.depth):
-EAGLE-3's TTT steps 0..draft.ttt_length-1, DFlash's block positions 1..block_size-1 (k = position - 1).
-  train/loss        the method's loss of the last micro-batch (EAGLE-3: Σ_k decay^k ploss_k;
-                    DFlash: the exp(-k/gamma)-weighted mean of ploss_k)
-  train/ploss_k     EAGLE-3: soft cross-entropy of TTT step k vs the target (draft vocab, renormalised);
-                    DFlash: cross-entropy of block position k+1 vs the sequence's token
-  train/acc_k       fraction of supervised positions where the draft's top-1 at step k equals the
-                    target's (DFlash: the sequence's token)
-  eval/acc_k        the same on the held-out split;  eval/alpha_k  Σ_v min(p_target, q_draft)
-                    (DFlash: q_draft of the sequence's token)
-  eval/tau_sim      1 + Σ_k Π_{j<=k} acc_j: simulated acceptance length of a chain of K drafts (DFlash: of
-                    one block, each position's accuracy given the true prefix, as if independent)
+Metric glossary (also the wandb panel names). k counts the draft method's depth (DraftMethod.depth,
+its loss's LossResult counters: e.g. EAGLE-3's TTT steps, DFlash's block positions 1.. as k = 0..);
+what is predicted and against what is the method's own (its loss's docstring).
+  train/loss        the method's loss of the last micro-batch (its weighting of the ploss_k)
+  train/ploss_k     the loss at depth k (mean over its counted positions)
+  train/acc_k       fraction of supervised positions where the draft's top-1 at depth k is right
+  eval/acc_k        the same on the held-out split;  eval/alpha_k  the mean of Σ_v min(p_ref, q_draft)
+                    at depth k (the reference: the target's distribution, or the method's one-hot label)
+  eval/tau_sim      1 + Σ_k Π_{j<=k} acc_j: simulated acceptance length of k drafts per verify step,
+                    each depth's accuracy given the true prefix
   perf/tokens_per_s trained tokens (prompt + answer) per second, wall clock
   stream/depth      target batches waiting for the trainer (0 = trainer-bound is good: target waits)
   stream/wait_frac  fraction of trainer wall time spent waiting for the target

@@ -28,6 +28,7 @@ class Eagle3Method(DraftMethod):
     export = export  # the serving folder's module: tensors, config, check, reload
     _units = ("fc_norm", "fc", "midlayer", "norm", "lm_head")  # fc_norm exists only with the option on
     context_parallel = True  # train/context_parallel.py: Ulysses attention, the TTT loss cut to each rank's window
+    config_recorded_later = {"fc_norm": False, "norm_output": False}  # the EAGLE-3.1 options, off before them
 
     def resolve_config(self, spec: Eagle3Spec, target, num_aux: int = NUM_AUX) -> DraftConfig:
         """H = Ht (the draft embeds tokens with the target's frozen embedding); unset sizes follow

@@ -23,6 +23,7 @@ class Eagle3MLAMethod(Eagle3Method):
     plan = plan
     export = export
     _units = ("fc", "midlayer", "norm", "lm_head")
+    config_recorded_later = {}  # its config has no EAGLE-3.1 options
 
     def resolve_config(self, spec: Eagle3MLASpec, target, num_aux: int = DEFAULT_NUM_AUX) -> MLADraftConfig:
         """Unset MLA sizes follow an MLA target (Kimi-K2.5: q_lora_rank 1536, kv_lora_rank 512,
