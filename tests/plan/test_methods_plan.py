@@ -1,4 +1,4 @@
-"""The plan asks the draft method (draft.method) for the draft's part: parameters, TTT activations,
+"""The plan asks the draft method (the draft group's) for the draft's part: parameters, TTT activations,
 FLOPs and the captured states it reads; `compare_methods` and the CLI's table put every method in
 the run's place.
 
