@@ -351,3 +351,67 @@ def test_a_planted_method_mention_is_named(tmp_path, source):
     (copy / "train" / "x.py").write_text(source)
     found = method_mentions(copy)
     assert any(f.startswith(f"specforge_k25/train/x.py:{source.count(chr(10))}") for f in found), found
+
+
+# ------------------------------------------------------------------ method knobs stay in the method
+def method_knobs() -> set[str]:
+    """The draft.* fields one method or another has beyond the shared DraftSpec ones."""
+    from dataclasses import fields
+
+    from specforge_k25.draft.registry import METHODS
+    from specforge_k25.draft.spec import DraftSpec
+
+    shared = {f.name for f in fields(DraftSpec)}
+    return {f.name for m in METHODS.values() for f in fields(m.spec_class)} - shared
+
+
+def knob_reads(root: Path = PACKAGE) -> list[str]:
+    """'file:line: draft.<knob>' for each read of a method's own draft.* field outside draft/
+    (`job.draft.ttt_length`, `spec.block_size` where spec is a method config): the shared code
+    asks the method (DraftMethod.depth, ...) instead."""
+    knobs, out = method_knobs(), []
+    for path in sorted(root.rglob("*.py")):
+        rel = path.relative_to(root.parent)
+        if rel.parts[1] == "draft":
+            continue
+        for node in ast.walk(ast.parse(path.read_text())):
+            if (isinstance(node, ast.Attribute) and node.attr in knobs and isinstance(node.value, ast.Attribute)
+                    and node.value.attr == "draft"):
+                out.append(f"{rel}:{node.lineno}: draft.{node.attr}")
+    return out
+
+
+def test_shared_code_config_and_profiles_hold_no_method_knob():
+    """A method's knobs live in its config (draft/<method>/config.py) and the draft group's
+    profiles (conf/draft/): no other config dataclass has one, no other YAML sets one, no shared
+    module reads one."""
+    import dataclasses
+
+    import yaml
+
+    import specforge_k25.config as config
+
+    knobs = method_knobs()
+    assert {"ttt_length", "loss_decay", "block_size", "num_anchors", "fc_norm"} <= knobs
+    for cls in vars(config).values():
+        if isinstance(cls, type) and dataclasses.is_dataclass(cls) and cls.__module__ == config.__name__:
+            assert not {f.name for f in dataclasses.fields(cls)} & knobs, cls.__name__
+    conf = PACKAGE.parent / "conf"
+    for path in conf.rglob("*.yaml"):
+        if path.parent.name == "draft":
+            continue
+        text = yaml.safe_load(path.read_text()) or {}
+        at_root = path.parent == conf or "@package _global_" in path.read_text()  # keys of the whole job
+        keys = set(text.get("draft") or {}) if at_root else set()
+        keys |= {k for k in text if isinstance(k, str) and k.startswith("draft.")}
+        assert not keys, f"{path.relative_to(conf)} sets draft.* keys {sorted(keys)}: a profile of conf/draft/ holds them"
+    assert knob_reads() == []
+
+
+def test_a_planted_knob_read_is_named(tmp_path):
+    import shutil
+
+    copy = tmp_path / "specforge_k25"
+    shutil.copytree(PACKAGE, copy, ignore=shutil.ignore_patterns("__pycache__"))
+    (copy / "train" / "x.py").write_text("def f(job):\n    return job.draft.ttt_length\n")
+    assert knob_reads(copy) == ["specforge_k25/train/x.py:2: draft.ttt_length"]
