@@ -103,12 +103,11 @@ def trainer_items(cfg, *, batch: int, seq_len: int, ttt_length: int, teacher_chu
     if data_parallel:
         items.append(Item("DP gradient buckets fp32 (DDP, assumed)", 4 * P,
                           note="upper bound: train/step.py all-reduces each grad in place"))
-    teacher = method.needs_teacher
-    items += _teacher_items(cfg, K, batch * seq_len, teacher_chunk, frozen_bytes) if teacher else []
-    items += [_batch_item(cfg, K, batch * seq_len, PHASE_DRAFT, teacher),
+    items += _teacher_items(cfg, K, batch * seq_len, teacher_chunk, frozen_bytes) if method.needs_teacher else []
+    items += [_batch_item(cfg, method, batch * seq_len, PHASE_DRAFT),
               Item("bf16 autocast weight copies", 2 * P if bf16 else 0, PHASE_DRAFT)]
     items += _ttt_items(cfg, method, batch, seq_len, ttt_length, bf16, checkpoint)
-    items.append(_batch_item(cfg, K, batch * seq_len, PHASE_OPT, teacher))
+    items.append(_batch_item(cfg, method, batch * seq_len, PHASE_OPT))
     if not optimizer_offloaded:
         items.append(Item("AdamW foreach temporaries fp32", 4 * P, PHASE_OPT))
     return [i for i in items if i.bytes]
@@ -138,27 +137,30 @@ def _sharded_trainer_items(cfg, method: DraftMethod, shards: int, *, batch: int,
         Item(f"AdamW m, v fp32 (shard 1/{shards})", 8 * shard),
     ]
     items += _frozen_items(cfg, frozen_bytes)
-    teacher = method.needs_teacher
-    items += _teacher_items(cfg, K, batch * seq_len, teacher_chunk, frozen_bytes) if teacher else []
-    items += [_batch_item(cfg, K, batch * seq_len, PHASE_DRAFT, teacher),
+    items += _teacher_items(cfg, K, batch * seq_len, teacher_chunk, frozen_bytes) if method.needs_teacher else []
+    items += [_batch_item(cfg, method, batch * seq_len, PHASE_DRAFT),
               Item(f"all-gathered draft params {'bf16' if bf16 else 'fp32'} (FSDP2)", a * P, PHASE_DRAFT,
                    note="whole unit, kept from forward through backward"),
               Item("unsharded grads fp32 before reduce-scatter", 4 * P, PHASE_DRAFT, note="upper bound: one unit")]
     items += _ttt_items(cfg, method, batch, seq_len, ttt_length, bf16, checkpoint)
-    items += [_batch_item(cfg, K, batch * seq_len, PHASE_OPT, teacher),
+    items += [_batch_item(cfg, method, batch * seq_len, PHASE_OPT),
               Item(f"AdamW foreach temporaries fp32 (shard 1/{shards})", 4 * shard, PHASE_OPT)]
     return [i for i in items if i.bytes]
 
 
-def _batch_bytes(cfg, num_aux: int, tokens: int, teacher: bool = True) -> int:
+def _batch_bytes(cfg, num_aux: int, tokens: int, teacher: bool = True, final: bool = False) -> int:
     # DraftBatch: aux fp32 [N, K*Ht], input_ids int64, loss_mask bool; with a teacher (a method that
-    # reads one): draft logits fp32 [N, Vd], logsumexp fp32, argmax int64; plus lengths (negligible)
-    return tokens * (4 * num_aux * cfg.target_hidden_size + 8 + 1 + ((4 * cfg.draft_vocab_size + 4 + 8) if teacher else 0))
+    # reads one): draft logits fp32 [N, Vd], logsumexp fp32, argmax int64; with the final hidden
+    # state (a method that reads it): fp32 [N, Ht]; plus lengths (negligible)
+    return tokens * (4 * num_aux * cfg.target_hidden_size + 8 + 1 + ((4 * cfg.draft_vocab_size + 4 + 8) if teacher else 0)
+                     + (4 * cfg.target_hidden_size if final else 0))
 
 
-def _batch_item(cfg, num_aux: int, tokens: int, phase: str, teacher: bool = True) -> Item:
-    return Item(f"batch: aux fp32 [B,T,{num_aux}Ht]" + (" + teacher [B,T,Vd] fp32" if teacher else ""),
-                _batch_bytes(cfg, num_aux, tokens, teacher), phase)
+def _batch_item(cfg, method: DraftMethod, tokens: int, phase: str) -> Item:
+    """The DraftBatch the method's loss reads (DraftMethod.needs_teacher, needs_final_hidden)."""
+    K, teacher, final = method.num_aux(cfg), method.needs_teacher, method.needs_final_hidden
+    return Item(f"batch: aux fp32 [B,T,{K}Ht]" + (" + teacher [B,T,Vd] fp32" if teacher else "")
+                + (" + final [B,T,Ht] fp32" if final else ""), _batch_bytes(cfg, K, tokens, teacher, final), phase)
 
 
 def _frozen_items(cfg, frozen_bytes: int) -> list[Item]:
@@ -177,7 +179,7 @@ def _teacher_items(cfg, num_aux: int, tokens: int, teacher_chunk: int, frozen_by
     # teacher logits: [chunk, V] in the lm_head's dtype, its fp32 copy (not made for fp32) and logsumexp's exp
     chunk_elem = frozen_bytes + (4 if frozen_bytes != 4 else 0) + 4
     return [
-        _batch_item(cfg, num_aux, tokens, PHASE_TEACHER),
+        Item(f"batch: aux fp32 [B,T,{num_aux}Ht] + teacher [B,T,Vd] fp32", batch_bytes, PHASE_TEACHER),
         Item("next batch + its final hidden fp32 [B,T,Ht]", batch_bytes + 4 * tokens * cfg.target_hidden_size,
              PHASE_TEACHER, note="built while the previous batch is still referenced"),
         Item("teacher chunk [chunk, V]: logits, fp32 copy, logsumexp", chunk_elem * min(teacher_chunk, tokens) * V

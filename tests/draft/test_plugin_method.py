@@ -263,6 +263,8 @@ def test_a_method_defined_in_a_test_trains_resumes_exports_plans_and_replays(tmp
     facts = facts_from_folder(model_path)
     plan = plan_memory(job, facts)
     assert plan.method is method and plan.draft.hidden_size == facts.hidden_size
+    tokens, H = job.train.batch_size * job.data.max_length, facts.hidden_size  # the batch it keeps: ids, mask, final
+    assert plan.gpu(0).get("batch: aux fp32 [B,T,0Ht] + final [B,T,Ht] fp32") == 2 * tokens * (8 + 1 + 4 * H)  # loss, optimizer
     rows = {r.method: r for r in compare_methods(job, facts)}
     assert NAME in rows and not rows[NAME].refused and rows[NAME].trainable_params == 2 * facts.hidden_size ** 2 + \
         facts.hidden_size
