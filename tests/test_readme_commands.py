@@ -98,6 +98,7 @@ COMMANDS: dict[str, Case] = {
     CHECKPOINTED: TRAIN,
     CHECKPOINTED + " train.resume=auto": Case(RUN, "resuming from", SHORT_TRAIN, after=CHECKPOINTED),
     "python -m specforge_k25.train data.regenerate=true": TRAIN,
+    "python -m specforge_k25.train draft=dflash data.regenerate=true": TRAIN,
     # Kimi-K2.5: the memory plan
     "python -m specforge_k25.plan +hw=rtxpro6000x8 target=kimi_k25 draft=kimi": Case(RUN, "fits"),
     "python -m specforge_k25.train +hw=rtxpro6000x8 target=kimi_k25 target.path=/models/Kimi-K2.5": FITS,
