@@ -261,7 +261,7 @@ def test_a_method_defined_in_a_test_trains_resumes_exports_plans_and_replays(tmp
 
     # the plan: this method's arithmetic in the memory plan and a row in the method comparison
     facts = facts_from_folder(model_path)
-    plan = plan_memory(job, facts)
+    plan = plan_memory(compose_job([*common, "+hw=b300x8", "hw.trainer_layout=dedicated"]), facts)  # per GPU
     assert plan.method is method and plan.draft.hidden_size == facts.hidden_size
     tokens, H = job.train.batch_size * job.data.max_length, facts.hidden_size  # the batch it keeps: ids, mask, final
     assert plan.gpu(0).get("batch: aux fp32 [B,T,0Ht] + final [B,T,Ht] fp32") == 2 * tokens * (8 + 1 + 4 * H)  # loss, optimizer
