@@ -29,6 +29,7 @@ import os
 import queue
 import signal
 import time
+from multiprocessing import resource_tracker
 
 import psutil
 import torch
@@ -90,6 +91,10 @@ def _start_quietly(process, env: dict[str, str] | None = None) -> None:
     added = {"PYTHONDONTWRITEBYTECODE": "1", **(env or {})}
     previous = {k: os.environ.get(k) for k in added}
     os.environ.update(added)
+    # multiprocessing starts its resource tracker on the first spawn and UNBLOCKS SIGINT / SIGTERM
+    # after doing so (resource_tracker.ensure_running): started inside process.start(), it would
+    # let the child start with them unblocked. Start it first, so the mask below holds.
+    resource_tracker.ensure_running()
     mask = signal.pthread_sigmask(signal.SIG_BLOCK, GROUP_SIGNALS)  # inherited: the child starts with them blocked
     try:
         process.start()

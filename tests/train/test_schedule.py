@@ -216,3 +216,14 @@ def test_grouping_by_length_keeps_every_sample_once_per_epoch_and_pads_less():
     # batches of neighbours in length, in a shuffled order of lengths
     firsts = [min(lengths[i] for i in b) for b in batches[:32]]
     assert firsts != sorted(firsts)
+
+
+def test_the_schedule_does_not_depend_on_the_rank_it_is_built_on(monkeypatch):
+    """Every data-parallel rank builds the one global schedule: nothing of the process (RANK,
+    LOCAL_RANK, GROUP_RANK as torchrun sets them) may seed its order."""
+    kw = dict(batch_size=2, grad_accum=2, epochs=2, max_steps=None, eval_every=3, seed=5,
+              lengths=[7, 3, 9, 4, 8, 2, 6, 5, 1, 10, 11, 12])
+    rank0 = build_schedule(12, 2, **kw)
+    for name in ("RANK", "LOCAL_RANK", "GROUP_RANK"):
+        monkeypatch.setenv(name, "1")
+    assert build_schedule(12, 2, **kw) == rank0
