@@ -144,9 +144,9 @@ def validate_export(export_dir: str | Path) -> None:
         raise ValueError(f"invalid DFlash draft export {d}:\n  " + "\n  ".join(problems))
 
 
-def load_export(export_dir: str | Path, embed_weight: torch.Tensor, lm_head: torch.Tensor | None = None) -> DFlashDraft:
-    """Rebuild the draft from an export folder plus the target's embedding [V, H] (and lm_head
-    [V, Ht], attached when given)."""
+def load_export(export_dir: str | Path, embed_weight: torch.Tensor) -> DFlashDraft:
+    """Rebuild the draft from an export folder plus the target's embedding [V, H] (the lm_head is
+    attached by DraftMethod.load)."""
     d = Path(export_dir)
     validate_export(d)
     draft = DFlashDraft(config_to_draft(json.loads((d / "config.json").read_text())))
@@ -154,6 +154,4 @@ def load_export(export_dir: str | Path, embed_weight: torch.Tensor, lm_head: tor
     state["embed_tokens.weight"] = embed_weight.float()
     state["d2t"], state["t2d"] = draft.d2t, draft.t2d
     draft.load_state_dict(state)
-    if lm_head is not None:
-        draft.attach_lm_head(lm_head)
     return draft
