@@ -48,6 +48,7 @@ def run_fingerprint(job: JobConfig, setup: RunSetup, n_items: int, ranks: int = 
         "train_data_sha1": setup.data.train_sha1(), "heldout_data_sha1": setup.data.heldout_sha1(),
         "schedule_items": n_items, "seed": job.train.seed,
         "lr": tr.lr, "betas": list(tr.betas), "weight_decay": tr.weight_decay, "warmup_ratio": tr.warmup_ratio,
+        "lr_schedule": tr.lr_schedule, "decay_ratio": tr.decay_ratio if tr.lr_schedule == "wsd" else None,
         "grad_clip": tr.grad_clip, **setup.method.objective_fingerprint(job.draft),
         "regeneration": json.loads(json.dumps(dataclasses.asdict(setup.regeneration))) if setup.regeneration else None,
         "regen_cut": job.data.regen_cut if setup.regeneration else None,
@@ -67,12 +68,13 @@ RESHARDABLE = ("batch_size", "trainer_ranks", "trainer_layout", "context_paralle
 def fingerprint_defaults(fingerprint: dict) -> dict:
     """A saved fingerprint with the keys older checkpoints left out at the value they meant: the
     trainer ranks were recorded only when there were several (absent: one), the layout only when
-    co-located, regen_cut not at all (absent while regenerating: its default, keep), the draft
+    co-located, regen_cut not at all (absent while regenerating: its default, keep), the LR schedule
+    not at all (cosine, whose decay_ratio means nothing), the draft
     method not at all (the one method there was), nor the config fields its method added later
     (`DraftMethod.config_recorded_later`), nor length grouping (off), nor context parallelism
     (none); and the method's memory-only draft fields, which older checkpoints recorded, left out."""
     fp = {"trainer_ranks": 1, "trainer_layout": "dedicated", "draft_method": FIRST_METHOD, "group_by_length": False,
-          "context_parallel": 1, **fingerprint}
+          "context_parallel": 1, "lr_schedule": "cosine", "decay_ratio": None, **fingerprint}
     if isinstance(fp.get("draft"), dict):  # the method's fields added later, at the value older checkpoints meant
         method = METHODS.get(fp["draft_method"])  # a method this version does not know: compare everything
         memory_only = method.memory_only if method else ()  # recorded by older checkpoints, not compared

@@ -1,4 +1,7 @@
-"""AdamW (optionally with its state on another device) and linear warmup then cosine decay to zero."""
+"""AdamW (optionally with its state on another device) and the LR schedule: linear warmup, then
+cosine decay to zero (`cosine`) or a constant peak ended by a linear decay to zero (`wsd`,
+warmup-stable-decay: a short run spends most of its steps at the peak LR instead of on a
+tail near zero)."""
 from __future__ import annotations
 
 import math
@@ -72,9 +75,13 @@ def build_optimizer(params, lr: float, betas, weight_decay: float, device: str |
     return OffloadedAdamW(params, device, **kwargs)
 
 
+def _warmup_steps(total_steps: int, warmup_ratio: float) -> int:
+    return max(1, math.ceil(round(warmup_ratio * total_steps, 6))) if warmup_ratio > 0 else 0  # 0.07*100 != 7.0
+
+
 def warmup_cosine(total_steps: int, warmup_ratio: float):
     """LR multiplier for step s (0-based): linear warmup over ceil(ratio*total), then cosine to 0."""
-    warmup = max(1, math.ceil(round(warmup_ratio * total_steps, 6))) if warmup_ratio > 0 else 0  # 0.07*100 != 7.0
+    warmup = _warmup_steps(total_steps, warmup_ratio)
 
     def factor(step: int) -> float:
         if step < warmup:
@@ -85,5 +92,36 @@ def warmup_cosine(total_steps: int, warmup_ratio: float):
     return factor
 
 
-def build_scheduler(optimizer, total_steps: int, warmup_ratio: float) -> torch.optim.lr_scheduler.LambdaLR:
-    return torch.optim.lr_scheduler.LambdaLR(optimizer, warmup_cosine(total_steps, warmup_ratio))
+def warmup_stable_decay(total_steps: int, warmup_ratio: float, decay_ratio: float):
+    """LR multiplier for step s (0-based): linear warmup over ceil(warmup_ratio*total), the peak
+    until the last D = ceil(decay_ratio*total) steps (at most what warmup leaves), then linear to 0:
+    step total-D+i (i = 0..D-1) gets (D-i)/(D+1), so the last step still moves the weights."""
+    warmup = _warmup_steps(total_steps, warmup_ratio)
+    decay = min(math.ceil(round(decay_ratio * total_steps, 6)), max(0, total_steps - warmup))
+
+    def factor(step: int) -> float:
+        if step < warmup:
+            return (step + 1) / warmup
+        into_decay = step - (total_steps - decay)
+        if into_decay < 0:
+            return 1.0
+        return max(0.0, (decay - into_decay) / (decay + 1))
+
+    return factor
+
+
+SCHEDULES = ("cosine", "wsd")
+
+
+def lr_factor(schedule: str, total_steps: int, warmup_ratio: float, decay_ratio: float = 0.0):
+    """The LR multiplier function of train.lr_schedule."""
+    if schedule == "cosine":
+        return warmup_cosine(total_steps, warmup_ratio)
+    if schedule == "wsd":
+        return warmup_stable_decay(total_steps, warmup_ratio, decay_ratio)
+    raise ValueError(f"train.lr_schedule={schedule!r}: expected one of {', '.join(SCHEDULES)}")
+
+
+def build_scheduler(optimizer, total_steps: int, warmup_ratio: float, schedule: str = "cosine",
+                    decay_ratio: float = 0.0) -> torch.optim.lr_scheduler.LambdaLR:
+    return torch.optim.lr_scheduler.LambdaLR(optimizer, lr_factor(schedule, total_steps, warmup_ratio, decay_ratio))

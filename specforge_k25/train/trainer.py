@@ -67,7 +67,7 @@ def build_learner(job: JobConfig, setup: RunSetup, steps: int, device: torch.dev
         shard_draft(draft, setup.method.fsdp_units(draft), bf16=job.hw.autocast == "bf16")
         opt_device = None
     optimizer = build_optimizer(draft.trainable_parameters(), tr.lr, tr.betas, tr.weight_decay, opt_device)
-    scheduler = build_scheduler(optimizer, steps, tr.warmup_ratio)
+    scheduler = build_scheduler(optimizer, steps, tr.warmup_ratio, tr.lr_schedule, tr.decay_ratio)
     return DraftLearner(setup.method, draft, lm_head, optimizer, scheduler, spec=job.draft,
                         grad_accum=tr.grad_accum, grad_clip=tr.grad_clip,
                         teacher_chunk=tr.teacher_chunk, autocast_bf16=job.hw.autocast == "bf16",
@@ -220,7 +220,8 @@ class Trainer:
         tag, stats = self._eval
         self._eval = None
         self.evals[tag] = {k.split("/", 1)[1]: v for k, v in self.learner.sum_stats(stats).summary("eval").items()}
-        self.logger.log({f"eval/{k}": v for k, v in self.evals[tag].items()}, self.progress.step)
+        self.logger.log({**{f"eval/{k}": v for k, v in self.evals[tag].items()},
+                         "eval/tokens_trained": self.progress.tokens_trained}, self.progress.step)
         if self.ranks.main:
             self.bar.write(f"eval[{tag}] " + eval_line(self.evals[tag], self.learner.depth))
 

@@ -206,6 +206,20 @@ def test_an_older_checkpoint_is_compared_on_what_its_optimizer_state_holds(tmp_p
     check_fingerprint(saved, _fingerprint(folder, _train(lr=1e-3, warmup_ratio=0.2)), Path("ckpt"))
 
 
+def test_the_lr_schedule_is_recorded_and_an_older_checkpoint_meant_cosine(tmp_path):
+    folder = _target(tmp_path / "t")
+    cosine, wsd = _fingerprint(folder), _fingerprint(folder, _train(lr_schedule="wsd"))
+    assert (cosine["lr_schedule"], cosine["decay_ratio"]) == ("cosine", None)  # cosine has no decay phase
+    assert (wsd["lr_schedule"], wsd["decay_ratio"]) == ("wsd", 0.2)
+    assert "lr_schedule: checkpoint 'cosine' vs now 'wsd'" in _refusal(cosine, wsd)
+    assert "decay_ratio: checkpoint 0.2 vs now 0.5" in _refusal(wsd, _fingerprint(folder, _train(lr_schedule="wsd",
+                                                                                                decay_ratio=0.5)))
+    check_fingerprint(cosine, _fingerprint(folder, _train(decay_ratio=0.5)), Path("ckpt"))  # unused by cosine
+    older = {k: v for k, v in cosine.items() if k not in ("lr_schedule", "decay_ratio")}
+    check_fingerprint(older, cosine, Path("ckpt"))
+    assert "lr_schedule: checkpoint 'cosine' vs now 'wsd'" in _refusal(older, wsd)
+
+
 # ------------------------------------------------------------------------ the draft's fields
 def _other(value):
     return (not value) if isinstance(value, bool) else value * 2 + 1 if isinstance(value, int) else value * 0.5

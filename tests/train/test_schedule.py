@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from specforge_k25.train.schedule import BatchItem, build_schedule, padding_share
-from specforge_k25.train.optim import build_optimizer, build_scheduler, warmup_cosine
+from specforge_k25.train.optim import build_optimizer, build_scheduler, lr_factor, warmup_cosine, warmup_stable_decay
 
 
 def plan_for(n_train=10, n_heldout=5, batch_size=3, grad_accum=2, epochs=2, max_steps=None, eval_every=2, seed=0):
@@ -190,6 +190,32 @@ def test_scheduler_drives_optimizer_lr():
         sched.step()
     assert seen[:4] == pytest.approx([5e-4, 1e-3, 1.5e-3, 2e-3])
     assert opt.param_groups[0]["lr"] == pytest.approx(0.0, abs=1e-15)
+
+
+def test_warmup_stable_decay_hand_computed():
+    """10 steps, warmup 0.2 -> 2 steps, decay 0.3 -> the last 3 steps at 3/4, 2/4, 1/4 of the peak."""
+    f = warmup_stable_decay(10, 0.2, 0.3)
+    assert [f(s) for s in range(10)] == [0.5, 1.0, 1.0, 1.0, 1.0, 1.0, 1.0, 0.75, 0.5, 0.25]
+    assert f(10) == 0.0 and f(12) == 0.0  # past the end: nothing
+    g = warmup_stable_decay(10, 0.0, 0.0)  # no warmup, no decay: constant
+    assert [g(s) for s in range(10)] == [1.0] * 10
+    h = warmup_stable_decay(4, 0.5, 1.0)  # the decay takes what the warmup leaves: 2 steps
+    assert [h(s) for s in range(4)] == [0.5, 1.0, 2 / 3, 1 / 3]
+
+
+def test_lr_schedule_by_name_drives_the_optimizer():
+    p = torch.nn.Parameter(torch.zeros(3))
+    opt = build_optimizer([p], lr=2e-3, betas=[0.9, 0.95], weight_decay=0.0)
+    sched = build_scheduler(opt, total_steps=10, warmup_ratio=0.2, schedule="wsd", decay_ratio=0.3)
+    seen = []
+    for _ in range(10):
+        seen.append(opt.param_groups[0]["lr"])
+        opt.step()
+        sched.step()
+    assert seen == pytest.approx([1e-3, 2e-3, 2e-3, 2e-3, 2e-3, 2e-3, 2e-3, 1.5e-3, 1e-3, 5e-4])
+    assert lr_factor("cosine", 20, 0.2)(7) == warmup_cosine(20, 0.2)(7)
+    with pytest.raises(ValueError, match="train.lr_schedule='linear'"):
+        lr_factor("linear", 10, 0.1)
 
 
 # ------------------------------------------------------------------------- length grouping
