@@ -17,16 +17,22 @@ at positions < its anchor (`prefix` = the anchor; 0 for an invalid one) and the 
 own block (both directions). The model computes that attention in bounded tiles
 (draft/dflash/block_attention.py): no [Q, T+Q] mask is built.
 
-Loss: CE_j = mean over counted positions of block position j of -log q(x[a+j]) (q over the full
-target vocab, through the target's lm_head), logits in chunks of `logits_chunk` rows, each chunk
-recomputed in backward (only its hidden rows stay saved). total = sum_j w_j CE_j / sum_j w_j with
-w_j = exp(-(j-1)/gamma): a position-weighted mean, equal to the weighted mean over all counted
-tokens when every position counts as many tokens.
+Loss: CE_j = mean over counted positions of block position j of the token loss
+    l = (1 - d) * -log q(x[a+j])  +  d * sum_v -p(v) log q(v)
+(q over the full target vocab, through the target's lm_head; p the target's own distribution for
+position a+j, its lm_head on its final state at a+j-1; d = draft.distill, 0 by default: no p is
+computed), logits in chunks of `logits_chunk` rows, each chunk recomputed in backward (only its
+hidden rows stay saved). total = sum_j w_j CE_j / sum_j w_j with w_j = exp(-(j-1)/gamma), or the
+weights given (draft.loss_weights): a position-weighted mean, equal to the weighted mean over all
+counted tokens when every position counts as many tokens. Distillation teaches the whole
+distribution where the sequence shows one token of it: for greedy regenerated data the label is
+the target's argmax, so d = 0 teaches that argmax only.
 
 Counters (draft/objective.py LossResult, index k = block position k+1, so train/metrics.py's acc_k is
 the k+1-th drafted token): counted = scored = the positions in CE_j; correct = argmax q == the
 label; alpha_sum = sum of q(label) (Σ_v min(p, q) with p the label's one-hot: the sequence's
-token stands for the target's choice, which it is for regenerated data).
+token stands for the target's choice, which it is for regenerated data); ploss = the mean token
+loss l (the hard CE when d = 0).
 """
 from __future__ import annotations
 
@@ -103,13 +109,18 @@ def loss_positions(loss_mask, lengths, anchors, valid, block_size: int) -> torch
 
 def dflash_loss(model, aux_hidden: torch.Tensor, input_ids: torch.Tensor, loss_mask: torch.Tensor,
                 lengths: torch.Tensor, anchors: torch.Tensor, valid: torch.Tensor,
-                normalizer: torch.Tensor | None = None, checkpoint: bool = False) -> LossResult:
+                normalizer: torch.Tensor | None = None, checkpoint: bool = False, *,
+                weights: list | torch.Tensor | None = None, distill: float = 0.0,
+                final_hidden: torch.Tensor | None = None) -> LossResult:
     """aux_hidden [B, T, K*Ht], input_ids / loss_mask [B, T] right-padded, lengths [B], anchors /
     valid [B, A] (sample_anchors) -> LossResult over block positions 1..Bk-1.
 
     normalizer [Bk-1]: divide position j's summed CE by normalizer[j-1] (the count summed over
     data-parallel ranks, `loss_positions`) instead of this batch's own count.
-    checkpoint: recompute each draft layer in backward."""
+    checkpoint: recompute each draft layer in backward.
+    weights [Bk-1]: the positions' weights (null: exp(-(j-1)/cfg.loss_gamma)).
+    distill: the soft-CE share d (module doc); > 0 needs final_hidden [B, T, Ht], the target's
+    final states (after its norm), from which the teacher's logits are computed chunk by chunk."""
     cfg = model.cfg
     Bk, dev = cfg.block_size, input_ids.device
     B, T = input_ids.shape
@@ -121,19 +132,30 @@ def dflash_loss(model, aux_hidden: torch.Tensor, input_ids: torch.Tensor, loss_m
     h = hidden[rows]  # [N, H] the counted block tokens only
     labels = inp.labels[rows]  # [N]
     k = inp.offset[rows[1]] - 1  # [N] block position - 1
+    if distill > 0:
+        if final_hidden is None:
+            raise ValueError("draft.distill > 0 needs the target's final hidden states (DraftBatch.final_hidden)")
+        # the target's distribution for x[a+j] comes from its final state at a+j-1 (>= a >= 1)
+        teacher_rows = final_hidden[rows[0], inp.block_positions[rows] - 1]  # [N, Ht]
+    else:
+        teacher_rows = h.new_zeros(h.shape[0], 0)
 
-    def chunk_stats(h_chunk, labels_chunk):
+    def chunk_stats(h_chunk, labels_chunk, teacher_chunk):
         logits = model.logits(h_chunk)
         logits = logits.to(at_least_fp32(logits.dtype))  # [c, V]
         logq = F.log_softmax(logits, -1)
         ce = -logq.gather(1, labels_chunk[:, None])[:, 0]
+        if distill > 0:
+            with torch.no_grad():  # the target's logits, as it computes them (its lm_head's dtype)
+                p = torch.softmax(model.logits(teacher_chunk).to(logq.dtype), -1)
+            ce = (1 - distill) * ce + distill * -(p * logq).sum(-1)
         with torch.no_grad():
             correct = (logits.argmax(-1) == labels_chunk).to(torch.int64)
         return ce, correct
 
     ces, corrects = [], []
     for s in range(0, h.shape[0], cfg.logits_chunk):
-        args = (h[s:s + cfg.logits_chunk], labels[s:s + cfg.logits_chunk])
+        args = (h[s:s + cfg.logits_chunk], labels[s:s + cfg.logits_chunk], teacher_rows[s:s + cfg.logits_chunk])
         if torch.is_grad_enabled():
             ce, correct = torch.utils.checkpoint.checkpoint(chunk_stats, *args, use_reentrant=False)
         else:
@@ -149,7 +171,10 @@ def dflash_loss(model, aux_hidden: torch.Tensor, input_ids: torch.Tensor, loss_m
     with torch.no_grad():
         correct_sum = torch.bincount(k, weights=correct.double(), minlength=P)[:P].to(torch.int64)
         alpha_sum = torch.zeros(P, dtype=torch.float32, device=dev).index_add(0, k, torch.exp(-ce.detach()).float())
-    w = position_weights(Bk, cfg.loss_gamma, dev).to(ce.dtype)
+    w = (position_weights(Bk, cfg.loss_gamma, dev) if weights is None
+         else torch.as_tensor(weights, dtype=torch.float64, device=dev)).to(ce.dtype)
+    if w.shape != (P,):
+        raise ValueError(f"{w.numel()} position weights for block positions 1..{P}: give {P}")
     denom = (normalizer if normalizer is not None else counted).clamp(min=1).to(ce.dtype)
     loss = (w * ce_sum / denom).sum() / w.sum()
     if h.shape[0] == 0:

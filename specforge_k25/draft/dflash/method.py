@@ -40,13 +40,16 @@ class DFlashMethod(DraftMethod):
     spec_class = DFlashSpec  # draft.* (conf group option `draft=dflash`)
     config_class = DFlashConfig  # what resolve_config returns (registry.method_of_config)
     plan = plan
-    needs_teacher = False  # CE against the sequence's own tokens
+    needs_teacher = False  # CE against the sequence's own tokens; with draft.distill its loss computes the
+    # target's distribution itself, only at the rows it counts, from the final states
+    needs_final_hidden = True  # draft.distill's teacher (the stream carries the final states anyway)
     # the loss's logits chunk and the block attention's tile: the same sums, computed in pieces
     memory_only = ("logits_chunk", "attention_tile_rows", "attention_tile_keys")
 
     def resolve_config(self, spec: DFlashSpec, target, num_aux: int = 5) -> DFlashConfig:
         if num_aux < 1:
             raise ValueError("DFlash reads at least one capture point")
+        check_objective(spec)
         heads = spec.num_attention_heads or target.num_attention_heads
         kv_heads = spec.num_key_value_heads or target.num_key_value_heads or heads
         if heads % kv_heads:  # e.g. an MLA target reports as many KV heads as heads
@@ -116,13 +119,23 @@ class DFlashMethod(DraftMethod):
             raise ValueError(f"DFlash counts block positions 1..{cfg.block_size - 1}: depth must be "
                              f"block_size - 1 = {cfg.block_size - 1} (method.depth), got {depth}")
 
+    def objective_fingerprint(self, spec: DFlashSpec) -> dict:
+        """draft.loss_weights and draft.distill, recorded only when set: a checkpoint from before
+        they existed trained without them, and resumes as long as they stay unset."""
+        weights, distill = getattr(spec, "loss_weights", None), getattr(spec, "distill", 0.0)
+        return {**({"loss_weights": [float(w) for w in weights]} if weights is not None else {}),
+                **({"distill": float(distill)} if distill else {})}
+
     def loss(self, model, batch: DraftBatch, spec: DFlashSpec, *, depth: int, normalizer=None, checkpoint: bool = False):
-        """Block positions weighted by cfg.loss_gamma (resolved from the spec)."""
+        """Block positions weighted by draft.loss_weights or cfg.loss_gamma; draft.distill's share
+        of soft CE against the target's distribution (from batch.final_hidden)."""
         cfg = model.cfg
         self._check_depth(cfg, depth)
         anchors, valid = self._anchors(batch)
         return block_loss.dflash_loss(model, batch.aux_hidden, batch.input_ids, batch.loss_mask, batch.lengths,
-                                      anchors, valid, normalizer=normalizer, checkpoint=checkpoint)
+                                      anchors, valid, normalizer=normalizer, checkpoint=checkpoint,
+                                      weights=spec.loss_weights, distill=spec.distill,
+                                      final_hidden=batch.final_hidden if spec.distill else None)
 
     def loss_positions(self, batch: DraftBatch, depth: int) -> torch.Tensor:
         anchors, valid = self._anchors(batch)
@@ -161,3 +174,14 @@ class DFlashMethod(DraftMethod):
     def proposals(self, model, aux_hidden, input_ids, servings: list[Serving], final_hidden=None) -> list[torch.Tensor]:
         """One pass per block size: a block attends both ways, so a longer block changes the earlier proposals."""
         return [block_proposals(model, aux_hidden, input_ids, s.draft_tokens) for s in servings]
+
+
+def check_objective(spec: DFlashSpec) -> None:
+    """ValueError naming the objective field out of its range."""
+    if not 0 <= spec.distill <= 1:
+        raise ValueError(f"draft.distill={spec.distill}: the soft-CE share is between 0 and 1")
+    if spec.loss_weights is not None:
+        weights = list(spec.loss_weights)
+        if len(weights) != spec.block_size - 1 or any(not float(w) > 0 for w in weights):
+            raise ValueError(f"draft.loss_weights={weights}: give block_size - 1 = {spec.block_size - 1} weights > 0, "
+                             f"one per drafted block position")
