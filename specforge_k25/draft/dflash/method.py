@@ -122,7 +122,7 @@ class DFlashMethod(DraftMethod):
     def objective_fingerprint(self, spec: DFlashSpec) -> dict:
         """draft.loss_weights and draft.distill, recorded only when set: a checkpoint from before
         they existed trained without them, and resumes as long as they stay unset."""
-        weights, distill = getattr(spec, "loss_weights", None), getattr(spec, "distill", 0.0)
+        weights, distill = objective(spec)
         return {**({"loss_weights": [float(w) for w in weights]} if weights is not None else {}),
                 **({"distill": float(distill)} if distill else {})}
 
@@ -132,10 +132,11 @@ class DFlashMethod(DraftMethod):
         cfg = model.cfg
         self._check_depth(cfg, depth)
         anchors, valid = self._anchors(batch)
+        weights, distill = objective(spec)
         return block_loss.dflash_loss(model, batch.aux_hidden, batch.input_ids, batch.loss_mask, batch.lengths,
                                       anchors, valid, normalizer=normalizer, checkpoint=checkpoint,
-                                      weights=spec.loss_weights, distill=spec.distill,
-                                      final_hidden=batch.final_hidden if spec.distill else None)
+                                      weights=weights, distill=distill,
+                                      final_hidden=batch.final_hidden if distill else None)
 
     def loss_positions(self, batch: DraftBatch, depth: int) -> torch.Tensor:
         anchors, valid = self._anchors(batch)
@@ -174,6 +175,12 @@ class DFlashMethod(DraftMethod):
     def proposals(self, model, aux_hidden, input_ids, servings: list[Serving], final_hidden=None) -> list[torch.Tensor]:
         """One pass per block size: a block attends both ways, so a longer block changes the earlier proposals."""
         return [block_proposals(model, aux_hidden, input_ids, s.draft_tokens) for s in servings]
+
+
+def objective(spec) -> tuple[list | None, float]:
+    """(draft.loss_weights, draft.distill); their defaults for a spec without them (a caller that
+    hands the loss another method's spec, as tests of the shared training loop do)."""
+    return getattr(spec, "loss_weights", None), float(getattr(spec, "distill", 0.0))
 
 
 def check_objective(spec: DFlashSpec) -> None:
