@@ -80,11 +80,15 @@ def _jsonable(obj):
     return obj
 
 
-def write_json(path: Path, result: dict) -> None:
+def write_json(path: Path, result: dict, quiet: bool = False) -> None:
+    """Written to a temp file and renamed: a process killed while writing leaves the previous version."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(_jsonable(result), indent=1))
-    print(f"wrote {path}")
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(json.dumps(_jsonable(result), indent=1))
+    os.replace(tmp, path)
+    if not quiet:
+        print(f"wrote {path}")
 
 
 def replot(out: Path, plot) -> dict:

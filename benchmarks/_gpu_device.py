@@ -50,18 +50,53 @@ class MemorySampler:
         self._thread.join()
 
 
-def memory_vs_plan(job, sampler: MemorySampler) -> dict:
+# The plan must hold what was measured and not overstate it by more than 2x: an upper bound that
+# any overestimate would pass says nothing.
+MEMORY_BOUNDS = (0.5, 1.0)  # measured / planned, per owner and in total
+
+
+def owner_rows(planned: dict[str, int], measured: dict[str, int | None], bounds=MEMORY_BOUNDS) -> dict:
+    """{owner: {planned, measured, ratio, ok}}: ok when bounds[0] <= measured / planned <= bounds[1];
+    an owner not measured is None (not ok, not failed)."""
+    rows = {}
+    for owner, plan in planned.items():
+        got = measured.get(owner)
+        ratio = got / plan if got is not None and plan else None
+        rows[owner] = {"planned": plan, "measured": got, "ratio": ratio,
+                       "ok": None if ratio is None else bool(bounds[0] <= ratio <= bounds[1])}
+    return rows
+
+
+def memory_vs_plan(job, sampler: MemorySampler, trainer_pid: int) -> dict:
+    """Measured / planned per owner: the trainer process (the trainer's items and the slot ring, which
+    the trainer process allocates and shares with the target by CUDA IPC; NVML's figure includes its
+    CUDA context), the target processes (SGLang, NVML: every other process on the GPU), and the whole
+    device (cudaMemGetInfo). Without NVML per-process figures the trainer is torch's max reserved
+    (no context) and the target the device peak less that."""
     plan = plan_memory(job, facts_from_folder(job.target.path))
     gpu = plan.gpu(job.hw.target_gpu)
     own = {"target": 0, "stream": 0}
     for item in gpu.items:
         if item.owner in own:
             own[item.owner] += item.bytes
-    trainer = gpu.total() - own["target"] - own["stream"]
-    return {"device_peak_used": sampler.peak_used, "plan_total": gpu.total(), "plan_target": own["target"],
-            "plan_trainer": trainer, "plan_ring": own["stream"], "per_process_peak_nvml": sampler.per_pid,
-            "trainer_max_reserved": torch.cuda.max_memory_reserved(), "mem_fraction_static": job.hw.mem_fraction_static,
-            "ok": sampler.peak_used <= gpu.total()}
+    trainer_plan = gpu.total() - own["target"] - own["stream"]
+    reserved = torch.cuda.max_memory_reserved()
+    if sampler.per_pid:
+        trainer = sampler.per_pid.get(trainer_pid)
+        target = sum(v for pid, v in sampler.per_pid.items() if pid != trainer_pid) or None
+        source = "NVML per process (peaks)"
+    else:
+        trainer, target = reserved, max(sampler.peak_used - reserved, 0)
+        source = "no NVML per process: trainer = torch max reserved (no CUDA context), target = device peak - that"
+    planned = {"trainer process (trainer + ring)": trainer_plan + own["stream"], "target processes": own["target"],
+               "device total": gpu.total()}
+    rows = owner_rows(planned, {"trainer process (trainer + ring)": trainer, "target processes": target,
+                                "device total": sampler.peak_used})
+    return {"owners": rows, "bounds": MEMORY_BOUNDS, "source": source, "device_peak_used": sampler.peak_used,
+            "plan_total": gpu.total(), "plan_target": own["target"], "plan_trainer": trainer_plan,
+            "plan_ring": own["stream"], "per_process_peak_nvml": sampler.per_pid, "trainer_max_reserved": reserved,
+            "mem_fraction_static": job.hw.mem_fraction_static,
+            "ok": all(r["ok"] is not False for r in rows.values()) and rows["device total"]["ok"] is True}
 
 
 # Each runs in a child with sglang_cpu_compat.apply_gpu(), as the engines do; SGLang's JIT disk cache
@@ -92,11 +127,11 @@ def _build(code: str, timeout_s: int) -> dict:
             "log": (out.stdout + out.stderr)[-4000:]}
 
 
-def jit_preflight(rows_bytes: list[int], tree: bool) -> dict:
+def jit_preflight(rows_bytes: list[int], tree: bool, timeout_s: int = 150) -> dict:
     """CUDA: build SGLang's JIT kernels once before the engines. The KV-store kernel may fail (SGLang
     stores K/V with torch, but retries the build on every call, which can make the engine crawl); the
     EAGLE tree kernels (check d) have no fallback. Each result keeps the build log's tail."""
-    out = {"kv_store": _build(_KV_STORE.format(rows=rows_bytes), 300)}
+    out = {"kv_store": _build(_KV_STORE.format(rows=rows_bytes), timeout_s)}
     if tree:
-        out["eagle_tree"] = _build(_TREE, 300)
+        out["eagle_tree"] = _build(_TREE, timeout_s)
     return out

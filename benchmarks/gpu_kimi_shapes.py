@@ -1,4 +1,7 @@
-"""One EAGLE-3 draft training step at Kimi-K2.5 shapes on one GPU: time, peak memory, TFLOP/s.
+"""One draft training step at Kimi-K2.5 shapes on one GPU: time, peak memory, TFLOP/s. EAGLE-3 by
+default; `--methods dflash,eagle3` adds one DFlash layer (conf/draft/kimi_dflash.yaml with num_layers=1:
+its six capture points, block 8, 512 anchors; the plan counts a DFlash "step" as one layer) against the
+plan of draft/dflash/plan.py, each method's rows written as soon as they exist.
 
 The step is the trainer's own (train/step.py `DraftLearner`): make_batch (pad + chunked teacher
 over the full 163840-token vocab) -> train_micro (TTT forward + backward, bf16 autocast) ->
@@ -23,6 +26,7 @@ process. A shape that runs out of memory is reported as OOM. The table is printe
     python benchmarks/gpu_kimi_shapes.py                      # CUDA, Kimi shapes (<= ~5 min on one H200)
     python benchmarks/gpu_kimi_shapes.py --activation-checkpointing --optimizer-device cpu  # RTX PRO 6000 profile
     python benchmarks/gpu_kimi_shapes.py --device cpu --small # tiny shapes, seconds (smoke test)
+    python benchmarks/gpu_kimi_shapes.py --methods dflash,eagle3 --seq-lens 2048,4096 --iters 3  # in the GPU check
 
 FLOP count: `specforge_k25.plan.throughput.draft_step_flops` (its docstring; the throughput plan
 uses the same count). It equals torch.utils.flop_counter's count of the same step exactly, its
@@ -34,6 +38,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import gc
+import os
 import statistics
 import time
 from pathlib import Path
@@ -46,6 +51,8 @@ from specforge_k25.plan.throughput import draft_step_flops as step_flops  # one 
 REPO = Path(__file__).resolve().parent.parent
 KIMI_DRAFT_YAML = REPO / "conf" / "draft" / "kimi.yaml"
 DEFAULT_OUT = RESULTS / "gpu_kimi_shapes.json"
+KIMI_DFLASH_YAML = REPO / "conf" / "draft" / "kimi_dflash.yaml"
+KIMI_DFLASH_AUX = 6  # its capture points [2,13,25,36,48,59] (the YAML's comment)
 # --small: a draft of the same structure (GQA 2:1, Vd < V), sized for a CPU smoke test
 SMALL_SHAPE = dict(hidden_size=64, intermediate_size=128, num_attention_heads=4, num_key_value_heads=2,
                    head_dim=16, vocab_size=1024, draft_vocab_size=256, target_hidden_size=64)
@@ -73,12 +80,16 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--time-budget-s", type=float, default=240.0,
                    help="shapes not started within this many seconds are reported as skipped")
     p.add_argument("--threads", type=int, default=2, help="CPU intra-op threads")
-    p.add_argument("--out", type=Path, default=DEFAULT_OUT, help="JSON result (the PNG goes beside it)")
+    p.add_argument("--methods", default="eagle3", help="comma-separated: eagle3, dflash (one layer)")
+    p.add_argument("--no-plot", action="store_true", help="no PNG (the device tool brings back few files)")
+    p.add_argument("--out", type=Path, default=None, help="JSON result, the PNG beside it (default: "
+                                                          "$OUT/gpu_kimi_shapes.json where OUT is set, else "
+                                                          "benchmarks/results/gpu_kimi_shapes.json)")
     return p.parse_args(argv)
 
 
 # ------------------------------------------------------------------------------------ shapes
-def draft_config(small: bool):
+def draft_config(small: bool, method: str = "eagle3"):
     """The Kimi draft exactly as a run with `target=kimi_k25 draft=kimi` builds it (or a tiny one).
     Plain YAML (no OmegaConf): the GPU machines' images lack it, and conf/draft/kimi.yaml has no
     interpolation."""
@@ -88,6 +99,8 @@ def draft_config(small: bool):
     from specforge_k25.draft.eagle3.model import DraftConfig
     from specforge_k25.plan import KIMI_K25, resolve_draft
 
+    if method == "dflash":
+        return dflash_config(small)
     if small:
         return DraftConfig(**SMALL_SHAPE, max_position_embeddings=4096)
     spec = Eagle3Spec()  # conf/draft/kimi.yaml: EAGLE-3's defaults (its `defaults:` list) and its sizes
@@ -97,13 +110,41 @@ def draft_config(small: bool):
     return resolve_draft(spec, KIMI_K25)
 
 
+def dflash_spec():
+    """conf/draft/kimi_dflash.yaml over DFlash's defaults, one layer."""
+    import yaml
+
+    from specforge_k25.draft.dflash.config import DFlashSpec
+
+    spec = DFlashSpec()
+    for key, value in yaml.safe_load(KIMI_DFLASH_YAML.read_text()).items():
+        if key != "defaults":
+            setattr(spec, key, value)
+    spec.num_layers = 1
+    return spec
+
+
+def dflash_config(small: bool):
+    from specforge_k25.draft.dflash.model import DFlashConfig
+    from specforge_k25.plan import KIMI_K25, resolve_draft
+
+    if small:
+        return DFlashConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=1, num_attention_heads=4,
+                            num_key_value_heads=2, head_dim=16, vocab_size=1024, target_hidden_size=64,
+                            num_aux_hidden_states=KIMI_DFLASH_AUX, block_size=8, mask_token_id=1023, num_anchors=8,
+                            max_position_embeddings=4096)
+    return resolve_draft(dflash_spec(), KIMI_K25, KIMI_DFLASH_AUX)
+
+
 def planned_bytes(cfg, batch: int, seq_len: int, ttt_length: int, chunk: int, bf16: bool, *, checkpoint: bool,
                   optimizer_offloaded: bool) -> int:
     """The memory planner's trainer figure for this step (same settings as `build_learner`: frozen
     embedding / lm_head in bf16 under bf16 autocast, else fp32), without the CUDA context."""
     from specforge_k25.plan import trainer_items
 
-    items = trainer_items(cfg, batch=batch, seq_len=seq_len, ttt_length=ttt_length, teacher_chunk=chunk, bf16=bf16,
+    from specforge_k25.draft.registry import method_of_config
+
+    items = trainer_items(cfg, method=method_of_config(cfg), batch=batch, seq_len=seq_len, ttt_length=ttt_length, teacher_chunk=chunk, bf16=bf16,
                           data_parallel=False, context_bytes=0, frozen_bytes=frozen_dtype(bf16).itemsize,
                           checkpoint=checkpoint, optimizer_offloaded=optimizer_offloaded)
     resident = sum(i.bytes for i in items if i.phase is None)
@@ -184,23 +225,23 @@ def optimizer_device(args, device: torch.device) -> str | None:
 
 
 def build_learner(cfg, device: torch.device, args):
-    from specforge_k25.draft.eagle3.model import Eagle3Draft
     from specforge_k25.train.optim import build_optimizer, build_scheduler
-    from specforge_k25.draft.registry import method_of
+    from specforge_k25.draft.registry import method_of_config
     from specforge_k25.train.step import DraftLearner
 
     frozen = frozen_dtype(not args.no_bf16)
+    method = method_of_config(cfg)
     torch.manual_seed(0)
     with torch.device(device):  # initialise the 2B-parameter module where it lives
-        draft = Eagle3Draft(cfg)
+        draft = method.new_model(cfg)
         draft.embed_tokens.to(frozen)  # before the lm_head exists: the fp32 -> bf16 transient stays small
         lm_head = torch.randn(cfg.vocab_size, cfg.target_hidden_size, dtype=frozen).mul_(cfg.target_hidden_size**-0.5)
     # d2t = 0: draft ids 0..Vd-1 are target ids 0..Vd-1 (which ids does not change the cost)
     optimizer = build_optimizer(draft.trainable_parameters(), 5e-5, (0.9, 0.95), 0.0,
                                 device=optimizer_device(args, device))
     scheduler = build_scheduler(optimizer, 1000, 0.015)
-    method = method_of(draft)
-    return DraftLearner(method, draft, lm_head, optimizer, scheduler, spec=method.spec_class(ttt_length=args.ttt_length),
+    spec = dflash_spec() if method.name == "dflash" else method.spec_class(ttt_length=args.ttt_length)
+    return DraftLearner(method, draft, lm_head, optimizer, scheduler, spec=spec,
                         grad_accum=1, grad_clip=0.5, teacher_chunk=args.teacher_chunk, autocast_bf16=not args.no_bf16,
                         activation_checkpointing=args.activation_checkpointing)
 
@@ -216,8 +257,10 @@ def random_inputs(cfg, batch: int, seq_len: int, device: torch.device):
         mask[: seq_len // 8] = False  # a short prompt
         samples.append(Sample(ids, mask))
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    from specforge_k25.draft.registry import method_of_config
+
     N, Ht = batch * seq_len, cfg.target_hidden_size
-    aux = torch.randn(N, 3 * Ht, device=device, dtype=dtype)
+    aux = torch.randn(N, method_of_config(cfg).num_aux(cfg) * Ht, device=device, dtype=dtype)
     final = torch.randn(N, Ht, device=device, dtype=dtype)
     return samples, [seq_len] * batch, aux, final
 
@@ -338,7 +381,8 @@ def print_report(result: dict) -> None:
           f"(TF32 allowed: {m['fp32_allow_tf32']})")
     c = result["draft"]
     print(f"draft: H {c['hidden_size']}, heads {c['num_attention_heads']}/{c['num_key_value_heads']} x {c['head_dim']}, "
-          f"I {c['intermediate_size']}, Vd {c['draft_vocab_size']}, V {c['vocab_size']}; "
+          f"I {c['intermediate_size']}, Vd {c.get('draft_vocab_size', c['vocab_size'])}, V {c['vocab_size']}, "
+          f"layers {c.get('num_hidden_layers', 1)}; "
           f"{result['trainable_params'] / 1e6:.0f}M trainable; batch {result['args']['batch']}, "
           f"K {result['args']['ttt_length']}, bf16 autocast {not result['args']['no_bf16']}, "
           f"teacher chunk {result['args']['teacher_chunk']}; frozen embedding / lm_head {result['frozen_dtype']}; "
@@ -351,22 +395,30 @@ def print_report(result: dict) -> None:
          "TFLOP/s", "% bf16 mm"], rows)
 
 
+def default_out() -> Path:
+    """$OUT where the device tool sets it: only what is written there comes back."""
+    return Path(os.environ["OUT"]) / "gpu_kimi_shapes.json" if os.environ.get("OUT") else DEFAULT_OUT
+
+
 def main(argv=None) -> dict:
     args = parse_args(argv)
+    args.out = args.out or default_out()
     set_threads(args.threads)
     device = torch.device(args.device)
     if device.type == "cuda" and device.index is None:  # torch.cuda.set_device wants an index (torch 2.11)
         device = torch.device("cuda", 0)
     if device.type == "cuda" and not torch.cuda.is_available():
         raise SystemExit("no CUDA device: run with --device cpu --small for the smoke mode")
+    methods = args.methods.split(",")
+    if set(methods) - {"eagle3", "dflash"}:
+        raise SystemExit(f"--methods: eagle3 and/or dflash, not {args.methods}")
     seq_lens = [int(t) for t in (args.seq_lens or ("32,64" if args.small else "2048,4096,8192")).split(",")]
     n_mm = args.matmul_size or (256 if args.small else 8192)
     t_start = time.perf_counter()
-    cfg = draft_config(args.small)
     if device.type == "cuda":
         torch.cuda.set_device(device)
     device_name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
-    print(f"device {device_name}; T {seq_lens}; draft {cfg}", flush=True)
+    print(f"device {device_name}; T {seq_lens}; methods {methods}", flush=True)
 
     bf16_rate = matmul_rate(device, n_mm, torch.bfloat16, seconds=0.3 if args.small else 2.0)
     fp32_rate = matmul_rate(device, n_mm, torch.float32, seconds=0.3 if args.small else 2.0)
@@ -376,41 +428,56 @@ def main(argv=None) -> dict:
 
     bf16 = not args.no_bf16
     opt_device = optimizer_device(args, device)
-    shapes = []
-    for T in seq_lens:
-        flops = step_flops(cfg, args.batch, T, args.ttt_length, checkpoint=args.activation_checkpointing)
-        planned = planned_bytes(cfg, args.batch, T, args.ttt_length, args.teacher_chunk, bf16,
-                                checkpoint=args.activation_checkpointing, optimizer_offloaded=opt_device is not None)
-        if time.perf_counter() - t_start > args.time_budget_s:
-            row = {"status": "skipped (time budget)"}
-        else:
-            print(f"T={T}: planner says {planned / GiB:.1f} GiB ...", flush=True)
-            row = measure_shape(cfg, T, device, args)
-        row.update(seq_len=T, flops=flops, planned_bytes=planned)
-        add_rates(row, flops, bf16_rate, fp32_rate, teacher_bf16=bf16)
-        print(f"T={T}: {row['status']}" + (f", {row['step_s']:.3f} s/step" if row["status"] == "ok" else ""),
-              flush=True)
-        shapes.append(row)
+    results = {}
 
-    result = {
-        "benchmark": "gpu_kimi_shapes", "device_name": device_name,
-        "device_memory_bytes": torch.cuda.get_device_properties(device).total_memory if device.type == "cuda" else None,
-        "draft": dataclasses.asdict(cfg), "trainable_params": trainable_params(cfg),
-        "matmul": {"n": n_mm, "bf16_tflops": bf16_rate / 1e12, "fp32_tflops": fp32_rate / 1e12,
-                   "fp32_allow_tf32": torch.backends.cuda.matmul.allow_tf32},
-        "memory_method": ("torch.cuda.max_memory_allocated over the shape (setup + warm-up + timed steps)"
-                          if device.type == "cuda" else "not measured on CPU"),
-        "flop_method": ("analytic, specforge_k25.plan.throughput.draft_step_flops (per TTT step one causal SDPA, "
-                        "counted as full QK^T and PV, over T keys at step 0 and T+1 with the sink column after; "
-                        "backward 2.5x its forward)"),
-        "frozen_dtype": str(frozen_dtype(bf16)).removeprefix("torch."), "optimizer_device": opt_device,
-        "shapes": shapes, "args": vars(args), "machine": machine_info(threads=args.threads),
-        "total_wall_s": time.perf_counter() - t_start,
-    }
-    write_json(args.out, result)
-    plot(result, args.out.with_suffix(".png"))
-    print_report(result)  # last
-    return result
+    def save():  # after every shape: a run cut short keeps its rows
+        write_json(args.out, results[methods[0]] if len(methods) == 1 else
+                   {"benchmark": "gpu_kimi_shapes", "methods": results, "args": vars(args)}, quiet=True)
+
+    for name in methods:
+        cfg = draft_config(args.small, name)
+        print(f"{name}: draft {cfg}", flush=True)
+        shapes = []
+        results[name] = result = {
+            "benchmark": "gpu_kimi_shapes", "method": name, "device_name": device_name,
+            "device_memory_bytes": torch.cuda.get_device_properties(device).total_memory if device.type == "cuda" else None,
+            "draft": dataclasses.asdict(cfg), "trainable_params": trainable_params(cfg),
+            "matmul": {"n": n_mm, "bf16_tflops": bf16_rate / 1e12, "fp32_tflops": fp32_rate / 1e12,
+                       "fp32_allow_tf32": torch.backends.cuda.matmul.allow_tf32},
+            "memory_method": ("torch.cuda.max_memory_allocated over the shape (setup + warm-up + timed steps)"
+                              if device.type == "cuda" else "not measured on CPU"),
+            "flop_method": ("analytic, specforge_k25.plan.throughput.draft_step_flops, the method's own count "
+                            "(EAGLE-3: per TTT step one causal SDPA, counted as full QK^T and PV, over T keys at step "
+                            "0 and T+1 with the sink column after; backward 2.5x its forward; DFlash: "
+                            "draft/dflash/plan.py)"),
+            "frozen_dtype": str(frozen_dtype(bf16)).removeprefix("torch."), "optimizer_device": opt_device,
+            "shapes": shapes, "args": vars(args), "machine": machine_info(threads=args.threads),
+        }
+        for T in seq_lens:
+            flops = step_flops(cfg, args.batch, T, args.ttt_length, checkpoint=args.activation_checkpointing)
+            planned = planned_bytes(cfg, args.batch, T, args.ttt_length, args.teacher_chunk, bf16,
+                                    checkpoint=args.activation_checkpointing, optimizer_offloaded=opt_device is not None)
+            if time.perf_counter() - t_start > args.time_budget_s:
+                row = {"status": "skipped (time budget)"}
+            else:
+                print(f"{name} T={T}: planner says {planned / GiB:.1f} GiB ...", flush=True)
+                row = measure_shape(cfg, T, device, args)
+            row.update(seq_len=T, flops=flops, planned_bytes=planned)
+            if row.get("peak_bytes") and row["status"] == "ok":
+                row["peak_over_plan"] = row["peak_bytes"] / planned
+            add_rates(row, flops, bf16_rate, fp32_rate, teacher_bf16=bf16)
+            print(f"{name} T={T}: {row['status']}" + (f", {row['step_s']:.3f} s/step" if row["status"] == "ok" else "")
+                  + (f", peak / plan {row['peak_over_plan']:.2f}" if "peak_over_plan" in row else ""), flush=True)
+            shapes.append(row)
+            result["total_wall_s"] = time.perf_counter() - t_start
+            save()
+    print(f"wrote {args.out}")
+    if not args.no_plot:
+        for name in methods:
+            plot(results[name], args.out.with_name(args.out.stem + ("" if len(methods) == 1 else f"_{name}") + ".png"))
+    for name in methods:
+        print_report(results[name])  # last
+    return results[methods[0]] if len(methods) == 1 else {"methods": results}
 
 
 if __name__ == "__main__":

@@ -10,14 +10,17 @@
 4. `OffloadedAdamW` (master weights + m/v in pinned host memory) against torch's AdamW on the GPU
    over 5 steps, and the time of one host step for the Kimi draft's 963M parameters.
 
-Prints a table and writes benchmarks/results/gpu_trainer_checks.json.
+Prints a table and writes gpu_trainer_checks[_small].json into --out: $OUT where the device tool sets it
+(only what is written there comes back), else benchmarks/results. The JSON is rewritten after each check.
 """
 from __future__ import annotations
 
 import argparse
 import contextlib
 import copy
+import os
 import time
+from pathlib import Path
 
 import torch
 
@@ -154,20 +157,27 @@ def check_offloaded_adamw(device, cfg_params: int, small: bool) -> list[dict]:
     return rows
 
 
-def main():
+def main(argv=None) -> list[dict]:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--small", action="store_true", help="tiny shapes (CPU smoke test)")
     p.add_argument("--seq-len", type=int, default=2048, help="T of the SDPA backend check (Kimi heads)")
-    args = p.parse_args()
+    p.add_argument("--out", type=Path, default=None, help="folder of the JSON (default: $OUT, else benchmarks/results)")
+    args = p.parse_args(argv)
+    folder = args.out or (Path(os.environ["OUT"]) if os.environ.get("OUT") else RESULTS)
+    out = folder / ("gpu_trainer_checks_small.json" if args.small else "gpu_trainer_checks.json")
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    rows = check_numerics(device, SMALL, 2, 24, 4)
-    rows += check_sdpa_backends(device, SMALL if args.small else KIMI, 32 if args.small else args.seq_len, 7)
-    rows += check_offloaded_adamw(device, 963_407_872, args.small)
+    rows: list[dict] = []
+    checks = (lambda: check_numerics(device, SMALL, 2, 24, 4),
+              lambda: check_sdpa_backends(device, SMALL if args.small else KIMI, 32 if args.small else args.seq_len, 7),
+              lambda: check_offloaded_adamw(device, 963_407_872, args.small))
+    for check in checks:
+        rows += check()
+        write_json(out, {"machine": machine_info(), "rows": rows}, quiet=True)  # a run cut short keeps its rows
     cols = ["check", "loss_rel", "grad_max_rel", "status", "peak_gib", "max_abs_diff", "step_s"]
     fmt = lambda v: "" if v is None else (f"{v:.3g}" if isinstance(v, float) else str(v))  # noqa: E731
     print_table("GPU trainer checks", cols, [[fmt(r.get(c)) for c in cols] for r in rows])
-    write_json(RESULTS / ("gpu_trainer_checks_small.json" if args.small else "gpu_trainer_checks.json"),
-               {"machine": machine_info(), "rows": rows})
+    print(f"wrote {out}")
+    return rows
 
 
 if __name__ == "__main__":
