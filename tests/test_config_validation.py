@@ -130,7 +130,7 @@ def test_the_draft_group_selects_each_methods_own_config():
                                     "head_dim": 128}),
                 "kimi_mla": ("eagle3_mla", {"intermediate_size": 18432, "num_attention_heads": 56, "head_dim": 128}),
                 "kimi_dflash": ("dflash", {"num_layers": 6, "intermediate_size": 18432, "num_attention_heads": 56,
-                                           "num_key_value_heads": 8, "head_dim": 128})}
+                                           "num_key_value_heads": 8, "head_dim": 128, "logits_chunk": 256})}
     for profile, (name, values) in profiles.items():
         spec = compose_job([f"draft={profile}"]).draft
         assert spec == METHODS[name].spec_class(**values), profile

@@ -70,6 +70,12 @@ class DraftMethod:
     needs_teacher: bool = True  # the loss reads DraftBatch.teacher (the trainer computes it from the final states)
     needs_final_hidden: bool = False  # the loss reads DraftBatch.final_hidden (an MTP-style head's input)
     context_parallel: bool = False  # the loss takes a DraftBatch whose `seq` splits the positions over ranks
+    # co-located FSDP2 units (train/sharding.py): True keeps each unit's gathered weights and
+    # unsharded grads from its first forward call to the end of backward (a loop that calls a unit
+    # many times, EAGLE-3's TTT: one all-gather and one reduce-scatter per micro-batch); False frees
+    # them after each unit's forward and after its backward (units called once each, as a stack of
+    # layers: the peak holds about two units instead of the whole draft)
+    keep_units_gathered: bool = True
     # config fields that bound memory (chunk and tile sizes), not what is learned: a resume may
     # change them (train/fingerprint.py), e.g. to get past an out-of-memory error
     memory_only: tuple[str, ...] = ()

@@ -21,7 +21,7 @@ from typing import Any, Optional
 from ..draft.method import DraftMethod
 from .facts import GiB, MiB, PlanError, TargetFacts, draft_of, trainable_params
 from .kernels import MARLIN, int4_moe_backend, kernel_notes, marlin_scratch_bytes
-from .memory import Item, activation_note, gib, optimizer_items, trainer_items
+from .memory import Item, activation_note, embedding_host_bytes, gib, optimizer_items, trainer_items
 
 ROLE_TARGET = "target TP rank"
 
@@ -230,15 +230,18 @@ def plan_memory(job, facts: TargetFacts, *, max_length: int | None = None, batch
     kv_tokens = kv_pool_tokens(hw, B, L)
     ctx = int(hw.cuda_context_gib * GiB) if hw.device == "cuda" else 0
     elem = 2 if hw.target_dtype in ("bfloat16", "float16") else 4  # the target's dtype: ring, frozen tensors
-    # colocated: AdamW lives sharded on the GPUs (the layout's point), so train.optimizer_device does not apply
-    opt_dev = None if coloc else optimizer_device(tr.optimizer_device, hw.device, trainers)
+    # colocated: AdamW lives with the shards, on the GPUs or (cpu) on the host with FSDP2's CPU offload
+    opt_dev = optimizer_device(tr.optimizer_device, hw.device, trainers)
     depth = method.depth(spec, cfg)  # TTT steps, or a block's positions
     t_items = trainer_items(cfg, batch=B, seq_len=trainer_seq_len(hw, L, depth), ttt_length=depth, teacher_chunk=tr.teacher_chunk,
                             bf16=bf16, data_parallel=ranks > 1, context_bytes=ctx, frozen_bytes=elem,
                             checkpoint=tr.activation_checkpointing, optimizer_offloaded=opt_dev is not None,
                             shards=ranks if coloc else 1, method=method)
     P = trainable_params(cfg, method)
-    notes = [_host_optimizer_note(P, ranks)] if opt_dev == "cpu" else []
+    notes = [(_offload_note(P, ranks, method.keep_units_gathered) if coloc else _host_optimizer_note(P, ranks))
+             ] if opt_dev == "cpu" else []
+    notes.append(f"frozen embedding [V, H] in host memory: {gib(embedding_host_bytes(cfg, elem))} per trainer process, "
+                 f"its rows looked up there and copied to the GPU (train/host_embedding.py)")
     if context_parallel(hw) > 1:
         notes.append(f"hw.context_parallel={hw.context_parallel}: each sequence split over {hw.context_parallel} "
                      f"co-located ranks, each computing on {trainer_seq_len(hw, L, depth)} of its {L} positions "
@@ -247,8 +250,8 @@ def plan_memory(job, facts: TargetFacts, *, max_length: int | None = None, batch
     if coloc:
         notes.append(f"hw.trainer_layout=colocated: {ranks} "
                      f"trainer ranks, one beside each TP rank, the draft state sharded 1/{ranks} each (FSDP2), "
-                     f"AdamW on the GPUs" + (f"; train.optimizer_device={tr.optimizer_device} does not apply"
-                                             if tr.optimizer_device not in (None, "", "none") else ""))
+                     + ("weights, grads and AdamW on the host (train.optimizer_device=cpu)" if opt_dev == "cpu"
+                        else "AdamW on the GPUs"))
     if hw.device != "cuda":
         g = GpuBudget(-1, "trainer rank (host memory, not checked)", 0, t_items)
         return MemoryPlan(facts, cfg, [g], kv_tokens, tokens_per_step, None, None,
@@ -317,6 +320,14 @@ def _host_optimizer_note(P: int, ranks: int) -> str:
             f"train.grad_accum to amortise it, or put it on a GPU with room (train.optimizer_device=cuda:N)")
 
 
+def _offload_note(P: int, ranks: int, keep_gathered: bool) -> str:
+    gathers = "one all-gather" if keep_gathered else "two all-gathers (forward, backward)"
+    return (f"co-located shards on the host (train.optimizer_device=cpu, FSDP2's CPU offload): {gib(16 * P)} of pinned "
+            f"host memory over {ranks} rank(s) (fp32 weights, grads, m, v); per unit and micro-batch {gathers} copy "
+            f"its fp32 shard up and its reduce-scatter the grad shard down, and each rank runs AdamW on its shard on "
+            f"the CPU")
+
+
 def _layout_problems(hw, facts: TargetFacts, layout: NodeLayout, opt_dev) -> list[str]:
     """What no size override can fix: unknown sizes, GPUs that do not exist or overlap."""
     problems = list(context_parallel_problems(hw, layout))
@@ -337,6 +348,9 @@ def _layout_problems(hw, facts: TargetFacts, layout: NodeLayout, opt_dev) -> lis
     if isinstance(opt_dev, int) and not 0 <= opt_dev < hw.num_gpus:
         problems.append(f"train.optimizer_device=cuda:{opt_dev} is not one of the {hw.num_gpus} GPUs")
     if layout.colocated:  # hw.trainer_gpu(s) do not apply: every TP rank's GPU has a trainer rank
+        if isinstance(opt_dev, int):
+            problems.append(f"train.optimizer_device=cuda:{opt_dev} with hw.trainer_layout=colocated: each rank's "
+                            f"AdamW stays with its shard, on its own GPU (null) or on the host (cpu)")
         return problems
     if len(set(trainers)) != ranks:
         problems.append(f"hw.trainer_gpus={trainers}: one trainer rank per GPU")

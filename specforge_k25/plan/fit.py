@@ -70,7 +70,7 @@ def suggest_override(job, facts: TargetFacts) -> Optional[str]:
     if not tr.activation_checkpointing:
         switches.append(("train.activation_checkpointing=true", {"activation_checkpointing": True}))
     layout = node_layout(job.hw)
-    if not layout.colocated and optimizer_device(tr.optimizer_device, job.hw.device, layout.trainer_gpus) is None:
+    if optimizer_device(tr.optimizer_device, job.hw.device, layout.trainer_gpus) is None:
         switches.append(("train.optimizer_device=cpu", {"optimizer_device": "cpu"}))
     for n in range(1, len(switches) + 1):
         names = " ".join(name for name, _ in switches[:n])
@@ -108,9 +108,9 @@ def check_fits(job, target_facts: TargetFacts | None = None) -> MemoryPlan:
                 f"before any activation (target {gib(sum(i.bytes for i in worst.items if i.owner == 'target'))}, "
                 f"trainer {gib(sum(i.bytes for i in worst.items if i.owner == 'trainer' and i.phase is None))}"
                 f"), so no data.max_length, batch size or draft.intermediate_size >= 256 fits, even with "
-                + ("train.activation_checkpointing=true; the co-located trainer ranks do not fit beside the TP "
-                   "ranks: use hw.trainer_layout=dedicated" if node_layout(job.hw).colocated else
-                   "train.activation_checkpointing=true train.optimizer_device=cpu; the trainer must move to a GPU "
-                   "of its own (hw.trainer_gpu) or the target to more GPUs")
+                "train.activation_checkpointing=true train.optimizer_device=cpu; "
+                + ("the co-located trainer ranks do not fit beside the TP ranks: use hw.trainer_layout=dedicated"
+                   if node_layout(job.hw).colocated else
+                   "the trainer must move to a GPU of its own (hw.trainer_gpu) or the target to more GPUs")
                 + " (see `python -m specforge_k25.plan`)")
     raise PlanError("\n".join(lines))

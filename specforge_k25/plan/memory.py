@@ -6,8 +6,8 @@ draft/eagle3/loss.py):
 the draft lives in fp32 with fp32 grads (`hw.autocast=bf16` computes in bf16 and caches bf16
 weight copies until backward); AdamW's m/v sit next to it (the fp32 weights are the master copy)
 or, with `train.optimizer_device`, on the host or another GPU with their own fp32 master and
-gradient copies; the frozen embedding [V, H] and the target's lm_head [V, Ht] keep the target's
-dtype; the teacher holds [B, T, Vd] fp32 draft logits; each TTT step keeps its activations
+gradient copies; the frozen embedding [V, H] (in host memory: train/host_embedding.py) and the
+target's lm_head [V, Ht] keep the target's dtype; the teacher holds [B, T, Vd] fp32 draft logits; each TTT step keeps its activations
 ([B, T, Vd] fp32 log-probs and teacher probs, the fused attention's q/K/V/out and logsumexp, for
 EAGLE-3 steps k >= 1 also the k diagonal scores and keys/values of draft/eagle3/ttt_attention.py, no mask;
 a method with an attention mask counts it apart; never [B, nh, T, T] probabilities) or, with
@@ -79,16 +79,16 @@ def trainer_items(cfg, *, batch: int, seq_len: int, ttt_length: int, teacher_chu
     the three phases of a micro-batch, which do not overlap.
 
     cfg: the draft method's config (`method`, else the method whose config it is);
-    frozen_bytes: element size of the frozen embedding and lm_head (the target's dtype);
-    checkpoint: train.activation_checkpointing; optimizer_offloaded: AdamW state elsewhere
-    (`optimizer_items` on train.optimizer_device); shards > 1: the co-located layout's draft state
-    sharded over `shards` ranks (`_sharded_trainer_items`; optimizer_offloaded and data_parallel then
-    do not apply)."""
+    frozen_bytes: element size of the frozen lm_head (the target's dtype; the frozen embedding
+    stays on the host, train/host_embedding.py); checkpoint: train.activation_checkpointing;
+    optimizer_offloaded: AdamW state elsewhere (`optimizer_items` on train.optimizer_device);
+    shards > 1: the co-located layout's draft state sharded over `shards` ranks
+    (`_sharded_trainer_items`; optimizer_offloaded: FSDP2's CPU offload; data_parallel does not apply)."""
     method = _method(cfg, method)
     if shards > 1:
         return _sharded_trainer_items(cfg, method, shards, batch=batch, seq_len=seq_len, ttt_length=ttt_length,
                                       teacher_chunk=teacher_chunk, bf16=bf16, context_bytes=context_bytes,
-                                      frozen_bytes=frozen_bytes, checkpoint=checkpoint)
+                                      frozen_bytes=frozen_bytes, checkpoint=checkpoint, offloaded=optimizer_offloaded)
     P = trainable_params(cfg, method)
     K = method.num_aux(cfg)
     items = [
@@ -113,38 +113,69 @@ def trainer_items(cfg, *, batch: int, seq_len: int, ttt_length: int, teacher_chu
     return [i for i in items if i.bytes]
 
 
+def unit_params(cfg, method: DraftMethod) -> list[int]:
+    """Trainable parameters of each FSDP unit (`DraftMethod.fsdp_units`), largest first: the model
+    built on the meta device (no memory, any size)."""
+    import torch  # the plan reads shapes only; the model is built without storage
+
+    with torch.device("meta"):
+        model = method.new_model(cfg)
+    return sorted((sum(p.numel() for p in model.get_submodule(u).parameters() if p.requires_grad)
+                   for u in method.fsdp_units(model)), reverse=True)
+
+
 def _sharded_trainer_items(cfg, method: DraftMethod, shards: int, *, batch: int, seq_len: int, ttt_length: int,
                            teacher_chunk: int, bf16: bool, context_bytes: int, frozen_bytes: int,
-                           checkpoint: bool) -> list[Item]:
+                           checkpoint: bool, offloaded: bool = False) -> list[Item]:
     """One co-located trainer rank (hw.trainer_layout=colocated): the draft's trainable state
-    sharded over `shards` ranks by FSDP2 (train/sharding.py: `fully_shard` per trainable module):
-    fp32 master weights, grads and AdamW m/v, 1/shards each (the last rank's shard is rounded
-    up). In a micro-batch the unit's parameters are all-gathered in the compute dtype and kept
-    until backward ends (the TTT loop runs the one decoder layer K times), and the full fp32
-    gradient exists before its reduce-scatter: both counted whole in the TTT phase (an upper
-    bound as if one unit: the per-module units free each module's unsharded gradient at its
-    reduce-scatter). The frozen embedding and lm_head stay whole on
-    every rank."""
+    sharded over `shards` ranks by FSDP2 (train/sharding.py: `fully_shard` per unit): fp32 master
+    weights, grads and AdamW m/v, 1/shards each (the last rank's shard is rounded up), on the GPU
+    or, `offloaded` (train.optimizer_device=cpu, FSDP2's CPU offload), in host memory, each
+    all-gather copying the unit's fp32 shard up first.
+
+    In a micro-batch, with units kept gathered (DraftMethod.keep_units_gathered, EAGLE-3: the TTT
+    loop runs the one decoder layer K times) every unit's parameters are all-gathered in the
+    compute dtype and kept until backward ends, and the full fp32 gradient exists before its
+    reduce-scatter: both counted whole (an upper bound as if one unit). With units freed after
+    their forward and backward (DFlash's layers), two units are gathered at a time (the one
+    computing and the next, prefetched) and the largest's grads exist in the compute dtype beside
+    its fp32 reduce-scatter input: FSDP2 keeps one reduce-scatter input in flight and waits for
+    it before the next unit's reduce-scatter allocates its own (the units share the root's
+    communication context; while a unit's grads are computed the previous unit's input, at most
+    as large, is the one in flight). The frozen lm_head stays whole on every rank."""
     P = trainable_params(cfg, method)
     K = method.num_aux(cfg)
     shard = -(-P // shards)  # ceil: the largest shard
     a = 2 if bf16 else 4
-    items = [
-        Item("CUDA context (trainer process)", context_bytes),
-        Item(f"draft weights fp32 (shard 1/{shards})", 4 * shard, note=f"{P:,} trainable params / {shards} ranks "
-                                                                          f"(= AdamW's master copy)"),
-        Item(f"draft grads fp32 (shard 1/{shards})", 4 * shard),
-        Item(f"AdamW m, v fp32 (shard 1/{shards})", 8 * shard),
-    ]
+    items = [Item("CUDA context (trainer process)", context_bytes)]
+    if not offloaded:
+        items += [
+            Item(f"draft weights fp32 (shard 1/{shards})", 4 * shard, note=f"{P:,} trainable params / {shards} ranks "
+                                                                              f"(= AdamW's master copy)"),
+            Item(f"draft grads fp32 (shard 1/{shards})", 4 * shard),
+            Item(f"AdamW m, v fp32 (shard 1/{shards})", 8 * shard),
+        ]
     items += _frozen_items(cfg, frozen_bytes)
     items += _teacher_items(cfg, K, batch * seq_len, teacher_chunk, frozen_bytes) if method.needs_teacher else []
-    items += [_batch_item(cfg, method, batch * seq_len, PHASE_DRAFT),
-              Item(f"all-gathered draft params {'bf16' if bf16 else 'fp32'} (FSDP2)", a * P, PHASE_DRAFT,
-                   note="whole unit, kept from forward through backward"),
-              Item("unsharded grads fp32 before reduce-scatter", 4 * P, PHASE_DRAFT, note="upper bound: one unit")]
+    items.append(_batch_item(cfg, method, batch * seq_len, PHASE_DRAFT))
+    dtype = 'bf16' if bf16 else 'fp32'
+    if method.keep_units_gathered:
+        up = 4 * shard if offloaded else 0  # the fp32 shards copied up for the all-gathers
+        items += [Item(f"all-gathered draft params {dtype} (FSDP2)", a * P + up, PHASE_DRAFT,
+                       note="whole unit, kept from forward through backward"),
+                  Item("unsharded grads fp32 before reduce-scatter", 4 * P, PHASE_DRAFT, note="upper bound: one unit")]
+    else:
+        units = unit_params(cfg, method)
+        u1, u2 = units[0], (units[1] if len(units) > 1 else 0)
+        up = 4 * -(-(u1 + u2) // shards) if offloaded else 0
+        items += [Item(f"all-gathered draft params {dtype} (FSDP2, 2 units)", a * (u1 + u2) + up, PHASE_DRAFT,
+                       note=f"largest units {u1:,} + {u2:,} params: freed after each unit's forward and backward"),
+                  Item("unsharded grads before reduce-scatter (1 unit)", (a + 4) * u1, PHASE_DRAFT,
+                       note=f"{dtype} grads + their fp32 reduce-scatter input (the previous unit's is dropped first)")]
     items += _ttt_items(cfg, method, batch, seq_len, ttt_length, bf16, checkpoint)
-    items += [_batch_item(cfg, method, batch * seq_len, PHASE_OPT),
-              Item(f"AdamW foreach temporaries fp32 (shard 1/{shards})", 4 * shard, PHASE_OPT)]
+    items.append(_batch_item(cfg, method, batch * seq_len, PHASE_OPT))
+    if not offloaded:
+        items.append(Item(f"AdamW foreach temporaries fp32 (shard 1/{shards})", 4 * shard, PHASE_OPT))
     return [i for i in items if i.bytes]
 
 
@@ -164,13 +195,19 @@ def _batch_item(cfg, method: DraftMethod, tokens: int, phase: str) -> Item:
 
 
 def _frozen_items(cfg, frozen_bytes: int) -> list[Item]:
+    """The frozen tensors on the trainer GPU: the target's lm_head and the vocab maps (the frozen
+    embedding is looked up on the host: `embedding_host_bytes`)."""
     V, Vd = cfg.vocab_size, cfg.draft_vocab_size
     dtype = {2: "bf16", 4: "fp32"}.get(frozen_bytes, f"{frozen_bytes} B")
     return [
-        Item(f"frozen embedding [V, H] {dtype}", frozen_bytes * V * cfg.hidden_size),
         Item(f"target lm_head [V, Ht] {dtype} (teacher)", frozen_bytes * V * cfg.target_hidden_size),
         Item("vocab maps d2t int64 + t2d bool", 8 * Vd + V),
     ]
+
+
+def embedding_host_bytes(cfg, frozen_bytes: int) -> int:
+    """Host memory of one trainer process's frozen embedding [V, H] (train/host_embedding.py)."""
+    return frozen_bytes * cfg.vocab_size * cfg.hidden_size
 
 
 def _teacher_items(cfg, num_aux: int, tokens: int, teacher_chunk: int, frozen_bytes: int) -> list[Item]:

@@ -216,12 +216,17 @@ def predict(job, facts: TargetFacts, layout: str | None = None, padding_share: f
     c_compute = flops["total"] / (B * L) / (peak * hw.trainer_efficiency) / real
     step_tokens = B * L * accum * real
     gpu_adamw = GPU_ADAMW_S_PER_PARAM * H200_MEMORY_GBPS * 1e9 / mem  # seconds per parameter on this GPU
-    opt_dev = None if coloc else optimizer_device(tr.optimizer_device, hw.device, trainers)
+    opt_dev = optimizer_device(tr.optimizer_device, hw.device, trainers)
     if coloc:  # FSDP2: AdamW on this rank's shard; reduce-scatter fp32 grads per step, all-gather params per micro-batch
         shard = -(-P // ranks)
-        opt_s, opt_how = shard * gpu_adamw, f"AdamW on a 1/{ranks} shard on the GPU"
-        grads_s = (4 * P + accum * a * P) * (ranks - 1) / ranks / link
-        grads_how = f"reduce-scatter 4P + {accum} x all-gather {a}P over {ranks} ranks"
+        gathers = accum * (1 if method.keep_units_gathered else 2)  # a freed unit is gathered again for its backward
+        grads_s = (4 * P + gathers * a * P) * (ranks - 1) / ranks / link
+        grads_how = f"reduce-scatter 4P + {gathers} x all-gather {a}P over {ranks} ranks"
+        if opt_dev == "cpu":  # FSDP2's CPU offload: host AdamW on the shard; the fp32 shard up per gather, grads down
+            opt_s = shard * HOST_ADAMW_S_PER_PARAM + 4 * shard * gathers / link
+            opt_how = f"host AdamW on a 1/{ranks} shard (FSDP2 CPU offload, + {gathers} x 4P/{ranks} up)"
+        else:
+            opt_s, opt_how = shard * gpu_adamw, f"AdamW on a 1/{ranks} shard on the GPU"
     else:
         if opt_dev == "cpu":
             opt_s, opt_how = P * HOST_ADAMW_S_PER_PARAM, "host AdamW (train.optimizer_device=cpu)"

@@ -214,7 +214,8 @@ def balanced_shares(sizes: list[int], parts: int) -> list[list[int]]:
 
 def start_ranks(job, world: World | None = None):
     """This process's job (its trainer GPU, its replica's first GPU) and its `Ranks`; with several
-    ranks also the process group (gloo on CPU, nccl on CUDA; collectives time out after
+    ranks also the process group (gloo on CPU, nccl on CUDA, and gloo for host tensors when the
+    co-located shards live on the host; collectives time out after
     train.dist_timeout_s). Returns (job, ranks)."""
     world = world or World.from_env()
     if world.size == 1:
@@ -225,7 +226,11 @@ def start_ranks(job, world: World | None = None):
         trainer_gpu, target_gpu = layout.rank_gpus(world.local_rank)
         job = dataclasses.replace(job, hw=dataclasses.replace(job.hw, trainer_gpu=trainer_gpu, target_gpu=target_gpu))
         torch.cuda.set_device(trainer_gpu)
-        dist.init_process_group("nccl", timeout=timeout, device_id=torch.device("cuda", trainer_gpu))
+        # FSDP2's CPU offload (co-located, train.optimizer_device=cpu) keeps the grad shards on the
+        # host: the gradient norm's all-reduce over them needs a CPU backend beside NCCL
+        offload = layout.colocated and job.train.optimizer_device == "cpu"
+        dist.init_process_group("cuda:nccl,cpu:gloo" if offload else "nccl", timeout=timeout,
+                                device_id=torch.device("cuda", trainer_gpu))
     else:
         dist.init_process_group("gloo", timeout=timeout)
     cp, cp_group = job.hw.context_parallel, None

@@ -1,18 +1,31 @@
 """The co-located layout's draft state, sharded over all trainer ranks with PyTorch's FSDP2
 (`fully_shard`): each rank keeps 1/W of the trainable weights, their gradients and AdamW's m/v,
-so the optimizer runs on the GPUs beside the target (docs/PERFORMANCE.md §5).
+so the optimizer runs on the GPUs beside the target (docs/PERFORMANCE.md §5), or, with
+train.optimizer_device=cpu, in host memory (FSDP2's CPUOffloadPolicy: the shards, their grads and
+AdamW live on the host; each all-gather copies the rank's shard up, each reduce-scatter its grad
+shard down).
 
 Units: the method's (`DraftMethod.fsdp_units`, submodule names, dotted ones included: for EAGLE-3
 fc, the decoder layer, the final norm and the draft lm_head, and fc_norm when on; for DFlash fc,
-hidden_norm, each `layers.i` and the norm), each sharded on its own; the
-frozen target embedding stays whole on every rank (it is never trained, and gathering its
-vocab x hidden rows every step would dominate the traffic). The TTT loop calls each unit K times
-per micro-batch: they stay gathered from the first call to the end of backward
-(reshard_after_forward=False, and reshard_after_backward=False: FSDP2 would otherwise reshard
-after the backward of each call and gather again for the next, K-1 more all-gathers), and
-`reshard` frees them once the micro-batch's backward is done, before the optimizer changes the
-shards: one all-gather and one reduce-scatter per unit and micro-batch
-(tests/train/test_sharding.py counts them).
+hidden_norm, each `layers.i` and the norm), each sharded on its own; the frozen target embedding
+is never sharded (train/host_embedding.py keeps it on the host). When they are gathered is the
+method's choice (`DraftMethod.keep_units_gathered`):
+
+- kept (EAGLE-3): the TTT loop calls each unit K times per micro-batch: they stay gathered from
+  the first call to the end of backward (reshard_after_forward=False, and
+  reshard_after_backward=False: FSDP2 would otherwise reshard after the backward of each call and
+  gather again for the next, K-1 more all-gathers), and `reshard` frees them once the
+  micro-batch's backward is done, before the optimizer changes the shards: one all-gather and one
+  reduce-scatter per unit and micro-batch.
+- freed (DFlash, a stack of layers each called once): a unit is resharded after its forward and
+  gathered again for its backward (recomputed there with activation checkpointing), its unsharded
+  grads freed at its reduce-scatter; the draft itself is the FSDP root over the units (no weights
+  of its own: the frozen ones are ignored), so they share one communication context: the
+  reduce-scatter buffers are reclaimed unit by unit and the next unit is prefetched in backward.
+  Two all-gathers and one reduce-scatter per unit and micro-batch; the peak holds about two units
+  instead of the whole draft.
+
+tests/train/test_sharding.py counts the all-gathers of both.
 
 Gradients are SUMMED over ranks (divide factor 1, sum-only collectives: gloo has no PREMUL_SUM),
 because each rank's loss is already divided by the global number of loss positions
@@ -25,7 +38,7 @@ import torch
 from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict,
                                                      get_optimizer_state_dict, set_model_state_dict,
                                                      set_optimizer_state_dict)
-from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 
 from torch import nn
 
@@ -33,19 +46,29 @@ from ..draft.method import DraftMethod
 _FULL = StateDictOptions(full_state_dict=True, cpu_offload=True)  # complete on rank 0, on the host
 
 
-def shard_draft(draft: nn.Module, units: list[str], bf16: bool = False) -> nn.Module:
+def shard_draft(draft: nn.Module, units: list[str], bf16: bool = False, keep_gathered: bool = True,
+                offload: bool = False) -> nn.Module:
     """In place: shard the draft's trainable units over the default process group.
-    bf16: gather the weights in bf16 (what autocast computes with anyway), reduce in fp32."""
+    bf16: gather the weights in bf16 (what autocast computes with anyway), reduce in fp32;
+    keep_gathered: DraftMethod.keep_units_gathered (module doc); offload: the shards, their grads
+    and the optimizer on the host (train.optimizer_device=cpu)."""
     mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if bf16 else MixedPrecisionPolicy()
+    # pinned host shards copy to and from the GPU asynchronously; on a CPU run there is no device to pin for
+    where = CPUOffloadPolicy(pin_memory=torch.cuda.is_available()) if offload else OffloadPolicy()
     trainable = {n for n, p in draft.named_parameters() if p.requires_grad}
     covered = {n for n in trainable if any(n.startswith(unit + ".") for unit in units)}
     if covered != trainable:  # an unsharded trainable weight would get no gradient sum over ranks
         raise ValueError(f"trainable weights outside the FSDP units {units}: {sorted(trainable - covered)}")
     for name in units:
-        unit = fully_shard(draft.get_submodule(name), reshard_after_forward=False, mp_policy=mp)
+        unit = fully_shard(draft.get_submodule(name), reshard_after_forward=not keep_gathered, mp_policy=mp,
+                           offload_policy=where)
         unit.set_gradient_divide_factor(1.0)
         unit.set_force_sum_reduction_for_comms(True)
-        unit.set_reshard_after_backward(False)
+        if keep_gathered:
+            unit.set_reshard_after_backward(False)
+    if not keep_gathered:  # the root over the units; its inputs keep their dtype (no param_dtype of its own)
+        frozen = {p for p in draft.parameters() if not p.requires_grad}
+        fully_shard(draft, reshard_after_forward=True, offload_policy=where, ignored_params=frozen)
     return draft
 
 
