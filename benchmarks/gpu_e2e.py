@@ -354,6 +354,15 @@ def main(argv=None) -> dict:
     run = Run(args, args.out or default_out(args))
     res, device = run.result, torch.device("cuda:0" if args.device == "cuda" else "cpu")
     engine_timeout = args.engine_timeout or (150.0 if args.device == "cuda" else 600.0)
+    saved_env = dict(os.environ)
+    try:
+        return _run(args, run, res, device, size, hf_batches, engine_timeout)
+    finally:  # what prepare_env set is this run's (a caller in the same process keeps its own)
+        os.environ.clear()
+        os.environ.update(saved_env)
+
+
+def _run(args, run: Run, res: dict, device: torch.device, size: dict, hf_batches: int, engine_timeout: float) -> dict:
     with tempfile.TemporaryDirectory(prefix="specforge-gpu-e2e-") as tmp:
         if args.device == "cuda":
             res["env_prepared"] = prepare_cuda_env(Path(tmp))

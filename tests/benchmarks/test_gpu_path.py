@@ -155,43 +155,90 @@ def test_gpu_e2e_writes_under_out_when_the_device_tool_sets_it(monkeypatch, tmp_
     assert g.default_out(g.parse_args(["--checks", "d"])) == ROOT / "docs" / "gpu_h200" / "gpu_e2e_d.json"
 
 
-def test_gpu_e2e_cuda_env_makes_triton_fp32_exact(monkeypatch):
+def test_gpu_e2e_cuda_env_makes_triton_fp32_exact(monkeypatch, tmp_path):
     """TF32 in SGLang's fp32 triton attention would fail a)'s 1e-4 bound and d) by arithmetic."""
     import triton
 
-    monkeypatch.delenv("TRITON_F32_DEFAULT", raising=False)
-    monkeypatch.delenv("PYTHONUNBUFFERED", raising=False)
-    _gpu_e2e().prepare_cuda_env()
+    for name in ("TRITON_F32_DEFAULT", "PYTHONUNBUFFERED", "CUDA_HOME", "SGLANG_UNIFIED_RADIX_TREE_CORE_BACKEND"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv("PATH", os.environ["PATH"])  # restored after: prepare_env puts the toolkit's bin first
+    _gpu_e2e().prepare_cuda_env(tmp_path)
     assert triton.knobs.language.fp32_default == "ieee" and os.environ["PYTHONUNBUFFERED"] == "1"
+    assert os.environ["SGLANG_UNIFIED_RADIX_TREE_CORE_BACKEND"] == "python"
 
 
 def test_gpu_e2e_one_graphs_mode_failing_keeps_the_other(monkeypatch, tmp_path):
     """d) with CUDA graphs off and on: an engine that fails in one mode is that mode's FAIL row (with its
-    traceback), and the other mode's result stands."""
+    traceback), and the other mode's result stands; one greedy engine (graphs off) serves every head."""
     from types import SimpleNamespace
 
-    g = _gpu_e2e()
+    _gpu_e2e()
+    import gpu_spec
+
     calls = []
 
-    def generate(model_path, prompts, *, cuda_graph, draft_path=None, **kw):
+    def generate(model_path, prompts, *, cuda_graph, draft_path=None, timeout_s, **kw):
         calls.append((cuda_graph, draft_path is not None))
         if cuda_graph:
             raise RuntimeError("SGLang engine (chain 3/1/4) failed (exit 1):\nweak_ref_tensor was called")
         return SimpleNamespace(outputs=[[5, 6]] * len(prompts), completion_tokens=[2] * len(prompts),
                                verify_steps=[1] * len(prompts) if draft_path else None, start_s=1.0, generate_s=0.1)
 
-    monkeypatch.setattr(g, "generate", generate)
-    monkeypatch.setattr(g, "export_draft", lambda *a, **k: None)
+    monkeypatch.setattr(gpu_spec, "generate", generate)
+    monkeypatch.setattr(gpu_spec, "export_draft", lambda draft, out, *a, **k: out)
+    monkeypatch.setattr(gpu_spec, "hf_hidden", lambda *a: [None] * 4)
+    monkeypatch.setattr(gpu_spec, "replay_steps", lambda *a: [1] * 4)
     from specforge_k25.draft.registry import get_method
 
     setup = SimpleNamespace(model_path=str(tmp_path), sglang_capture_ids=[], capture_points=[], info=SimpleNamespace(
         bos_token_id=1, eos_token_id=2, vocab_size=100), method=get_method("eagle3"))
-    args = g.parse_args(["--device", "cuda"])
-    rows, errors = g.check_spec(args, setup, SimpleNamespace(draft=None), tmp_path, g.SIZES["small"])
-    assert [r["cuda_graph"] for r in rows] == [False, True] and rows[0]["ok"] and rows[0]["identical"] == 4, rows
+    mla = SimpleNamespace(**{**vars(setup), "method": get_method("eagle3_mla")})
+    args = _gpu_e2e().parse_args(["--device", "cuda"])
+    rows, errors = gpu_spec.serve(args, {"eagle3": (setup, None), "eagle3_mla": (mla, None)}, tmp_path,
+                                  _gpu_e2e().SIZES["small"], {"eagle3": [False, True], "eagle3_mla": [False]})
+    assert [(r["head"], r["cuda_graph"]) for r in rows] == [("eagle3", False), ("eagle3", True), ("eagle3_mla", False)]
+    assert rows[0]["ok"] and rows[0]["identical"] == 4 and rows[2]["ok"], rows
     assert not rows[1]["ok"] and rows[1]["error"].startswith("RuntimeError: SGLang engine"), rows[1]
-    assert list(errors) == ["d graphs on"] and "weak_ref_tensor was called" in errors["d graphs on"]
-    assert calls == [(False, False), (False, True), (True, False)]
+    assert list(errors) == ["eagle3 graphs on"] and "weak_ref_tensor was called" in errors["eagle3 graphs on"]
+    assert calls == [(False, False), (False, True), (True, True), (False, True)]
+
+
+def test_gpu_e2e_engines_left_past_the_deadline_are_skip_rows(monkeypatch, tmp_path):
+    """An engine with less than MIN_ENGINE_S before the deadline is not started: its row says SKIP and why."""
+    from types import SimpleNamespace
+
+    _gpu_e2e()
+    import gpu_spec
+
+    monkeypatch.setattr(gpu_spec, "generate", lambda *a, **k: pytest.fail("an engine started past the deadline"))
+    monkeypatch.setattr(gpu_spec, "export_draft", lambda draft, out, *a, **k: out)
+    from specforge_k25.draft.registry import get_method
+
+    setup = SimpleNamespace(model_path=str(tmp_path), sglang_capture_ids=[], capture_points=[], info=SimpleNamespace(
+        bos_token_id=1, eos_token_id=2, vocab_size=100), method=get_method("dflash"))
+    args = _gpu_e2e().parse_args(["--device", "cuda"])
+    import time
+
+    rows, _ = gpu_spec.serve(args, {"dflash": (setup, None)}, tmp_path, _gpu_e2e().SIZES["small"],
+                             {"dflash": [False]}, deadline=time.time() + 10)
+    assert rows[0]["ok"] is None and "skipped" in rows[0]["skipped"], rows
+    assert gpu_spec.describe(rows[0], "e")[0] == "SKIP"
+
+
+def test_gpu_e2e_merges_each_step_into_one_json(monkeypatch, tmp_path):
+    """The device command runs c, d, e, b as separate processes into one JSON (--merge): each keeps the
+    others' results and lines; a FAIL in any makes the whole not ok."""
+    g = _gpu_e2e()
+    out = tmp_path / "gpu_e2e.json"
+    first = g.Run(g.parse_args(["--device", "cpu", "--checks", "c", "--out", str(out), "--merge"]), out)
+    first.put("c_slots", {"ok": True})
+    first.emit("PASS", "c) fine")
+    first.save(done=True)
+    second = g.Run(g.parse_args(["--device", "cpu", "--checks", "e", "--out", str(out), "--merge"]), out)
+    second.emit("FAIL", "e) broken")
+    saved = json.loads(out.read_text())
+    assert saved["c_slots"] == {"ok": True} and saved["lines"] == ["PASS c) fine", "FAIL e) broken"]
+    assert set(saved["runs"]) == {"c", "e"} and saved["runs"]["e"]["running"] and not saved["ok"]
 
 
 def test_gpu_e2e_preflight_builds_what_the_engines_compile_and_shows_a_failed_build():
