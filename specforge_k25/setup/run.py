@@ -180,6 +180,9 @@ def regeneration(job: JobConfig, tokenizer) -> Regeneration | None:
     """data.regen_* as the target processes use them; the answer stops at the end-of-turn token
     or the tokenizer's eos."""
     d = job.data
+    if d.regen_source and not d.regenerate:
+        raise ValueError(f"data.regen_source={d.regen_source} needs data.regenerate=true: the saved answers are the "
+                         f"target's answers to the prompts this run regenerates")
     if not d.regenerate:
         return None
     if d.regen_cut not in ("keep", "drop"):
@@ -265,10 +268,12 @@ def context_window(job: JobConfig, setup: RunSetup, ranks) -> SeqWindow | None:
 
 def make_target_stream(job: JobConfig, setup: RunSetup, samples, batches: list[list[int]],
                        engine: str = "sglang", keep: list[list[int]] | None = None, ranks=None,
-                       before: list[list[int]] = (), routes: list[list[list[int]]] | None = None) -> TargetStream:
+                       before: list[list[int]] = (), routes: list[list[list[int]]] | None = None,
+                       known: dict | None = None) -> TargetStream:
     """The target process over `batches` (lists of indices into `samples`), not yet started.
     Regenerating, the target gets each sample's prompt (data/regenerate.py) and answers it; a
-    resume passes the batches run `before`, so that it decodes in the same groups (TargetStream).
+    resume passes the batches run `before`, so that it decodes in the same groups (TargetStream), and
+    `known` holds the conversations saved already (never decoded again).
 
     Co-located (`ranks` with several trainer ranks per replica, train/distributed.py): only this
     rank's TP rank, its ring on this rank's GPU carrying the positions `keep` of each batch; the
@@ -285,7 +290,7 @@ def make_target_stream(job: JobConfig, setup: RunSetup, samples, batches: list[l
                           device="cpu" if job.hw.device == "cpu" else f"cuda:{gpu}",
                           tp_rank=ranks.replica_rank if colocated else None, keep=keep if colocated else None,
                           before=before, routes=routes if colocated and spec.pp_size > 1 else None,
-                          window=context_window(job, setup, ranks) if colocated else None)
+                          window=context_window(job, setup, ranks) if colocated else None, known=known)
     if colocated:
         port = stream.open_rendezvous() if ranks.replica_rank == 0 else None
         ports = ranks.gather(port)  # every rank takes part

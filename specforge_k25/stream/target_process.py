@@ -18,7 +18,6 @@ import os
 import signal
 import sys
 import traceback
-from collections import deque
 
 import psutil
 import torch
@@ -78,12 +77,13 @@ def put_share(ring: SlotRing, index: int, out, keep: list[int] | None, ids: torc
 def run_producer(spec: TargetSpec, tokens: torch.Tensor, offsets: torch.Tensor, batches: list,
                    ring: SlotRing | None, parent_pid: int, keep: list | None = None, before: list = (),
                    routes: list | None = None, rank: int = 0, report=None, window: SeqWindow | None = None,
-                   progress: BatchProgress | None = None):
+                   progress: BatchProgress | None = None, known: dict | None = None):
     """Entry point of the target process of TP rank 0, and of every rank of a pipeline-parallel target.
     tokens: all sequences concatenated; offsets [N+1]. keep: per batch, the positions its ring
     carries (co-located; None: every sequence), `window` its rows of each (context parallelism). before: the batches a resumed run already trained
     on, not run again; regenerating, they place the remaining prompts in the groups an
-    uninterrupted run decodes them in (`regeneration_groups`).
+    uninterrupted run decodes them in (`regeneration_groups`); `known`: the conversations saved
+    already (`Regenerated`), not decoded again.
     A pipeline-parallel target (spec.pp_size > 1): every rank (world rank `rank`) walks the same
     batches itself, so no stage waits for another's turn at a per-batch broadcast and the stages
     overlap (stage s forwards batch i while stage s+1 forwards batch i-1). `ring` is None on a rank
@@ -109,7 +109,7 @@ def run_producer(spec: TargetSpec, tokens: torch.Tensor, offsets: torch.Tensor, 
         ahead = None
         if spec.regeneration is not None:
             stage = "regeneration groups"
-            ahead = Regenerated(target, spec, tokens, offsets, [*before, *batches], start=len(before))
+            ahead = Regenerated(target, spec, tokens, offsets, [*before, *batches], start=len(before), known=known)
         stage = "engine warmup"
         target.warmup()
         io = psutil.Process().io_counters
@@ -184,27 +184,25 @@ class Regenerated:
     """TP rank 0's answers, generated ahead of the forwards in the groups of `regeneration_groups`
     (decoding a batch of prompts costs about as much per step as decoding one), each group within
     the configured KV pool (spec.max_total_tokens: not the engine's, which depends on free memory).
-    `batches` is the whole schedule; a resumed run starts at `start` and decodes a group that began
-    before it whole again. A conversation used again later (a held-out sample at every evaluation)
-    is kept for that use while the kept ones stay under KEEP_TOKENS, else its group is decoded again
-    (the same answers). Memory stays bounded: besides the kept ones, only the conversations of the
-    group being used (up to its members' first uses) and of the current batch are held."""
+    `batches` is the whole schedule; a resumed run starts at `start`.
 
-    KEEP_TOKENS = 1 << 20
+    Each prompt is decoded at most once per run: a conversation used again later (a later epoch, a
+    held-out sample at every evaluation) is held until its last use, as int32 ids (4 bytes a token
+    of host memory, for the samples still to be used again). `known` ({sample: prompt + answer}, the
+    answers saved by this run before a resume or by an earlier run, train/answer_store.py) are never
+    decoded: a group decodes only its other members still to be used. A group none of whose members
+    is known decodes whole, as in an uninterrupted run (its makeup decides the decode kernels, hence
+    the answers), even the members a resume no longer uses."""
 
     def __init__(self, target, spec: TargetSpec, tokens: torch.Tensor, offsets: torch.Tensor, batches: list,
-                 start: int = 0):
+                 start: int = 0, known: dict[int, torch.Tensor] | None = None):
         self.target, self.spec, self.batches = target, spec, batches
         self.prompt = lambda i: tokens[offsets[i]:offsets[i + 1]]
+        self.known = known or {}
         regen = spec.regeneration
         page = getattr(target, "kv_page_size", 1)
         self.groups = regeneration_groups(batches, lambda i: len(self.prompt(i)), regen, spec.max_total_tokens, page)
         self.group_of = {i: g for g, group in enumerate(self.groups) for i in group}
-        first = {}
-        for item, batch in enumerate(batches):
-            for i in batch:
-                first.setdefault(i, item)
-        self.group_end = [max(first[i] for i in group) for group in self.groups]  # its members' last first use
         pool = getattr(target, "max_total_tokens", None)  # the engine's; None: no KV pool (the HF reference)
         need = max((generation_slots([len(self.prompt(i)) for i in group],
                                      [regen.budget(len(self.prompt(i))) for i in group], page)
@@ -212,50 +210,40 @@ class Regenerated:
         if pool is not None and need > pool:
             raise ValueError(f"a regeneration group needs {need} KV slots but the engine's pool holds {pool}: "
                              f"lower data.regen_group or hw.max_total_tokens, or raise hw.mem_fraction_static")
-        self.ready: dict[int, torch.Tensor] = {}  # sample -> its conversation, until its last use
-        self.uses: dict[int, deque] = {}  # sample -> the items still to use it
+        self.ready: dict[int, torch.Tensor] = {}  # sample -> its conversation (int32), until its last use
+        self.uses: dict[int, int] = {}  # sample -> how many items still use it
         for item in range(start, len(batches)):
             for i in batches[item]:
-                self.uses.setdefault(i, deque()).append(item)
-        self.kept: set[int] = set()  # used again later, kept meanwhile
-        self.kept_tokens = 0
+                self.uses[i] = self.uses.get(i, 0) + 1
+        self.decoded = 0  # prompts this process decoded (each once)
 
     def take(self, item: int) -> tuple[list[torch.Tensor], list[int]]:
         """Batch `item`'s conversations (prompt + answer) and prompt lengths."""
         batch = self.batches[item]
         for i in batch:
             if i not in self.ready:
-                self._generate(self.group_of[i], item)
-        conversations = [self.ready[i] for i in batch]
+                if i in self.known:
+                    self.ready[i] = self.known[i].to(torch.int32)
+                else:
+                    self._generate(self.group_of[i])
+        conversations = [self.ready[i].to(torch.int64) for i in batch]
         for i in batch:
-            self.uses[i].popleft()
-            if self.uses[i] and (i in self.kept or self._keep(i)):
-                continue
-            conversation = self.ready.pop(i)
-            if i in self.kept:
-                self.kept.discard(i)
-                self.kept_tokens -= len(conversation)
+            self.uses[i] -= 1
+            if not self.uses[i]:
+                self.ready.pop(i, None)
         return conversations, [len(self.prompt(i)) for i in batch]
 
-    def _keep(self, i: int) -> bool:
-        if self.kept_tokens + len(self.ready[i]) > self.KEEP_TOKENS:
-            return False
-        self.kept.add(i)
-        self.kept_tokens += len(self.ready[i])
-        return True
-
-    def _generate(self, g: int, item: int) -> None:
+    def _generate(self, g: int) -> None:
         group = self.groups[g]
+        if any(i in self.known for i in group):  # its makeup is gone: only the members still to be used
+            group = [i for i in group if i not in self.known and self.uses.get(i)]
         prompts = [self.prompt(i) for i in group]
         if self.spec.tp_size > 1:
             self.target.share_batch([GENERATE, *prompts])
+        self.decoded += len(group)
         for i, conversation in zip(group, regenerate(self.target, prompts, self.spec.regeneration)):
-            if not self.uses.get(i) or i in self.ready:  # used before a resume or already held
-                continue
-            self.ready[i] = conversation
-            # a group decoded again for one of its members: the others only while there is room to keep them
-            if self.uses[i][0] > max(item, self.group_end[g]) and not self._keep(i):
-                del self.ready[i]
+            if self.uses.get(i):  # not a member a resume no longer uses
+                self.ready[i] = conversation.to(torch.int32)
 
 
 def regenerate(target, prompts: list[torch.Tensor], regen) -> list[torch.Tensor]:

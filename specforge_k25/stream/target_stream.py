@@ -186,18 +186,21 @@ class TargetStream:
                  hidden_size: int, slots: int = 3, timeout_s: float = 600.0, start_timeout_s: float = 3600.0,
                  poll_s: float = 1.0, dtype: torch.dtype = torch.float32, device: str = "cpu",
                  tp_rank: int | None = None, keep: list[list[int]] | None = None, before: list[list[int]] = (),
-                 routes: list[list[list[int]]] | None = None, window: SeqWindow | None = None):
+                 routes: list[list[list[int]]] | None = None, window: SeqWindow | None = None,
+                 known: dict[int, torch.Tensor] | None = None):
         """tp_rank (co-located): start only this TP rank, which fills this stream's ring with the
         positions `keep[i]` of batch i (batches with none send nothing); the TP group meets at
         `open_rendezvous()` of the stream holding TP rank 0 (`join_rendezvous(port)` elsewhere).
         before (a resume that regenerates): the batches run before `batches`, which place the
         remaining prompts in the regeneration groups of an uninterrupted run (target_process.py).
+        known (regenerating): {sequence index: prompt + saved answer}, never decoded again.
         routes (co-located beside a pipeline's stages): per batch, every rank's positions (`keep` is
         this rank's); the last stage sends each rank its share (stream/pipeline_shares.py).
         window (co-located, context parallelism): this rank's rows of each kept sequence only (the
         slots are sized for them)."""
         self.spec, self.batches, self.poll_s, self.before = spec, batches, poll_s, list(before)
         self.tp_rank, self.keep, self.routes, self.window = tp_rank, keep, routes, window
+        self.known = known or {}
         # the rank that fills this ring: co-located, this stream's TP rank; dedicated, the one holding
         # the whole states (TP rank 0; a pipeline's last stage's TP rank 0)
         self.producer_rank = tp_rank if tp_rank is not None else spec.tp_size * (spec.pp_size - 1)
@@ -268,7 +271,8 @@ class TargetStream:
                 process = self.ctx.Process(
                     target=run_producer, args=(spec, self.tokens, self.offsets, self.batches, self.ring, os.getpid(),
                                                  self.keep, self.before, self.routes),
-                    kwargs={"window": self.window, "progress": self.progress}, name="specforge-target", daemon=True)
+                    kwargs={"window": self.window, "progress": self.progress, "known": self.known},
+                    name="specforge-target", daemon=True)
                 self.process = process
             elif self.tp_rank is not None:  # co-located: this rank fills the ring too
                 process = self.ctx.Process(

@@ -31,6 +31,7 @@ from .fingerprint import (RESHARDABLE, check_fingerprint, fingerprint_defaults, 
 from .feed import rebuild_regenerated, take_batches
 from .metrics import MetricsLogger, NullLogger, LossStats
 from .regenerated import COLUMNS, RegenerationLog
+from .answer_store import AnswerStore, answer_provenance, known_conversations, read_store, store_path
 from .optim import build_optimizer, build_scheduler
 from .overview import eval_line, print_overview
 from .schedule import BatchItem, build_schedule
@@ -133,6 +134,8 @@ class Trainer:
         self._positions = [0, 0]  # this session's real and padded positions of this rank's training batches
         self.regenerated = RegenerationLog(self.run_dir / "regenerated.jsonl", setup.tokenizer,
                                            write=setup.regeneration is not None and ranks.main)
+        self.answers = (AnswerStore(self.run_dir, answer_provenance(job, setup.regeneration, self.fingerprint["target_digest"]),
+                                    write=ranks.main) if setup.regeneration is not None else None)
 
     # ------------------------------------------------------------------------------ steps
     def resume(self) -> None:
@@ -264,6 +267,8 @@ class Trainer:
         keep = [self.ranks.share_positions(b, sizes) for b in batches]  # this rank's share of its replica's batch
         shares = [[b[p] for p in k] for b, k in zip(batches, keep)]
         stream_args = {}
+        if self.setup.regeneration is not None:  # answers saved already: never decoded again
+            stream_args["known"] = self._saved_answers({i for b in batches for i in b})
         if self.setup.regeneration is not None and start:  # the batches that place the rest in their decode groups
             done = [self.ranks.replica_batch(p.sample_ids, tr.batch_size) for p in self.schedule[:start]]
             if self.ranks.per_replica == 1:
@@ -362,10 +367,32 @@ class Trainer:
         if self.setup.regeneration is None:
             return sum(len(self.samples[i].input_ids) for i in item.sample_ids)
         local = (batch.num_tokens if batch is not None else 0,
-                 self.regenerated.rows_of(item.kind, share, regenerated or []))
+                 self.regenerated.rows_of(item.kind, share, regenerated or []),
+                 [(i, sample.input_ids) for i, (sample, _) in zip(share, regenerated or [])])
         gathered = self.ranks.gather(local)
-        self.regenerated.add([row for _, rows in gathered for row in rows])
-        return sum(tokens for tokens, _ in gathered)
+        self.regenerated.add([row for _, rows, _ in gathered for row in rows])
+        prompts = [(regeneration_prompt(self.samples[i]), ids) for _, _, pairs in gathered for i, ids in pairs]
+        self.answers.append([(prompt, ids[len(prompt):]) for prompt, ids in prompts])
+        return sum(tokens for tokens, _, _ in gathered)
+
+    def _saved_answers(self, used: set[int]) -> dict[int, torch.Tensor]:
+        """{sample: prompt + answer} of the samples in `used` (this rank's replica's) with an answer
+        saved by this run (before a resume) or in data.regen_source; rank 0 reads the files, before
+        any target starts (a file of other settings is refused here)."""
+        answers = {}
+        if self.ranks.main:
+            source = self.job.data.regen_source
+            if source:
+                answers.update(read_store(store_path(source), self.answers.provenance)[0])
+            answers.update(self.answers.load())
+        answers = self.ranks.from_main(answers)
+        prompts = {i: regeneration_prompt(self.samples[i]) for i in used}
+        known = known_conversations(answers, prompts, self.setup.regeneration.budget,
+                                    store_path(self.job.data.regen_source or self.run_dir))
+        if self.ranks.main:
+            print(f"regeneration: {len(known)} of {len(used)} samples to run have a saved answer (not decoded again)"
+                  + (f", {len(used) - len(known)} to decode" if len(used) > len(known) else ""), flush=True)
+        return known
 
     def _floor_tokens(self, sample_id: int) -> int:
         """Tokens sample `sample_id` streams at least (regenerating: its prompt)."""

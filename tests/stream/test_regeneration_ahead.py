@@ -1,7 +1,7 @@
 """TP rank 0's regeneration ahead of the forwards (stream/target_process.py `Regenerated`): prompts
-decoded in groups within the group size and the KV pool, each sample once while it is kept for a
-later use (held-out samples recur at every evaluation), identical conversations either way, and a
-resumed run decodes the remaining prompts in the groups of an uninterrupted run."""
+decoded in groups within the group size and the KV pool, each sample once per run (held until its
+last use: later epochs, held-out samples at every evaluation), a resumed run decoding the remaining
+prompts in the groups of an uninterrupted run, and answers saved already (`known`) never decoded."""
 from __future__ import annotations
 
 import os
@@ -37,16 +37,14 @@ class MakeupTarget(CountingTarget):
         return [[int(p[0]), makeup][:b] for p, b in zip(prompts, budgets)]
 
 
-def _regenerated(batches, group=2, pool=16384, keep_tokens=None, start=0, lengths=None, target=None):
+def _regenerated(batches, group=2, pool=16384, start=0, lengths=None, target=None, known=None):
     lengths = lengths or [3] * 5
     seqs = [torch.tensor([10 + i, *range(1, n)]) for i, n in enumerate(lengths)]  # sample i's prompt starts with 10 + i
     offsets = torch.tensor([0] + lengths).cumsum(0)
     spec = TargetSpec(engine="hf", model_path="m", architecture="x", capture_points=[1, 2, 3], max_total_tokens=pool,
                       regeneration=Regeneration(max_new_tokens=2, max_length=16, group_sequences=group))
     target = target or CountingTarget()
-    ahead = _Regenerated(target, spec, torch.cat(seqs), offsets, batches, start=start)
-    if keep_tokens is not None:
-        ahead.KEEP_TOKENS = keep_tokens
+    ahead = _Regenerated(target, spec, torch.cat(seqs), offsets, batches, start=start, known=known)
     return ahead, target
 
 
@@ -58,14 +56,7 @@ def test_groups_and_recurring_samples():
     for (conversations, prompt_lengths), batch in zip(got, batches):
         assert prompt_lengths == [3] * len(batch)
         assert [c.tolist() for c in conversations] == [[10 + i, 1, 2, 10 + i, 10 + i] for i in batch]
-    assert ahead.ready == {} and ahead.kept_tokens == 0  # nothing left behind
-
-
-def test_no_room_to_keep_means_regenerating_identically():
-    batches = [[0], [1], [0]]
-    ahead, target = _regenerated(batches, group=1, keep_tokens=0)
-    got = [ahead.take(item)[0][0].tolist() for item in range(3)]
-    assert target.calls == [[10], [11], [10]] and got[0] == got[2]
+    assert ahead.ready == {}  # nothing left behind
 
 
 def test_a_group_stays_within_the_kv_pool():
@@ -74,18 +65,17 @@ def test_a_group_stays_within_the_kv_pool():
     assert target.calls == [[10, 11]]
 
 
-@pytest.mark.parametrize("group, pool, keep_tokens", [(3, 16384, None), (3, 16384, 0), (8, 11, None)])
-def test_a_resume_decodes_in_the_groups_of_an_uninterrupted_run(group, pool, keep_tokens):
+@pytest.mark.parametrize("group, pool", [(3, 16384), (8, 11)])
+def test_a_resume_decodes_in_the_groups_of_an_uninterrupted_run(group, pool):
     """Issue 18 §3.4: a group's makeup decides the decode kernels, hence the answers. A run resumed
     at any item gets the conversations of the uninterrupted run for the remaining items: its groups
     (by prompt count and by KV pool room) are the uninterrupted run's, and a group begun before the
-    resume is decoded whole again; so is a recurring sample's group when it was not kept."""
+    resume (nothing of it saved) is decoded whole again."""
     batches = [[0], [1, 2], [3], [0, 4], [1], [2, 3]]  # samples 0..3 recur
     lengths = [3, 4, 2, 5, 3]  # KV slots each: 4, 5, 3, 6, 4
 
     def conversations(start):
-        ahead, _ = _regenerated(batches, group=group, pool=pool, keep_tokens=keep_tokens, start=start,
-                                lengths=lengths, target=MakeupTarget())
+        ahead, _ = _regenerated(batches, group=group, pool=pool, start=start, lengths=lengths, target=MakeupTarget())
         return [[c.tolist() for c in ahead.take(item)[0]] for item in range(start, len(batches))]
 
     whole = conversations(0)
@@ -140,15 +130,40 @@ def test_the_target_process_resumes_in_the_uninterrupted_runs_groups(monkeypatch
     assert produce(batches[:2], batches[2:]) == [(item - 2, ids, lens) for item, ids, lens in whole[2:]]
 
 
-def test_a_group_decoded_again_holds_only_what_is_used_now_or_kept():
-    """Two epochs in other orders, nothing kept: each second use decodes the sample's group again,
-    and its other members (used much later) are not held meanwhile: memory stays bounded."""
+def test_two_epochs_decode_each_prompt_once_and_hold_only_what_is_used_again():
+    """Two epochs in other orders: every prompt decoded once, in the first epoch; a conversation is
+    held until its last use and no longer (memory: the samples still to be used again)."""
     batches = [[i] for i in range(8)] + [[7], [3], [5], [1], [0], [6], [2], [4]]
-    ahead, target = _regenerated(batches, group=4, keep_tokens=0, lengths=[3] * 8)
+    ahead, target = _regenerated(batches, group=4, lengths=[3] * 8)
     held = []
     for item, batch in enumerate(batches):
         conversations, _ = ahead.take(item)
         assert [c.tolist() for c in conversations] == [[10 + i, 1, 2, 10 + i, 10 + i] for i in batch]
         held.append(len(ahead.ready))
-    assert max(held) <= 3 and held[8:] == [0] * 8
-    assert len(target.calls) == 2 + 8  # each group once in the first epoch, then once per use
+    assert sorted(p for call in target.calls for p in call) == [10 + i for i in range(8)]
+    assert target.calls == [[10, 11, 12, 13], [14, 15, 16, 17]] and ahead.decoded == 8
+    assert held[7] == 8 and held[8:] == [7, 6, 5, 4, 3, 2, 1, 0]
+
+
+def test_saved_answers_are_never_decoded():
+    """A resume (or a later run) with some answers saved: those are prefilled as saved, a group
+    decodes only its members without one that are still to be used (a member decoded before the
+    interruption but not yet trained, hence not saved, is decoded again: the only repeat)."""
+    batches = [[0], [1, 2], [3], [0, 4], [1], [2, 3]]
+    whole, first = _regenerated(batches, group=3, target=MakeupTarget())
+    conversations = [[c.tolist() for c in whole.take(item)[0]] for item in range(len(batches))]
+    assert first.calls == [[10, 11, 12], [13, 14]]
+    # resume at item 3: samples 0..3 trained (saved); the group [3, 4] began before the resume
+    saved = {i: torch.tensor(c) for b, convs in zip(batches[:3], conversations[:3]) for i, c in zip(b, convs)}
+    resumed, again = _regenerated(batches, group=3, target=MakeupTarget(), start=3, known=saved)
+    got = [[c.tolist() for c in resumed.take(item)[0]] for item in range(3, len(batches))]
+    assert again.calls == [[14]] and resumed.decoded == 1
+    for item, convs in zip(range(3, len(batches)), got):  # the saved ones exactly as saved
+        for i, c in zip(batches[item], convs):
+            if i in saved:
+                assert c == saved[i].tolist()
+    # a later run with every answer saved decodes nothing
+    everything = {i: torch.tensor(c) for b, convs in zip(batches, conversations) for i, c in zip(b, convs)}
+    later, none = _regenerated(batches, group=3, target=MakeupTarget(), known=everything)
+    assert [[c.tolist() for c in later.take(item)[0]] for item in range(len(batches))] == conversations
+    assert none.calls == [] and later.decoded == 0

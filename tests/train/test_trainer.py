@@ -306,7 +306,7 @@ class FakeRegenStream(FakeStream):
 
 
 def _run_regen(job, setup, fail_at=None, served=None):
-    def factory(job_, setup_, samples, batches, before=()):
+    def factory(job_, setup_, samples, batches, before=(), known=None):
         if served is not None:
             served.append((list(before), list(batches)))
         return FakeRegenStream(samples, batches, setup.regeneration, fail_at)
@@ -351,6 +351,150 @@ def test_regenerated_answers_are_what_the_loop_trains_on_and_a_resume_redoes_the
     assert none == [] and before == whole[:5] and rest == whole[5:]
     for (name, a), b in zip(full.learner.draft.state_dict().items(), resumed.learner.draft.state_dict().values()):
         assert torch.equal(a, b), name
+
+
+# ------------------------------------------------ regenerated answers decoded once, saved, reused
+class AheadRegenStream(FakeStream):
+    """The stand-in target decodes through the real `Regenerated` (stream/target_process.py: its
+    decode groups, each prompt once per run, the saved answers it is given never decoded); its
+    engine answers as FakeRegenStream does and records every prompt it decodes in `decoded`."""
+
+    def __init__(self, samples, batches, regen, decoded: list, before=(), known=None, fail_at=None):
+        super().__init__(samples, batches, fail_at)
+        self.regen, self.before, self.known, self.decoded = regen, list(before), known, decoded
+        self.oracle = FakeRegenStream(samples, [], regen)
+        self.max_total_tokens = None
+
+    def generate(self, prompts, budgets, regen):
+        self.decoded.extend(tuple(p.tolist()) for p in prompts)
+        return [self.oracle.answer(p)[:b].tolist() for p, b in zip(prompts, budgets)]
+
+    def __iter__(self):
+        from specforge_k25.data.regenerate import regeneration_prompt
+        from specforge_k25.stream.target_process import Regenerated
+        from specforge_k25.target_engine.factory import TargetSpec
+
+        prompts = [regeneration_prompt(s) for s in self.samples]
+        offsets = torch.tensor([0] + [len(p) for p in prompts]).cumsum(0)
+        spec = TargetSpec(engine="hf", model_path="m", architecture="x", capture_points=[1, 2, 3],
+                          regeneration=self.regen)
+        ahead = Regenerated(self, spec, torch.cat(prompts), offsets, [*self.before, *self.batches],
+                            start=len(self.before), known=self.known)
+        aux_table, final_table = self.tables
+        for item in range(len(self.batches)):
+            if item == self.fail_at:
+                raise StreamError(f"target process died at batch {item}")
+            seqs, prompt_lengths = ahead.take(len(self.before) + item)
+            tokens = torch.cat(seqs)
+            self.slot, self.slot_ids = (aux_table[tokens].clone(), final_table[tokens].clone()), tokens.clone()
+            yield SlotMessage(0, item, [len(s) for s in seqs], 0.0, prompt_lengths), *self.slot
+        self.target_io = EndOfStream(len(self.batches), 0, 0)
+
+    def ids(self, msg) -> torch.Tensor:
+        return self.slot_ids
+
+
+def _run_ahead(job, setup, decoded, fail_at=None, source=None):
+    if source is not None:
+        job = dataclasses.replace(job, data=dataclasses.replace(job.data, regen_source=str(source)))
+
+    def factory(job_, setup_, samples, batches, before=(), known=None):
+        return AheadRegenStream(samples, batches, setup.regeneration, decoded, before, known, fail_at)
+
+    trainer = Trainer(job, setup, job.train.out_dir, Ranks(), factory)
+    try:
+        return trainer, trainer.run()
+    except StreamError:
+        return trainer, None
+
+
+def _saved_prompts(run_dir) -> list[str]:
+    lines = (run_dir / "regenerated_ids.jsonl").read_text().splitlines()
+    return [json.loads(x)["prompt_sha1"] for x in lines[1:]]
+
+
+@pytest.fixture(scope="module")
+def regen_setup(tiny_setup):
+    from specforge_k25.target_engine.sampling import Regeneration
+
+    return dataclasses.replace(tiny_setup, regeneration=Regeneration(max_new_tokens=5, max_length=40, stop_ids=(0,),
+                                                                     group_sequences=4))
+
+
+def test_each_prompt_is_decoded_once_across_epochs_and_a_resume(regen_setup, tmp_path):
+    """Two epochs (held-out samples at both evaluations): the target decodes each of the 14 prompts
+    once and the run saves each answer once. Interrupted in its first epoch and resumed: the
+    resumed target decodes no prompt whose answer was saved (only those decoded ahead of the
+    interruption and never trained on), and trains to the same weights."""
+    from specforge_k25.data.regenerate import regeneration_prompt
+    from specforge_k25.train.answer_store import prompt_key
+
+    samples = regen_setup.data.train + regen_setup.data.heldout
+    decoded = []
+    full, summary = _run_ahead(_job(tmp_path / "full", epochs=2), regen_setup, decoded)
+    assert sorted(decoded) == sorted(tuple(regeneration_prompt(s).tolist()) for s in samples)
+    assert sorted(_saved_prompts(tmp_path / "full")) == sorted(prompt_key(regeneration_prompt(s)) for s in samples)
+    assert summary["samples_trained"] == 24
+
+    first, second = [], []
+    _run_ahead(_job(tmp_path / "resume", epochs=2, checkpoint_every=1), regen_setup, first, fail_at=4)
+    saved = set(_saved_prompts(tmp_path / "resume"))
+    resumed, _ = _run_ahead(_job(tmp_path / "resume", epochs=2, resume="auto"), regen_setup, second)
+    assert resumed.resumed_from is not None and second, "the resume should still have prompts to decode"
+    assert not saved & {prompt_key(torch.tensor(p)) for p in second}, "a saved answer was decoded again"
+    assert len(_saved_prompts(tmp_path / "resume")) == len(samples)  # each once, none twice
+    for (name, a), b in zip(full.learner.draft.state_dict().items(), resumed.learner.draft.state_dict().values()):
+        assert torch.equal(a, b), name
+    assert resumed.evals["end"] == full.evals["end"]
+
+
+def test_a_run_on_saved_answers_equals_the_run_that_decoded_them(regen_setup, tmp_path):
+    """data.regen_source: a later run decodes nothing and trains bit for bit as the run that
+    decoded the answers (weights, held-out metrics, tokens counted); it saves them beside its own
+    regenerated.jsonl too."""
+    decoded, none = [], []
+    first, summary = _run_ahead(_job(tmp_path / "first"), regen_setup, decoded)
+    later, later_summary = _run_ahead(_job(tmp_path / "later"), regen_setup, none, source=tmp_path / "first")
+    assert decoded and none == []
+    for (name, a), b in zip(first.learner.draft.state_dict().items(), later.learner.draft.state_dict().values()):
+        assert torch.equal(a, b), name
+    assert later.evals == first.evals
+    assert later_summary["tokens_trained"] == summary["tokens_trained"]
+    assert later_summary["regeneration"] == summary["regeneration"]
+    assert sorted(_saved_prompts(tmp_path / "later")) == sorted(_saved_prompts(tmp_path / "first"))
+    # the file itself, not the run folder, works too
+    _, again = _run_ahead(_job(tmp_path / "again"), regen_setup, none,
+                          source=tmp_path / "first" / "regenerated_ids.jsonl")
+    assert none == [] and again["tokens_trained"] == summary["tokens_trained"]
+
+
+def test_saved_answers_of_other_settings_or_a_bad_file_are_refused_before_the_target_starts(regen_setup, tmp_path):
+    from specforge_k25.target_engine.sampling import Regeneration
+
+    _run_ahead(_job(tmp_path / "first"), regen_setup, [])
+    saved = tmp_path / "first" / "regenerated_ids.jsonl"
+    started = []
+
+    def refused(setup, source):
+        job = dataclasses.replace(_job(tmp_path / "later"), data=dataclasses.replace(JobConfig().data,
+                                                                                     regen_source=str(source)))
+        trainer = Trainer(job, setup, job.train.out_dir, Ranks(), lambda *a, **k: started.append(1))
+        with pytest.raises((ValueError, FileNotFoundError)) as err:
+            trainer.run()
+        assert not started, "the target started before the refusal"
+        return str(err.value)
+
+    hotter = dataclasses.replace(regen_setup, regeneration=Regeneration(
+        max_new_tokens=5, max_length=40, stop_ids=(0,), group_sequences=4, temperature=0.7))
+    message = refused(hotter, tmp_path / "first")
+    assert "temperature: saved 0.0 vs this run 0.7" in message and str(saved) in message
+    assert "no saved answers there" in refused(regen_setup, tmp_path / "nowhere")
+    lines = saved.read_text().splitlines()
+    damaged = tmp_path / "damaged.jsonl"
+    damaged.write_text("\n".join([lines[0], lines[1][:-9], *lines[2:]]) + "\n")
+    assert "line 2 is not a whole answer record" in refused(regen_setup, damaged)
+    (tmp_path / "other.jsonl").write_text('{"prompt": "hello"}\n')
+    assert "not a file of regenerated answer ids" in refused(regen_setup, tmp_path / "other.jsonl")
 
 
 # ------------------------------------------- 4. a collective failing inside the step: a named failure
