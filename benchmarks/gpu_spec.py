@@ -43,7 +43,7 @@ def method_spec(name: str, size: dict):
         spec.block_size, spec.num_layers, spec.num_anchors = CHAIN[0][2], 1, 16
         spec.mask_token_id = 0  # "t0", the unknown word: the random data is ids 3..V-1
         # o_proj's input (heads x head_dim) wider than the rows fit_dflash solves for (~3 per output token)
-        spec.num_attention_heads, spec.num_key_value_heads, spec.head_dim = 4, 2, 64 if size["new_tokens"] < 32 else 256
+        spec.num_attention_heads, spec.num_key_value_heads, spec.head_dim = (4, 2, 64) if size["new_tokens"] < 32 else (8, 2, 128)
     else:
         spec.vocab_size, spec.ttt_length = size["draft_vocab"], size["ttt"]
     return spec
