@@ -124,7 +124,7 @@ class TrainConfig:
     max_steps: Optional[int] = doc(None, "stop after this many optimizer steps (null = epochs)", at_least=1)
     teacher_chunk: int = doc(1024, "positions per teacher logits chunk ([chunk, V] at most)", at_least=1)
     activation_checkpointing: bool = doc(False, "recompute each TTT step in backward instead of keeping its activations (~1 more forward; the memory plan shows the saving)")
-    optimizer_device: Optional[str] = doc(None, "where AdamW's fp32 master weights and m/v live: null = the trainer's device | cpu (host memory) | cuda:N (another GPU)")
+    optimizer_device: Optional[str] = doc(None, "where AdamW's fp32 master weights and m/v live: null = the trainer's device | cpu (host memory; co-located ranks: FSDP2's CPU offload of their weight, grad and AdamW shards) | cuda:N (another GPU; dedicated layout only)")
     stream_slots: int = doc(3, "shared-memory slots between target and trainer (backpressure bound)", at_least=1)
     stream_timeout_s: float = doc(600.0, "fail if the target produces no batch for this long (after the first)", above=0)
     engine_start_timeout_s: float = doc(3600.0, "fail if the engine's first batch takes longer (load + warm-up)", above=0)

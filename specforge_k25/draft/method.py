@@ -178,7 +178,7 @@ class DraftMethod:
     #     "attention_mask": bytes of masks (0: none), "total": both}
     #   backward_working_bytes(cfg, batch, seq_len, depth, bf16) -> bytes
     #   draft_step_flops(cfg, batch, seq_len, depth, checkpoint=False) -> {"teacher", ..., "total"}
-    #   context_parallel_values(cfg, size) -> values a rank sends per position per step forward
+    #   context_parallel_values(cfg, size, depth) -> values a rank sends per position it holds, forward
     #     (methods with `context_parallel` only)
     # A "step" is what the method unrolls or stacks: EAGLE-3's TTT step, DFlash's draft layer (what
     # per-layer activation checkpointing recomputes at a time; its depth arguments are unused).

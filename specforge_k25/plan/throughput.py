@@ -237,12 +237,13 @@ def predict(job, facts: TargetFacts, layout: str | None = None, padding_share: f
         grads_s = 4 * P * 2 * (ranks - 1) / ranks / link if ranks > 1 else 0.0
         grads_how = f"DDP all-reduce of 4P over {ranks} ranks" if ranks > 1 else "none (one rank)"
 
-    # context parallelism: per position a rank holds, the attention exchanges of every TTT step, forward
-    # and backward (and the recompute's forward with checkpointing), over the same link
+    # context parallelism: per position a rank holds, the attention exchanges of the whole loss (every
+    # TTT step, or every layer), forward and backward (and the recompute's forward with checkpointing),
+    # over the same link
     cp = context_parallel(hw)
-    exchange_values = method.plan.context_parallel_values(cfg, cp) if cp > 1 and method.context_parallel else 0.0
+    exchange_values = method.plan.context_parallel_values(cfg, cp, K) if cp > 1 and method.context_parallel else 0.0
     passes = 3 if tr.activation_checkpointing else 2
-    x_exchange = exchange_values * a * K * passes / link / real
+    x_exchange = exchange_values * a * passes / link / real
 
     gpus: dict[int, GpuTime] = {}
 
@@ -286,8 +287,8 @@ def predict(job, facts: TargetFacts, layout: str | None = None, padding_share: f
         ("gradient traffic per step", f"{grads_s:.4f} s", grads_how),
         ("tokens per optimizer step per rank", f"{step_tokens:,.0f}",
          "batch_size x max_length x grad_accum" + (" x (1 - padding share)" if padding_share else "")),
-        ("sequence exchange per position", f"{exchange_values * a * K * passes / 1e3:.1f} KB",
-         f"hw.context_parallel={cp}: {exchange_values:,.0f} values x {a} B x {K} steps x {passes} "
+        ("sequence exchange per position", f"{exchange_values * a * passes / 1e3:.1f} KB",
+         f"hw.context_parallel={cp}: {exchange_values:,.0f} values x {a} B x {passes} "
          f"(forward, backward{', recompute' if passes == 3 else ''}; method plan context_parallel_values)"
          if exchange_values else "none (hw.context_parallel=1: whole sequences per rank)"),
         ("padding share", f"{padding_share:.0%}", "the run plan's (train/schedule.py padding_share)" if padding_share

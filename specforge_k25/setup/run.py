@@ -97,7 +97,7 @@ def check_context_parallel_method(job: JobConfig, method: DraftMethod, draft_cfg
         return
     if not method.context_parallel:
         raise ValueError(f"hw.context_parallel={cp}: draft={method.name} does not split a sequence over ranks "
-                         f"yet (eagle3 and eagle3_mla do); use hw.context_parallel=1")
+                         f"(eagle3, eagle3_mla and dflash do); use hw.context_parallel=1")
     heads = draft_cfg.num_attention_heads
     if heads % cp:
         raise ValueError(f"hw.context_parallel={cp}: the draft's {heads} attention heads do not split over {cp} ranks "

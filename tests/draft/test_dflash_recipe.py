@@ -26,7 +26,7 @@ class LogitsAreHidden(torch.nn.Module):
         self.cfg = SimpleNamespace(block_size=3, mask_token_id=1, logits_chunk=1, loss_gamma=4.0)
         self.h = torch.nn.Parameter(block_logits)
 
-    def forward(self, aux, ctx_positions, block_ids, block_positions, checkpoint=False, prefix=None):
+    def forward(self, aux, ctx_positions, block_ids, block_positions, checkpoint=False, prefix=None, seq=None):
         return self.h
 
     def logits(self, hidden):

@@ -43,11 +43,23 @@ def test_split_positions_give_one_ranks_loss_and_gradients_float64(two_rank_resu
     assert r["loss_rel"] < 1e-12 and r["grad_rel"] < 1e-12 and r["grads"] > 10, r
 
 
-@pytest.mark.parametrize("case", ["llama", "mla_checkpointed"])
+@pytest.mark.slow
+@pytest.mark.parametrize("case", ["dflash", "dflash_distill"])
+def test_dflash_split_positions_give_one_ranks_loss_and_gradients_float64(two_rank_result, case):
+    """DFlash (hard labels, and half distillation from the target's final states in the halo):
+    lengths 11 and 8 cut at 6, blocks of 3. Every block runs on exactly one rank (the one holding
+    its anchor; a rank running every block fails), attending to the context gathered from both
+    (the keys of the other rank's positions left out fails); labels and teacher rows cross the cut."""
+    r = two_rank_result["float64"][case]
+    assert r["counted_equal"] and r["blocks"] == r["blocks_whole"] and 0 < r["blocks_here"] < r["blocks_whole"], r
+    assert r["loss_rel"] < 1e-12 and r["grad_rel"] < 1e-12 and r["grads"] > 10, r
+
+
+@pytest.mark.parametrize("case", ["llama", "mla_checkpointed", "dflash_checkpointed"])
 def test_split_learner_trains_as_one_rank(two_rank_result, case):
     """The trainer's path: windows and teacher halo cut by DraftLearner from packed states, FSDP2
-    shards, global normaliser, AdamW x 2 steps and an evaluation, fp32 (MLA with activation
-    checkpointing: the exchanges re-run in backward)."""
+    shards, global normaliser, AdamW x 2 steps and an evaluation, fp32 (MLA and DFlash with
+    activation checkpointing: the exchanges re-run in backward; DFlash's units freed per layer)."""
     r = two_rank_result["learner"][case]
     assert r["counts_equal"], r
     assert r["loss_rel"] < 1e-6 and r["weight_rel"] < 1e-5, r

@@ -78,6 +78,14 @@ def sample_anchors(loss_mask: torch.Tensor, lengths: torch.Tensor, num_anchors: 
     return anchors.to(loss_mask.device), valid.to(loss_mask.device)
 
 
+def window_anchors(anchors: torch.Tensor, valid: torch.Tensor, start: int, length: int) -> torch.Tensor:
+    """Context parallelism: `valid` [B, A] kept only for the anchors in this rank's window
+    [start, start + length): the anchors are drawn over the whole sequences alike on every rank of
+    the group (the same batch seed), and each block runs on the rank that holds its anchor's
+    position, so every block runs exactly once and the summed loss is one rank's on whole sequences."""
+    return valid & (anchors >= start) & (anchors < start + length)
+
+
 def block_inputs(input_ids: torch.Tensor, loss_mask: torch.Tensor, lengths: torch.Tensor, anchors: torch.Tensor,
                  valid: torch.Tensor, block_size: int, mask_token_id: int) -> BlockInputs:
     B, T = input_ids.shape
@@ -111,7 +119,7 @@ def dflash_loss(model, aux_hidden: torch.Tensor, input_ids: torch.Tensor, loss_m
                 lengths: torch.Tensor, anchors: torch.Tensor, valid: torch.Tensor,
                 normalizer: torch.Tensor | None = None, checkpoint: bool = False, *,
                 weights: list | torch.Tensor | None = None, distill: float = 0.0,
-                final_hidden: torch.Tensor | None = None) -> LossResult:
+                final_hidden: torch.Tensor | None = None, seq=None) -> LossResult:
     """aux_hidden [B, T, K*Ht], input_ids / loss_mask [B, T] right-padded, lengths [B], anchors /
     valid [B, A] (sample_anchors) -> LossResult over block positions 1..Bk-1.
 
@@ -120,14 +128,19 @@ def dflash_loss(model, aux_hidden: torch.Tensor, input_ids: torch.Tensor, loss_m
     checkpoint: recompute each draft layer in backward.
     weights [Bk-1]: the positions' weights (null: exp(-(j-1)/cfg.loss_gamma)).
     distill: the soft-CE share d (module doc); > 0 needs final_hidden [B, T, Ht], the target's
-    final states (after its norm), from which the teacher's logits are computed chunk by chunk."""
+    final states (after its norm), from which the teacher's logits are computed chunk by chunk.
+    seq (context parallelism, train/context_parallel.py SeqShard): aux_hidden (and final_hidden) hold
+    this rank's window of the positions from seq.start on, input_ids / loss_mask the whole padded
+    sequences; the anchors outside the window are invalid here (`window_anchors`: another rank
+    runs their blocks)."""
     cfg = model.cfg
     Bk, dev = cfg.block_size, input_ids.device
     B, T = input_ids.shape
     inp = block_inputs(input_ids, loss_mask, lengths, anchors, valid, Bk, cfg.mask_token_id)
-    ctx_positions = torch.arange(T, device=dev).expand(B, T)
+    start = seq.start if seq is not None else 0  # the first position aux_hidden holds
+    ctx_positions = (start + torch.arange(aux_hidden.shape[1], device=dev)).expand(B, -1)
     hidden = model(aux_hidden, ctx_positions, inp.block_ids, inp.block_positions, checkpoint=checkpoint,
-                   prefix=inp.prefix)
+                   prefix=inp.prefix, seq=seq)
     rows = inp.counted.nonzero(as_tuple=True)
     h = hidden[rows]  # [N, H] the counted block tokens only
     labels = inp.labels[rows]  # [N]
@@ -136,7 +149,7 @@ def dflash_loss(model, aux_hidden: torch.Tensor, input_ids: torch.Tensor, loss_m
         if final_hidden is None:
             raise ValueError("draft.distill > 0 needs the target's final hidden states (DraftBatch.final_hidden)")
         # the target's distribution for x[a+j] comes from its final state at a+j-1 (>= a >= 1)
-        teacher_rows = final_hidden[rows[0], inp.block_positions[rows] - 1]  # [N, Ht]
+        teacher_rows = final_hidden[rows[0], inp.block_positions[rows] - 1 - start]  # [N, Ht]
     else:
         teacher_rows = h.new_zeros(h.shape[0], 0)
 

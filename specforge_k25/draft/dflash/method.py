@@ -38,11 +38,15 @@ class DFlashMethod(DraftMethod):
     vllm_method = "dflash"
     model_class = DFlashDraft
     spec_class = DFlashSpec  # draft.* (conf group option `draft=dflash`)
+    keep_units_gathered = False  # each layer runs once per forward: free it after its forward and backward
     config_class = DFlashConfig  # what resolve_config returns (registry.method_of_config)
     plan = plan
     needs_teacher = False  # CE against the sequence's own tokens; with draft.distill its loss computes the
     # target's distribution itself, only at the rows it counts, from the final states
     needs_final_hidden = True  # draft.distill's teacher (the stream carries the final states anyway)
+    # hw.context_parallel: a rank runs the blocks anchored in its window of the positions, and each
+    # layer gathers the context's keys and values of the whole sequence (model.py)
+    context_parallel = True
     # the loss's logits chunk and the block attention's tile: the same sums, computed in pieces
     memory_only = ("logits_chunk", "attention_tile_rows", "attention_tile_keys")
 
@@ -103,8 +107,12 @@ class DFlashMethod(DraftMethod):
         return cfg.block_size - 1
 
     def prepare_batch(self, cfg: DFlashConfig, batch: DraftBatch, generator: torch.Generator) -> DraftBatch:
-        """Draw the batch's anchors from the trainer's generator (before loss_positions and loss)."""
-        batch.draws = block_loss.sample_anchors(batch.loss_mask, batch.lengths, cfg.num_anchors, generator)
+        """Draw the batch's anchors from the trainer's generator (before loss_positions and loss);
+        with context parallelism (batch.seq) over the whole sequences, kept valid in this rank's window."""
+        anchors, valid = block_loss.sample_anchors(batch.loss_mask, batch.lengths, cfg.num_anchors, generator)
+        if batch.seq is not None:
+            valid = block_loss.window_anchors(anchors, valid, batch.seq.start, batch.seq.length)
+        batch.draws = anchors, valid
         return batch
 
     @staticmethod
@@ -136,7 +144,7 @@ class DFlashMethod(DraftMethod):
         return block_loss.dflash_loss(model, batch.aux_hidden, batch.input_ids, batch.loss_mask, batch.lengths,
                                       anchors, valid, normalizer=normalizer, checkpoint=checkpoint,
                                       weights=weights, distill=distill,
-                                      final_hidden=batch.final_hidden if distill else None)
+                                      final_hidden=batch.final_hidden if distill else None, seq=batch.seq)
 
     def loss_positions(self, batch: DraftBatch, depth: int) -> torch.Tensor:
         anchors, valid = self._anchors(batch)

@@ -123,13 +123,17 @@ class DFlashAttention(nn.Module):
         return apply_rope(k, *rope), v
 
     def forward(self, x: torch.Tensor, ctx: torch.Tensor, rope_block, rope_ctx, prefix: torch.Tensor,
-                tiling: Tiling) -> torch.Tensor:
+                tiling: Tiling, seq=None) -> torch.Tensor:
         """x [B, Q, H] (normed block), ctx [B, T, H] (projected context, not normed again),
-        rope_* (cos, sin) [B, 1, S, hd]; prefix [B, A] int64 with its `tiling` -> [B, Q, H]."""
+        rope_* (cos, sin) [B, 1, S, hd]; prefix [B, A] int64 with its `tiling` -> [B, Q, H].
+        seq (context parallelism): ctx is this rank's window [B, L, H] of the positions; its keys and
+        values are gathered along the sequence (every rank's, in order) before the attention."""
         B, Q, _ = x.shape
         q = self.q_norm(self.q_proj(x).view(B, Q, self.nh, self.hd)).transpose(1, 2)  # [B, nh, Q, hd]
         q = apply_rope(q, *rope_block)
-        k_c, v_c = self._keys(ctx, rope_ctx)  # [B, nkv, T, hd]
+        k_c, v_c = self._keys(ctx, rope_ctx)  # [B, nkv, T, hd] (seq: [B, nkv, L, hd])
+        if seq is not None:  # -> [B, nkv, C L, hd]; backward returns each rank its positions' grads
+            k_c, v_c = (seq.gather_positions(t.transpose(1, 2)).transpose(1, 2) for t in (k_c, v_c))
         k_b, v_b = self._keys(x, rope_block)  # [B, nkv, Q, hd]
         scale = 1.0 / math.sqrt(self.hd)
         out = block_attention(q, k_c, v_c, k_b, v_b, prefix, scale, tiling)  # [B, nh, Q, hd]
@@ -144,8 +148,8 @@ class DFlashLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.mlp = MLP(cfg)
 
-    def forward(self, h, ctx, rope_block, rope_ctx, prefix, tiling):
-        h = h + self.self_attn(self.input_layernorm(h), ctx, rope_block, rope_ctx, prefix, tiling)
+    def forward(self, h, ctx, rope_block, rope_ctx, prefix, tiling, seq=None):
+        h = h + self.self_attn(self.input_layernorm(h), ctx, rope_block, rope_ctx, prefix, tiling, seq)
         return h + self.mlp(self.post_attention_layernorm(h))
 
 
@@ -181,11 +185,14 @@ class DFlashDraft(nn.Module):
         return self.hidden_norm(self.fc(aux_hidden))
 
     def forward(self, aux_hidden: torch.Tensor, ctx_positions: torch.Tensor, block_ids: torch.Tensor,
-                block_positions: torch.Tensor, prefix: torch.Tensor, checkpoint: bool = False) -> torch.Tensor:
+                block_positions: torch.Tensor, prefix: torch.Tensor, checkpoint: bool = False, seq=None) -> torch.Tensor:
         """aux [B, T, K*Ht], ctx_positions [B, T], block_ids / block_positions [B, Q] (A blocks of
         Bk = Q / A tokens), prefix [B, A] int64: block i (rows i*Bk..(i+1)*Bk-1) sees the context
         tokens 0..prefix[:, i]-1 and its own Bk tokens, both directions
-        -> final-normed hidden [B, Q, H]. checkpoint: recompute each layer in backward."""
+        -> final-normed hidden [B, Q, H]. checkpoint: recompute each layer in backward.
+        seq (context parallelism, train/context_parallel.py SeqShard): aux and ctx_positions are
+        this rank's window [B, L] of the positions; each layer gathers the context's keys and values
+        of the whole sequence, and prefix counts positions of the whole sequence."""
         Q, A = block_ids.shape[1], prefix.shape[1]
         if A == 0 or Q % A:
             raise ValueError(f"DFlashDraft.forward: {Q} block tokens do not split into {A} blocks")
@@ -197,10 +204,10 @@ class DFlashDraft(nn.Module):
         tiling = make_tiling(prefix, Q // A, self.cfg.attention_tile_rows, self.cfg.attention_tile_keys)
         for layer in self.layers:
             if checkpoint and torch.is_grad_enabled():
-                h = torch.utils.checkpoint.checkpoint(layer, h, ctx, rope_block, rope_ctx, prefix, tiling,
+                h = torch.utils.checkpoint.checkpoint(layer, h, ctx, rope_block, rope_ctx, prefix, tiling, seq,
                                                       use_reentrant=False)
             else:
-                h = layer(h, ctx, rope_block, rope_ctx, prefix, tiling)
+                h = layer(h, ctx, rope_block, rope_ctx, prefix, tiling, seq)
         return self.norm(h)
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:

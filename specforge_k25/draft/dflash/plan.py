@@ -170,6 +170,14 @@ def backward_working_bytes(cfg: DFlashConfig, batch: int, seq_len: int, depth: i
     return chunk * V * (2 * a + 12) + batch * (P * 4 * H + layer)
 
 
+def context_parallel_values(cfg: DFlashConfig, size: int, depth: int = 0) -> float:
+    """Values one rank sends per position it holds in a forward with the sequences split over
+    `size` ranks (train/context_parallel.py): each of the N layers all-gathers the context's roped
+    keys and values (2 nkv hd per position) to the size - 1 other ranks. The backward returns as many
+    (the gather's backward is an all-to-all of the grads). `depth` is not used (no TTT steps)."""
+    return cfg.num_hidden_layers * 2 * cfg.num_key_value_heads * cfg.head_dim * (size - 1)
+
+
 def draft_step_flops(cfg: DFlashConfig, batch: int, seq_len: int, depth: int = 0, checkpoint: bool = False) -> dict:
     """Analytic FLOPs (multiply-adds x 2) of one training step over `batch` sequences of `seq_len`
     tokens, A anchors each at `planned_anchors` (Q block tokens, P counted rows); torch's flop

@@ -114,14 +114,14 @@ def backward_working_bytes(cfg: DraftConfig, batch: int, seq_len: int, ttt_lengt
     return augmented * (N1 if k else N) + (diagonal + 8 * cfg.draft_vocab_size + 3 * a * cfg.intermediate_size) * N
 
 
-def context_parallel_values(cfg: DraftConfig, size: int) -> float:
-    """Values one rank sends per position it holds, per TTT step forward, with the sequences split
+def context_parallel_values(cfg: DraftConfig, size: int, depth: int) -> float:
+    """Values one rank sends per position it holds in the forward of `depth` TTT steps, with the sequences split
     over `size` ranks (train/context_parallel.py, Ulysses): q, k, v all-to-all to heads and the output
     back, (size - 1)/size of each; the KV heads repeated to nh first when nkv % size. The backward
     sends as much again (the reverse exchanges)."""
     nh, hd = cfg.num_attention_heads, cfg.head_dim
     kv = cfg.num_key_value_heads if cfg.num_key_value_heads % size == 0 else nh
-    return (size - 1) / size * hd * (2 * nh + 2 * kv)
+    return depth * (size - 1) / size * hd * (2 * nh + 2 * kv)
 
 
 def draft_step_flops(cfg: DraftConfig, batch: int, seq_len: int, ttt_length: int, checkpoint: bool = False,

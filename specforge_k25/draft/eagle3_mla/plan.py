@@ -141,14 +141,14 @@ def backward_working_bytes(cfg: MLADraftConfig, batch: int, seq_len: int, ttt_le
     return sdpa + per_token * N
 
 
-def context_parallel_values(cfg: MLADraftConfig, size: int) -> float:
-    """Values one rank sends per position it holds, per TTT step forward, with the sequences split
+def context_parallel_values(cfg: MLADraftConfig, size: int, depth: int) -> float:
+    """Values one rank sends per position it holds in the forward of `depth` TTT steps, with the sequences split
     over `size` ranks (train/context_parallel.py): q all-to-all to heads ((size - 1)/size of nh(dn+dr)),
     the latent and rope key all-gathered (size - 1 copies of r + dr), the output back ((size - 1)/size
     of nh dv). The backward sends as much again (the gather's backward is an all-to-all of as many)."""
     nh, dn, dr, dv, r = (cfg.num_attention_heads, cfg.qk_nope_head_dim, cfg.qk_rope_head_dim, cfg.v_head_dim,
                          cfg.kv_lora_rank)
-    return (size - 1) / size * nh * (dn + dr + dv) + (size - 1) * (r + dr)
+    return depth * ((size - 1) / size * nh * (dn + dr + dv) + (size - 1) * (r + dr))
 
 
 def draft_step_flops(cfg: MLADraftConfig, batch: int, seq_len: int, ttt_length: int, checkpoint: bool = False,
