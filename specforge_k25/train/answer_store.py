@@ -47,7 +47,11 @@ def store_path(source: str | Path) -> Path:
     return path / FILE if path.is_dir() else path
 
 
-def check_provenance(saved: dict, current: dict, where: Path) -> None:
+SOURCE_HINT = "use data.regen_* and target settings as saved, or leave data.regen_source unset to decode every prompt"
+OWN_HINT = "this run folder holds answers of other settings: choose another train.out_dir, or remove the file"
+
+
+def check_provenance(saved: dict, current: dict, where: Path, hint: str = SOURCE_HINT) -> None:
     """Refuse answers decoded under other settings, listing every difference."""
     keys = sorted(set(saved) | set(current))
     diffs = [f"{k}: saved {saved.get(k, '<absent>')!r} vs this run {current.get(k, '<absent>')!r}"
@@ -55,11 +59,10 @@ def check_provenance(saved: dict, current: dict, where: Path) -> None:
     if diffs:
         raise ValueError(f"{where}: its answers were decoded under other settings than this run's; training on "
                          f"them would not be training on this run's target answers:\n  " + "\n  ".join(diffs)
-                         + "\n(use data.regen_* and target settings as saved, or leave data.regen_source unset "
-                           "to decode every prompt)")
+                         + f"\n({hint})")
 
 
-def read_store(path: Path, provenance: dict) -> tuple[dict[str, tuple[int, list[int]]], int]:
+def read_store(path: Path, provenance: dict, hint: str = SOURCE_HINT) -> tuple[dict[str, tuple[int, list[int]]], int]:
     """{prompt sha1: (prompt length, answer ids)} of a store whose provenance equals `provenance`,
     and the byte length of its whole records (a torn last line lies beyond it)."""
     path = Path(path)
@@ -83,7 +86,7 @@ def read_store(path: Path, provenance: dict) -> tuple[dict[str, tuple[int, list[
                 raise ValueError(f"{path}: version {record.get('version')!r}, this trainer reads version {VERSION}")
             if last and torn_tail:
                 raise ValueError(f"{path}: its header line is cut short")
-            check_provenance(record.get("provenance") or {}, provenance, path)
+            check_provenance(record.get("provenance") or {}, provenance, path, hint)
         else:
             entry = _answer(record)
             if entry is None or (last and torn_tail):
@@ -125,7 +128,7 @@ class AnswerStore:
         """The answers this run saved already (none when it has no file yet)."""
         if not self.path.exists():
             return {}
-        answers, _ = read_store(self.path, self.provenance)
+        answers, _ = read_store(self.path, self.provenance, OWN_HINT)
         self.saved = set(answers)
         return answers
 
@@ -164,7 +167,7 @@ class AnswerStore:
                 os.fsync(fh.fileno())
             os.replace(tmp, self.path)
         else:
-            _, whole = read_store(self.path, self.provenance)
+            _, whole = read_store(self.path, self.provenance, OWN_HINT)
             if self.path.stat().st_size != whole:
                 os.truncate(self.path, whole)
         self._opened = True

@@ -467,3 +467,8 @@ def test_regeneration_with_two_replicas_equals_one_replica(tiny_deepseek_path, t
     assert s2["regeneration"] == s1["regeneration"]
     assert s2["regeneration"]["answer_tokens_in_loss"] == sum(r[3] for r in rows)
     assert s2["disk"]["hidden_state_bytes_on_disk"] == 0
+    # the answers' token ids: rank 0 saves both ranks' (each prompt once), as one replica saves them
+    ids = [(d / "regenerated_ids.jsonl").read_text().splitlines() for d in (one, two)]
+    assert ids[0][0] == ids[1][0] and sorted(ids[0][1:]) == sorted(ids[1][1:])
+    keys = [json.loads(x)["prompt_sha1"] for x in ids[1][1:]]
+    assert len(keys) == len(set(keys)) >= 12  # two samples may share a prompt (one answer for both)

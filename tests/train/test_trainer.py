@@ -495,6 +495,12 @@ def test_saved_answers_of_other_settings_or_a_bad_file_are_refused_before_the_ta
     assert "line 2 is not a whole answer record" in refused(regen_setup, damaged)
     (tmp_path / "other.jsonl").write_text('{"prompt": "hello"}\n')
     assert "not a file of regenerated answer ids" in refused(regen_setup, tmp_path / "other.jsonl")
+    # a fresh run in a folder holding answers of other settings
+    trainer = Trainer(_job(tmp_path / "first", resume="none"), hotter, tmp_path / "first", Ranks(),
+                      lambda *a, **k: started.append(1))
+    with pytest.raises(ValueError, match="this run folder holds answers of other settings"):
+        trainer.run()
+    assert not started
 
 
 # ------------------------------------------- 4. a collective failing inside the step: a named failure
