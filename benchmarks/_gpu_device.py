@@ -113,18 +113,42 @@ assert module.build_tree_kernel_efficient is not None and module.verify_tree_gre
 """
 
 
-def _build(code: str, timeout_s: int) -> dict:
-    script = ("import time\nfrom specforge_k25.target_engine import sglang_cpu_compat\nsglang_cpu_compat.apply_gpu()\n"
-              "t = time.perf_counter()\n" + code + "print('BUILT', round(time.perf_counter() - t, 1))\n")
+# On a CPU machine with nvcc: what SGLang reads to pick its CUDA paths says an H200 (capability 9.0), so
+# the JIT compiles for sm_90a exactly as on the device (the build and the link, not the run)
+FAKE_H200 = """
+import torch
+torch.cuda.is_available = lambda: True
+torch.version.cuda = "13.0"
+torch.cuda.get_device_capability = lambda *a, **k: (9, 0)
+torch.cuda.get_device_name = lambda *a, **k: "NVIDIA H200"
+torch.cuda.device_count = lambda: 1
+torch.cuda.current_device = lambda: 0
+"""
+
+
+def _build(code: str, timeout_s: int, prelude: str = "", env: dict | None = None) -> dict:
+    script = (prelude + "import time\nfrom specforge_k25.target_engine import sglang_cpu_compat\n"
+              "sglang_cpu_compat.apply_gpu()\nt = time.perf_counter()\n" + code
+              + "print('BUILT', round(time.perf_counter() - t, 1))\n")
     try:
         out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=timeout_s,
-                             cwd=ROOT)
+                             cwd=ROOT, env=env)
     except subprocess.TimeoutExpired as err:
         return {"built": False, "seconds": None, "log": f"timed out after {timeout_s} s\n{err.stdout or ''}"
                                                       f"{err.stderr or ''}"[-4000:]}
     line = next((ln for ln in out.stdout.splitlines() if ln.startswith("BUILT ")), "")
     return {"built": out.returncode == 0 and bool(line), "seconds": float(line.split()[1]) if line else None,
             "log": (out.stdout + out.stderr)[-4000:]}
+
+
+def jit_compile_on_cpu(rows_bytes: list[int], cache_dir: str, timeout_s: int = 300) -> dict:
+    """The same builds on a CPU machine with nvcc, for an H200 (FAKE_H200), into an empty JIT cache
+    (`cache_dir`: a cached build would prove nothing)."""
+    import os
+
+    env = {**os.environ, "SGLANG_JIT_CACHE_DIR": cache_dir}
+    return {"kv_store": _build(_KV_STORE.format(rows=rows_bytes), timeout_s, FAKE_H200, env),
+            "eagle_tree": _build(_TREE, timeout_s, FAKE_H200, env)}
 
 
 def jit_preflight(rows_bytes: list[int], tree: bool, timeout_s: int = 150) -> dict:

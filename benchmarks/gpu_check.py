@@ -57,7 +57,7 @@ def steps_for(device: str, small: bool, out: Path, deadline: float) -> list[Step
     checks = [str(HERE / "gpu_trainer_checks.py"), "--out", str(out)] + (["--small"] if small else [])
     cuda = device == "cuda"
     return [
-        Step("preflight", py, 200 if cuda else 120, 30, "CUDA toolkit, Rust radix extension, SGLang JIT builds",
+        Step("preflight", py, 200 if cuda else 300, 30, "CUDA toolkit, Rust radix extension, SGLang JIT builds",
              ["gpu_preflight.json"]),
         Step("c", e2e + ["--checks", "c"], 150 if cuda else 300, 60, "slot hand-off (+ planted no-sync), a) fp32",
              ["gpu_e2e.json"]),

@@ -18,6 +18,8 @@ Two parts:
     and PYTHONUNBUFFERED=1.
 - `python benchmarks/gpu_preflight.py --out DIR` (a step of the check): the Rust extension probe, and on
   CUDA the JIT builds (KV store; EAGLE tree kernels, which have no fallback), each with its log tail.
+  On a CPU machine with nvcc the same builds run for an H200 (sm_90a; torch told it has one) into an
+  empty JIT cache, with the prepared CUDA_HOME: compiled and linked as on the device, not run.
 """
 from __future__ import annotations
 
@@ -190,7 +192,12 @@ def main(argv=None) -> dict:
     p.add_argument("--device", choices=["cuda", "cpu"], default="cuda")
     p.add_argument("--out", type=Path, default=None, help="folder for gpu_preflight.json (default: $OUT, else .)")
     p.add_argument("--build-timeout", type=int, default=150, help="seconds per JIT build")
+    p.add_argument("--no-compile", action="store_true", help="cpu: do not compile the JIT kernels with nvcc")
     args = p.parse_args(argv)
+    if "CUDA_HOME" not in os.environ:  # alone, not under gpu_check.py
+        import tempfile
+
+        prepare_env(os.environ, Path(tempfile.mkdtemp(prefix="specforge-cuda-home-")), cuda=args.device == "cuda")
     out = (args.out or Path(os.environ.get("OUT") or ".")) / "gpu_preflight.json"
     res: dict = {"device": args.device, "env": {k: os.environ.get(k) for k in (RADIX_ENV, "CUDA_HOME",
                                                                                  "TRITON_F32_DEFAULT")}}
@@ -215,8 +222,26 @@ def main(argv=None) -> dict:
                   flush=True)
             if not built["built"]:
                 print(built["log"], flush=True)
-    else:
-        res["jit"] = "not on CPU (SGLang's CPU paths build no CUDA kernels)"
+    elif args.no_compile or not os.environ.get("CUDA_HOME"):
+        res["jit"] = "not compiled: " + ("--no-compile" if args.no_compile else "no CUDA toolkit on this machine")
+        print(f"SKIP SGLang JIT kernels on CPU: {res['jit']}", flush=True)
+    else:  # what the device builds, built here for an H200 with this machine's nvcc and the prepared CUDA_HOME
+        import tempfile
+
+        from gpu_e2e import SMOLLM2
+
+        from _gpu_device import jit_compile_on_cpu
+
+        row = SMOLLM2["num_key_value_heads"] * SMOLLM2["head_dim"]
+        with tempfile.TemporaryDirectory(prefix="specforge-jit-") as cache:
+            res["jit"] = jit = jit_compile_on_cpu([2 * row, 4 * row], cache, args.build_timeout)
+        for name, built in jit.items():
+            ok &= built["built"]
+            print(f"{'PASS' if built['built'] else 'FAIL'} SGLang JIT {name} kernel compiled on CPU for sm_90a "
+                  f"(CUDA_HOME {os.environ['CUDA_HOME']}): " + (f"{built['seconds']} s" if built["built"] else
+                                                               "NOT built"), flush=True)
+            if not built["built"]:
+                print(built["log"], flush=True)
     res.update(ok=ok, wall_s=time.perf_counter() - t0)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(res, indent=1))

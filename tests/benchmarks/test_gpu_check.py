@@ -137,6 +137,34 @@ def test_a_pip_layout_toolkit_gets_a_cuda_home_the_jit_can_link_against(tmp_path
     assert prepared["toolkit"]["nvcc_version"].startswith("Cuda compilation tools, release 13.0")
 
 
+@pytest.mark.slow
+def test_sglang_jit_builds_against_a_pip_layout_only_through_the_shim(tmp_path):
+    """SGLang's EAGLE tree kernel (no fallback on CUDA), compiled for an H200 with this machine's nvcc into
+    an empty JIT cache: against a pip-layout copy of the toolkit (lib/libcudart.so.13 only) the link fails
+    with "cannot find -lcudart"; with the CUDA_HOME the preflight makes of it, it builds (~30 s)."""
+    p, d = bench("gpu_preflight"), bench("_gpu_device")
+    real = p.locate_toolkit(dict(os.environ), tmp_path / "real")
+    if not real["home"] or not real["cudart"]:
+        pytest.skip("no CUDA toolkit on this machine")
+    kit = tmp_path / "site" / "nvidia" / "cu13"
+    (kit / "lib").mkdir(parents=True)
+    for entry in os.listdir(real["home"]):
+        if entry not in ("lib", "lib64"):
+            (kit / entry).symlink_to(os.path.join(real["home"], entry))
+    (kit / "lib" / "libcudart.so.13").symlink_to(os.path.realpath(real["cudart"]))
+
+    def build(cuda_home: str, cache: str) -> dict:
+        env = {**os.environ, "CUDA_HOME": cuda_home, "SGLANG_JIT_CACHE_DIR": str(tmp_path / cache)}
+        return d._build(d._TREE, 600, d.FAKE_H200, env)
+
+    plain = build(str(kit), "plain")
+    assert not plain["built"] and "cannot find -lcudart" in plain["log"], plain["log"][-2000:]
+    found = p.locate_toolkit({"PATH": "/usr/bin:/bin"}, tmp_path / "shim", site_dirs=[str(tmp_path / "site")], system=())
+    assert found["home"] == str(kit) and "shim" in found["layout"], found
+    shimmed = build(found["cuda_home"], "shimmed")
+    assert shimmed["built"], shimmed["log"][-2000:]
+
+
 def test_no_toolkit_is_said_not_guessed(tmp_path):
     p = bench("gpu_preflight")
     found = p.locate_toolkit({"PATH": "/nonexistent"}, tmp_path, site_dirs=[], system=())
