@@ -75,3 +75,23 @@ def test_pipeline_target_run_killed_stage_resume_equals_one_stage(tmp_path, base
     assert sorted(got) == list(range(1, 9))
     for step in range(1, 9):  # before the kill and after the resume alike
         assert got[step] == ref_losses[step], (step, got[step], ref_losses[step])
+
+
+DFLASH = ["target=tiny_deepseek", "draft=dflash", "draft.block_size=4", "draft.num_anchors=16", "data.num_samples=8",
+          "data.heldout_samples=2", "data.max_length=64", "train.batch_size=2", "train.max_steps=3",
+          "train.log_every=1", "hw.target_prefill_chunk=48", "train.progress=false", "train.logger=none"]
+
+
+@pytest.mark.e2e
+def test_dflash_beside_two_pipeline_stages_equals_one_stage(tmp_path):
+    """DFlash (its capture points spread over both stages, and the final states its distillation
+    reads) trains on a two-stage target as on one process: the same loss at every step, bit for bit."""
+    losses = []
+    for name, extra in (("one", []), ("pp", ["hw.target_pp=2"])):
+        run_dir = tmp_path / name
+        cmd = [sys.executable, "-m", "specforge_k25.train", *DFLASH, f"train.out_dir={run_dir}",
+               f"hydra.run.dir={run_dir / 'hydra'}", *extra]
+        out = subprocess.run(cmd, capture_output=True, text=True, timeout=600, env=_env())
+        assert out.returncode == 0, out.stderr[-3000:]
+        losses.append(_losses(run_dir))
+    assert sorted(losses[0]) == [1, 2, 3] and losses[1] == losses[0], losses
