@@ -233,3 +233,39 @@ def test_the_device_command_in_cpu_mode_runs_every_check(tmp_path):
     kimi = json.loads((out / "gpu_kimi_shapes.json").read_text())
     assert set(kimi["methods"]) == {"dflash", "eagle3"}
     assert all(r["status"] == "ok" for m in kimi["methods"].values() for r in m["shapes"])
+
+
+@pytest.mark.slow
+def test_the_checks_engine_arguments_resolve_on_an_h200(tmp_path):
+    """The exact sglang.Engine arguments of d) and e) on CUDA (greedy, EAGLE-3 with graphs on, MLA EAGLE-3,
+    DFlash; exported heads on the small random target) pass SGLang's ServerArgs resolution where torch
+    reports an H200, with the draft workers on triton; a refused argument comes back with its message."""
+    import torch
+
+    e2e, spec, ea = bench("gpu_e2e"), bench("gpu_spec"), bench("gpu_engine_args")
+    from specforge_k25.train.trainer import build_learner
+
+    cpu_args = e2e.parse_args(["--device", "cpu", "--small"])
+    size = e2e.SIZES["small"]
+    model = e2e.build_random_target(tmp_path / "target", True, 0)
+    samples = e2e.random_samples(8, size["lengths"], e2e.SMALL["vocab_size"], 0)
+    engines = spec.Engines(e2e.parse_args(["--device", "cuda"]), size, None, 150)
+    prompts = spec.prompts_for(e2e.SMALL["vocab_size"], 0)
+    configs = [ea.engine_args(engines, model, prompts, False)]
+    for name, graphs in (("eagle3", True), ("eagle3_mla", False), ("dflash", False)):
+        job = e2e.make_job(cpu_args, model, size, "float32")
+        job.draft = spec.method_spec(name, size)
+        setup = e2e.make_setup(job, model, samples)
+        draft = build_learner(job, setup, 1, torch.device("cpu")).draft
+        export = spec.export_draft(draft, tmp_path / name, setup.sglang_capture_ids, 1, 2,
+                                   capture_points=setup.capture_points)
+        serving = setup.method.servings(spec.CHAIN)[0]
+        configs.append(ea.engine_args(engines, model, prompts, graphs, draft_path=str(export),
+                                      draft_args=serving.sglang_args))
+    assert configs[1]["disable_cuda_graph"] is False and configs[3]["disable_cuda_graph"] is True
+    rows = ea.resolve_on_h200(configs + [dict(configs[0], no_such_argument=1)])
+    assert all(r["ok"] for r in rows[:4]), rows
+    assert [r["speculative_algorithm"] for r in rows[:4]] == [None, "EAGLE3", "EAGLE3", "DFLASH"], rows
+    assert all(r["speculative_draft_attention_backend"] == "triton" for r in rows[1:4]), rows
+    assert [r["speculative_num_draft_tokens"] for r in rows[1:4]] == [4, 4, 4], rows
+    assert not rows[4]["ok"] and "no_such_argument" in rows[4]["error"], rows[4]
