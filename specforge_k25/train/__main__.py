@@ -53,6 +53,8 @@ def print_summary(summary: dict, target=None) -> None:
     table.add_row("  trainer writes: checkpoints / other (smallest batch)",
                   f"{disk['trainer_checkpoint_bytes']} / {disk['trainer_other_write_bytes']} "
                   f"({disk['smallest_batch_hidden_state_bytes']})")
+    if disk.get("trainer_answer_ids_bytes"):
+        table.add_row("  trainer writes: regenerated answers' token ids", str(disk["trainer_answer_ids_bytes"]))
     table.add_row("  target startup writes (compile cache, temp probes)", str(disk["target_startup_write_bytes"]))
     table.add_row("checkpoint", summary["checkpoint"])
     table.add_row("export (SGLang/vLLM)", summary["export"])

@@ -31,6 +31,7 @@ import torch
 FILE = "regenerated_ids.jsonl"
 FORMAT = "specforge_k25 regenerated ids"
 VERSION = 1
+PAGE = 4096
 
 
 def prompt_key(prompt: torch.Tensor) -> str:
@@ -123,6 +124,8 @@ class AnswerStore:
         self.path, self.provenance, self.write = Path(run_dir) / FILE, provenance, write
         self.saved: set[str] = set()
         self._opened = False
+        # what the appends cost the disk: each fsync writes the pages it touched (the last one again)
+        self.written_bytes = 0
 
     def load(self) -> dict[str, tuple[int, list[int]]]:
         """The answers this run saved already (none when it has no file yet)."""
@@ -148,8 +151,11 @@ class AnswerStore:
         if not lines:
             return
         self._open()
-        with open(self.path, "a", encoding="utf-8") as fh:
-            fh.write("\n".join(lines) + "\n")
+        text = ("\n".join(lines) + "\n").encode()
+        start = self.path.stat().st_size % PAGE
+        self.written_bytes += -(-(start + len(text)) // PAGE) * PAGE
+        with open(self.path, "ab") as fh:
+            fh.write(text)
             fh.flush()
             os.fsync(fh.fileno())
 
@@ -166,6 +172,7 @@ class AnswerStore:
                 fh.flush()
                 os.fsync(fh.fileno())
             os.replace(tmp, self.path)
+            self.written_bytes += -(-self.path.stat().st_size // PAGE) * PAGE
         else:
             _, whole = read_store(self.path, self.provenance, OWN_HINT)
             if self.path.stat().st_size != whole:

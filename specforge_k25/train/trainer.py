@@ -393,7 +393,7 @@ class Trainer:
         prompts = {i: regeneration_prompt(self.samples[i]) for i in used}
         known = known_conversations(answers, prompts, self.setup.regeneration.budget,
                                     store_path(self.job.data.regen_source or self.run_dir))
-        if self.ranks.main:
+        if self.ranks.main and known:
             print(f"regeneration: {len(known)} of {len(used)} samples to run have a saved answer (not decoded again)"
                   + (f", {len(used) - len(known)} to decode" if len(used) > len(known) else ""), flush=True)
         return known
@@ -431,7 +431,9 @@ class Trainer:
             "disk": {"hidden_state_bytes_on_disk": hidden_disk,
                      "target_startup_write_bytes": startup_disk,
                      "trainer_checkpoint_bytes": self.artifact_bytes,
-                     "trainer_other_write_bytes": max(0, trainer_written - self.artifact_bytes),
+                     "trainer_answer_ids_bytes": self.answers.written_bytes if self.answers else 0,
+                     "trainer_other_write_bytes": max(0, trainer_written - self.artifact_bytes
+                                                      - (self.answers.written_bytes if self.answers else 0)),
                      "smallest_batch_hidden_state_bytes": smallest_batch * token_bytes,
                      "hidden_state_bytes_streamed_in_memory": self._tokens_streamed * token_bytes},
             "checkpoint": str(self.checkpoint), "export": str(export),
