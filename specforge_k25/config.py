@@ -103,7 +103,7 @@ class DataConfig:
     regen_temperature: float = doc(0.0, "regeneration: sampling temperature as served (0 = greedy, as the eval decodes)", at_least=0)
     regen_top_p: float = doc(1.0, "regeneration: nucleus sampling mass as served", above=0)
     regen_seed: int = doc(0, "regeneration: seed of the per-prompt random streams (a resume regenerates identically)")
-    regen_group: int = doc(16, "regeneration: prompts the target decodes together, ahead of training (one decode step costs about the same for 1 or 16; memory bounded by one group)", at_least=1)
+    regen_group: int = doc(16, "regeneration: prompts the target decodes together, ahead of training (one decode step costs about the same for 1 or 16; KV memory bounded by one group; the answers are held in host memory until their last use, 4 bytes a token)", at_least=1)
     regen_cut: str = doc("keep", "regeneration: an answer cut at its budget is kept with its mask (keep) or masked out and counted (drop)")
     regen_source: Optional[str] = doc(None, "regeneration: answers saved by an earlier run (its folder, or its regenerated_ids.jsonl) to train on instead of decoding those prompts again (the rest are decoded); refused unless saved with this run's target and data.regen_* settings; null = decode every prompt (once per run: later epochs and a resume reuse the run's own saved answers)")
 

@@ -472,3 +472,14 @@ def test_regeneration_with_two_replicas_equals_one_replica(tiny_deepseek_path, t
     assert ids[0][0] == ids[1][0] and sorted(ids[0][1:]) == sorted(ids[1][1:])
     keys = [json.loads(x)["prompt_sha1"] for x in ids[1][1:]]
     assert len(keys) == len(set(keys)) >= 12  # two samples may share a prompt (one answer for both)
+    # a later run on those saved answers (data.regen_source through the target process) decodes
+    # nothing and trains bit for bit as the run that decoded them
+    three = tmp_path / "three"
+    log, = run_side_by_side([[sys.executable, "-m", "specforge_k25.train", *regen, "train.batch_size=4",
+                              f"data.regen_source={one}", f"train.out_dir={three}", f"hydra.run.dir={three}/hydra"]],
+                            timeout=900)
+    assert "regeneration: 14 of 14 samples to run have a saved answer (not decoded again)\n" in log, log[-3000:]
+    s3 = json.loads((three / "summary.json").read_text())
+    assert s3["eval"] == s1["eval"] and s3["tokens_trained"] == s1["tokens_trained"]
+    assert s3["regeneration"] == s1["regeneration"]
+    assert (three / "export" / "model.safetensors").read_bytes() == (one / "export" / "model.safetensors").read_bytes()
