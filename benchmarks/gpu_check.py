@@ -46,10 +46,11 @@ class Step:
     outputs: list[str] = field(default_factory=list)  # files under out it writes
 
 
-def steps_for(device: str, small: bool, out: Path, deadline: float) -> list[Step]:
+def steps_for(device: str, small: bool, out: Path, deadline: float, compile_on_cpu: bool = True) -> list[Step]:
     """The checks in priority order: what nothing else covers first, what an earlier lent run already
     measured (docs/PERFORMANCE.md section 3) last."""
-    py = [str(HERE / "gpu_preflight.py"), "--device", device, "--out", str(out)]
+    py = [str(HERE / "gpu_preflight.py"), "--device", device, "--out", str(out)] + ([] if compile_on_cpu else
+                                                                                     ["--no-compile"])
     e2e = [str(HERE / "gpu_e2e.py"), "--device", device, "--out", str(out / "gpu_e2e.json"), "--merge",
            "--deadline", f"{deadline:.0f}"] + (["--small"] if small else [])
     kimi = [str(HERE / "gpu_kimi_shapes.py"), "--device", device, "--out", str(out / "gpu_kimi_shapes.json"),
@@ -148,6 +149,8 @@ def main(argv=None) -> dict:
     p.add_argument("--budget-s", type=float, default=480.0, help="global deadline, seconds from the start")
     p.add_argument("--out", type=Path, default=None, help="result folder (default: $OUT, else "
                                                           "benchmarks/results/gpu_check_<device>)")
+    p.add_argument("--no-compile", action="store_true", help="cpu: the preflight does not compile SGLang's JIT "
+                                                                   "kernels with this machine's nvcc")
     p.add_argument("--only", default=None, help="comma-separated step names (default: all, in priority order)")
     args = p.parse_args(argv)
     out = args.out or (Path(os.environ["OUT"]) if os.environ.get("OUT") else
@@ -163,7 +166,7 @@ def main(argv=None) -> dict:
     check.say(f"INFO CUDA toolkit: {kit['home'] or 'none'} ({kit['layout']}; nvcc {kit.get('nvcc_version')}); "
               f"CUDA_HOME for SGLang's JIT: {kit['cuda_home']}")
     check.save()
-    steps = steps_for(args.device, args.small, out, check.deadline)
+    steps = steps_for(args.device, args.small, out, check.deadline, not args.no_compile)
     if args.only:
         names = args.only.split(",")
         unknown = set(names) - {s.name for s in steps}

@@ -212,12 +212,13 @@ def test_replay_agreement_allows_one_near_tie():
 @pytest.mark.slow
 def test_the_device_command_in_cpu_mode_runs_every_check(tmp_path):
     """`gpu_check.py --device cpu --small`: every step passes and writes what the device run brings
-    back, DFlash and MLA EAGLE-3 served by SGLang included."""
+    back, DFlash and MLA EAGLE-3 served by SGLang included (~5 min on the busy 2-core box; the JIT
+    compile is left to test_sglang_jit_builds_against_a_pip_layout_only_through_the_shim)."""
     out = tmp_path / "out"
     env = {**os.environ, "PYTHONWARNINGS": "ignore"}
     env.pop("OUT", None)
     proc = subprocess.run([sys.executable, str(BENCHMARKS / "gpu_check.py"), "--device", "cpu", "--small",
-                           "--budget-s", "1500", "--out", str(out)], capture_output=True, text=True, timeout=1700,
+                           "--budget-s", "1500", "--no-compile", "--out", str(out)], capture_output=True, text=True, timeout=1700,
                           cwd=ROOT, env=env)
     summary = json.loads((out / "gpu_check.json").read_text())
     assert proc.returncode == 0 and summary["ok"], proc.stdout[-4000:]
