@@ -120,7 +120,7 @@ def run_eval(job: EvalJobConfig, out_dir: str | Path) -> dict:
     out_dir.mkdir(parents=True, exist_ok=True)
     ev = job.eval
     # the eval's own stream replays fixed prompt + output ids: the target must not answer them anew
-    job = dataclasses.replace(job, data=dataclasses.replace(job.data, regenerate=False))
+    job = dataclasses.replace(job, data=dataclasses.replace(job.data, regenerate=False, regen_source=None))
     setup = prepare(job)
     heads = _heads(job, setup, out_dir)
     render_prompt = prompt_renderer(job, setup.tokenizer)

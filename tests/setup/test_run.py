@@ -76,6 +76,10 @@ def test_regeneration_budget_null_reaches_max_length():
     assert regeneration(capped, tokenizer).budget(1000) == 128
     with pytest.raises(ValueError, match="regen_max_new_tokens must be >= 1"):
         regeneration(compose_job(["data.regenerate=true", "data.regen_max_new_tokens=0"]), tokenizer)
+    # saved answers without regenerating: refused by name (the eval, which never regenerates, clears both)
+    with pytest.raises(ValueError, match="data.regen_source=runs/a needs data.regenerate=true"):
+        regeneration(compose_job(["data.regen_source=runs/a"]), tokenizer)
+    assert regeneration(compose_job(["data.regen_source=runs/a", "data.regenerate=true"]), tokenizer) is not None
 
 
 def test_empty_aux_layers_reach_the_run_as_zero_capture_points(monkeypatch, smollm2_path):
