@@ -63,8 +63,8 @@ def check_provenance(saved: dict, current: dict, where: Path, hint: str = SOURCE
                          + f"\n({hint})")
 
 
-def read_store(path: Path, provenance: dict, hint: str = SOURCE_HINT) -> tuple[dict[str, tuple[int, list[int]]], int]:
-    """{prompt sha1: (prompt length, answer ids)} of a store whose provenance equals `provenance`,
+def read_store(path: Path, provenance: dict, hint: str = SOURCE_HINT) -> tuple[dict[str, tuple[int, torch.Tensor]], int]:
+    """{prompt sha1: (prompt length, answer ids [A] int32)} of a store whose provenance equals `provenance`,
     and the byte length of its whole records (a torn last line lies beyond it)."""
     path = Path(path)
     if not path.is_file():
@@ -74,7 +74,7 @@ def read_store(path: Path, provenance: dict, hint: str = SOURCE_HINT) -> tuple[d
     lines = raw.split(b"\n")
     torn_tail = lines[-1] != b""  # the last line ended without its newline: a torn write, or nothing after the last \n
     lines = lines[:-1] if not torn_tail else lines
-    answers: dict[str, tuple[int, list[int]]] = {}
+    answers: dict[str, tuple[int, torch.Tensor]] = {}
     good_bytes = 0
     for n, line in enumerate(lines, 1):
         last = n == len(lines)
@@ -95,7 +95,7 @@ def read_store(path: Path, provenance: dict, hint: str = SOURCE_HINT) -> tuple[d
                     break
                 raise ValueError(f"{path}: line {n} is not a whole answer record (a damaged file; the records "
                                  f"before it are fine: remove line {n} on, to decode those prompts again)")
-            answers[entry[0]] = entry[1:]
+            answers[entry[0]] = (entry[1], torch.tensor(entry[2], dtype=torch.int32))  # 4 bytes a token held
         good_bytes += len(line) + 1
     return answers, good_bytes
 
@@ -127,7 +127,7 @@ class AnswerStore:
         # what the appends cost the disk: each fsync writes the pages it touched (the last one again)
         self.written_bytes = 0
 
-    def load(self) -> dict[str, tuple[int, list[int]]]:
+    def load(self) -> dict[str, tuple[int, torch.Tensor]]:
         """The answers this run saved already (none when it has no file yet)."""
         if not self.path.exists():
             return {}
@@ -180,7 +180,7 @@ class AnswerStore:
         self._opened = True
 
 
-def known_conversations(answers: dict[str, tuple[int, list[int]]], prompts: dict[int, torch.Tensor], budget,
+def known_conversations(answers: dict[str, tuple[int, torch.Tensor]], prompts: dict[int, torch.Tensor], budget,
                         where: Path) -> dict[int, torch.Tensor]:
     """{sample: prompt + saved answer} for the prompts ({sample: prompt ids}) that have one.
     `budget(prompt_len)`: the most new tokens the run allows (a longer saved answer is refused)."""
@@ -194,7 +194,7 @@ def known_conversations(answers: dict[str, tuple[int, list[int]]], prompts: dict
             raise ValueError(f"{where}: the answer saved for sample {i}'s prompt has prompt length {length} and "
                              f"{len(answer)} tokens, this run's prompt {len(prompt)} tokens with room for "
                              f"{budget(len(prompt))}: not this run's settings")
-        known[i] = torch.cat([prompt, torch.tensor(answer, dtype=prompt.dtype)])
+        known[i] = torch.cat([prompt, answer.to(prompt.dtype)])
     return known
 
 

@@ -22,7 +22,8 @@ def _store(tmp_path, pairs):
 def test_answers_round_trip_once_per_prompt(tmp_path):
     _store(tmp_path, [([5, 6, 7], [8, 0]), ([9], [])])
     again = AnswerStore(tmp_path, PROVENANCE, write=True)
-    assert again.load() == {prompt_key(torch.tensor([5, 6, 7])): (3, [8, 0]), prompt_key(torch.tensor([9])): (1, [])}
+    loaded = {key: (n, answer.tolist()) for key, (n, answer) in again.load().items()}
+    assert loaded == {prompt_key(torch.tensor([5, 6, 7])): (3, [8, 0]), prompt_key(torch.tensor([9])): (1, [])}
     again.append([(torch.tensor([5, 6, 7]), torch.tensor([8, 0])), (torch.tensor([1, 2]), torch.tensor([3]))])
     lines = (tmp_path / FILE).read_text().splitlines()
     assert len(lines) == 1 + 3  # the header, then each prompt once
