@@ -40,6 +40,8 @@ class DraftBatch:
     # for a method that reads it (`DraftMethod.needs_final_hidden`); None otherwise
     seq: Any = None  # train/context_parallel.py SeqShard: this rank holds positions [start, start+L) of the
     # sequences (aux_hidden [B, L, K*Ht], teacher from `start` on); input_ids / loss_mask stay whole. None: all of them
+    seeds: list | None = None  # one seed per sequence for `prepare_batch`'s draws (train/step.py batch_seed of
+    # the schedule item and the sample): a sequence draws the same whatever batch or rank it lands in
 
     @property
     def num_tokens(self) -> int:
@@ -155,9 +157,9 @@ class DraftMethod:
         return {}
 
     def prepare_batch(self, cfg, batch: DraftBatch, generator: torch.Generator) -> DraftBatch:
-        """Draw what the loss draws at random (into `batch.draws`) from the trainer's CPU generator,
-        once per batch before `loss_positions` and `loss`; the trainer seeds the generator per
-        schedule item, so a resume draws the same. Default: nothing to draw."""
+        """Draw what the loss draws at random (into `batch.draws`), once per batch before
+        `loss_positions` and `loss`: from `batch.seeds` (one per sequence) when the trainer gives
+        them, else from its CPU `generator`; a resume draws the same. Default: nothing to draw."""
         return batch
 
     def loss(self, model: nn.Module, batch: DraftBatch, spec, *, depth: int,

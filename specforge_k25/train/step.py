@@ -79,10 +79,11 @@ class DraftLearner:
         self.autocast = lambda: torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=autocast_bf16)
 
     def make_batch(self, samples, lengths: list[int], aux_packed: torch.Tensor, final_packed: torch.Tensor,
-                   seed: int | None = None) -> DraftBatch:
+                   seeds: list[int] | None = None) -> DraftBatch:
         """samples: the `Sample`s of the batch, in stream order; the packed tensors may be views
         into shared memory: everything kept is copied, so the slot can be released afterwards.
-        seed: reseeds the generator the method draws from (`batch_seed`); None draws on from its state.
+        seeds: one per sample (`batch_seed` of the item and the sample): the method's random draws
+        per sequence (DraftBatch.seeds); None draws on from the learner's generator.
         With context parallelism the packed tensors hold each sequence's SeqWindow rows only
         (stream/ring.py), `lengths` their counts; the sequences' own lengths are the samples'."""
         dev = self.device
@@ -103,8 +104,10 @@ class DraftLearner:
         if aux_packed.is_cuda:  # CUDA copies are asynchronous: finish them before the caller hands the slot back
             torch.cuda.current_stream(aux_packed.device).synchronize()
             torch.cuda.current_stream(dev).synchronize()
-        if seed is not None:
-            self.generator.manual_seed(seed)
+        if seeds is not None:
+            if len(seeds) != len(samples):
+                raise ValueError(f"{len(seeds)} seeds for a batch of {len(samples)} sequences")
+            batch.seeds = list(seeds)
         return self.method.prepare_batch(self.draft.cfg, batch, self.generator)
 
     def _assemble(self, input_ids: torch.Tensor, loss_mask: torch.Tensor, lengths: list[int], aux_packed: torch.Tensor,

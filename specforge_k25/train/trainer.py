@@ -314,12 +314,13 @@ class Trainer:
     def _walk(self, start: int, shares: list[list[int]]) -> None:
         regen = self.setup.regeneration
         rebuild = rebuild_regenerated(regen, self.job.data.regen_cut) if regen is not None else None
-        # each batch's random draws (DFlash's anchors) seeded by the run's seed, the item and its samples:
-        # a resume draws the same; an evaluation draws the same for its samples at every eval item
-        seeds = iter([batch_seed(self.job.train.seed, *(("eval",) if self.schedule[i].kind == "eval" else ("train", i)),
-                                 tuple(share)) for i, share in enumerate(shares, start) if share])
+        # each sequence's random draws (DFlash's anchors) seeded by the run's seed, the item and the
+        # sample: a resume draws the same, any layout (dedicated, co-located, any rank count) draws the
+        # same for a sample, and an evaluation draws the same for a sample at every eval item
+        seeds = iter([[batch_seed(self.job.train.seed, *(("eval",) if self.schedule[i].kind == "eval" else ("train", i)), s)
+                       for s in share] for i, share in enumerate(shares, start) if share])
         batches = take_batches(self.stream, shares, self.samples,
-                               lambda *args: self.learner.make_batch(*args, seed=next(seeds)), rebuild)
+                               lambda *args: self.learner.make_batch(*args, seeds=next(seeds)), rebuild)
         for index, (share, batch, regenerated) in enumerate(batches, start):
             item = self.schedule[index]
             tokens = self._item_tokens(item, batch, share, regenerated)

@@ -37,11 +37,15 @@ def test_the_learner_trains_dflash_without_a_teacher(one_torch_thread):
     g = torch.Generator().manual_seed(1)
     samples = [Sample(torch.randint(0, 39, (n,), generator=g), torch.ones(n, dtype=torch.bool)) for n in (12, 9)]
     stream = (samples, [12, 9], torch.randn(21, 2 * 16, generator=g), torch.randn(21, 16, generator=g))
-    batch = learner.make_batch(*stream, seed=batch_seed(0, "train", 3, (0, 1)))
+    seeds = lambda item: [batch_seed(0, "train", item, s) for s in (0, 1)]  # noqa: E731
+    batch = learner.make_batch(*stream, seeds=seeds(3))
     assert batch.teacher is None and batch.draws[0].shape == (2, 2)
-    again = learner.make_batch(*stream, seed=batch_seed(0, "train", 3, (0, 1)))
-    other = learner.make_batch(*stream, seed=batch_seed(0, "train", 4, (0, 1)))
+    again = learner.make_batch(*stream, seeds=seeds(3))
+    other = learner.make_batch(*stream, seeds=seeds(4))
     assert torch.equal(batch.draws[0], again.draws[0]) and not torch.equal(batch.draws[0], other.draws[0])
+    # a sequence draws the same alone as in the batch (what any co-located split relies on)
+    alone = learner.make_batch([samples[1]], [9], stream[2][12:], stream[3][12:], seeds=seeds(3)[1:])
+    assert torch.equal(alone.draws[0][0][alone.draws[1][0]], batch.draws[0][1][batch.draws[1][1]])
     res = learner.train_micro(batch)
     assert res.counted.shape == (3,) and torch.equal(res.counted, learner.method.loss_positions(batch, 3))
     assert learner.draft.fc.weight.grad is not None

@@ -2,9 +2,9 @@
 units, its `layers.i` among them, sharded with FSDP2 over gloo) against one dedicated rank reading
 the same SGLang TP2 target with the same global batch: the same weights after every step.
 
-DFlash draws its anchors per batch from the trainer's generator: with num_anchors above the
-candidate positions every candidate is drawn, so the co-located ranks (each drawing over its
-share) train on the same blocks as the dedicated rank (drawing over the whole batch)."""
+DFlash draws each sequence's anchors from its own seed (the run's, the schedule item's and the
+sample's), so the co-located ranks (each with its share of the batch) train on the same blocks as
+the dedicated rank (the whole batch), with 4 anchors drawn of far more candidates."""
 from __future__ import annotations
 
 import json
@@ -18,7 +18,7 @@ from colocated_settings import COMMON
 from rank_runs import checkpoint_diffs, max_rel_diff, run_side_by_side
 
 EAGLE_ONLY = ("draft.vocab_size=1024", "draft.ttt_length=3")
-DFLASH = [*(o for o in COMMON if o not in EAGLE_ONLY), "draft=dflash", "draft.block_size=4", "draft.num_anchors=64"]
+DFLASH = [*(o for o in COMMON if o not in EAGLE_ONLY), "draft=dflash", "draft.block_size=4", "draft.num_anchors=4"]
 
 
 def _cli(run_dir: Path, overrides: list[str]) -> list[str]:

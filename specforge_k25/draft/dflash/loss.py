@@ -63,16 +63,19 @@ def anchor_candidates(loss_mask: torch.Tensor, length: int) -> torch.Tensor:
 
 
 def sample_anchors(loss_mask: torch.Tensor, lengths: torch.Tensor, num_anchors: int,
-                   generator: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
+                   generator: torch.Generator | list[torch.Generator]) -> tuple[torch.Tensor, torch.Tensor]:
     """-> anchors [B, A] int64 (sorted per sequence, 0 where padded), valid [B, A] bool, with
     A = min(num_anchors, the most candidates any sequence has), at least 1. Draws one randperm
-    per sequence from `generator` (a CPU generator; the result moves to loss_mask's device)."""
+    per sequence from `generator` (CPU generators: one for the batch, or one per sequence, whose
+    picks, min(its candidates, num_anchors) of them, then depend on nothing else in the batch;
+    the result moves to loss_mask's device)."""
     cands = [anchor_candidates(loss_mask[b].cpu(), int(n)) for b, n in enumerate(lengths.tolist())]
     A = max(1, min(num_anchors, max(c.numel() for c in cands)))
     anchors = torch.zeros(len(cands), A, dtype=torch.int64)
     valid = torch.zeros(len(cands), A, dtype=torch.bool)
     for b, c in enumerate(cands):
-        pick = c[torch.randperm(c.numel(), generator=generator)[:A]].sort().values
+        g = generator[b] if isinstance(generator, (list, tuple)) else generator
+        pick = c[torch.randperm(c.numel(), generator=g)[:A]].sort().values
         anchors[b, :pick.numel()] = pick
         valid[b, :pick.numel()] = True
     return anchors.to(loss_mask.device), valid.to(loss_mask.device)
@@ -81,7 +84,7 @@ def sample_anchors(loss_mask: torch.Tensor, lengths: torch.Tensor, num_anchors: 
 def window_anchors(anchors: torch.Tensor, valid: torch.Tensor, start: int, length: int) -> torch.Tensor:
     """Context parallelism: `valid` [B, A] kept only for the anchors in this rank's window
     [start, start + length): the anchors are drawn over the whole sequences alike on every rank of
-    the group (the same batch seed), and each block runs on the rank that holds its anchor's
+    the group (the same seeds), and each block runs on the rank that holds its anchor's
     position, so every block runs exactly once and the summed loss is one rank's on whole sequences."""
     return valid & (anchors >= start) & (anchors < start + length)
 

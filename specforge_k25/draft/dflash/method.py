@@ -107,9 +107,11 @@ class DFlashMethod(DraftMethod):
         return cfg.block_size - 1
 
     def prepare_batch(self, cfg: DFlashConfig, batch: DraftBatch, generator: torch.Generator) -> DraftBatch:
-        """Draw the batch's anchors from the trainer's generator (before loss_positions and loss);
+        """Draw the batch's anchors, each sequence's from its own seed (batch.seeds) when given, else
+        from the trainer's generator (before loss_positions and loss);
         with context parallelism (batch.seq) over the whole sequences, kept valid in this rank's window."""
-        anchors, valid = block_loss.sample_anchors(batch.loss_mask, batch.lengths, cfg.num_anchors, generator)
+        draws = ([torch.Generator().manual_seed(s) for s in batch.seeds] if batch.seeds is not None else generator)
+        anchors, valid = block_loss.sample_anchors(batch.loss_mask, batch.lengths, cfg.num_anchors, draws)
         if batch.seq is not None:
             valid = block_loss.window_anchors(anchors, valid, batch.seq.start, batch.seq.length)
         batch.draws = anchors, valid
