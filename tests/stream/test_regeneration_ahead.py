@@ -96,7 +96,7 @@ class FakeRing:
 
 def test_the_target_process_resumes_in_the_uninterrupted_runs_groups(monkeypatch):
     """run_producer (TP rank 0) given the batches run before a resume: it forwards only the rest,
-    and their conversations are the uninterrupted run's."""
+    and their conversations are the uninterrupted run's; given them all as saved, it decodes none."""
     from specforge_k25.stream import target_process
     from specforge_k25.stream.ring import EndOfStream
     from specforge_k25.target_engine.base import TargetOutput
@@ -113,21 +113,28 @@ def test_the_target_process_resumes_in_the_uninterrupted_runs_groups(monkeypatch
             return TargetOutput(torch.zeros(n, 6), torch.zeros(n, 2), [len(s) for s in seqs])
 
     monkeypatch.setattr(target_process, "bind_to_trainer", lambda: None)
-    monkeypatch.setattr(target_process, "build_target", lambda spec, tp_rank, pp_rank=0: Engine())
     batches = [[0], [1, 2], [3], [0, 4]]
     seqs = [torch.tensor([10 + i, 1, 2]) for i in range(5)]
     spec = TargetSpec(engine="hf", model_path="m", architecture="x", capture_points=[1, 2, 3],
                       regeneration=Regeneration(max_new_tokens=2, max_length=16, group_sequences=2))
 
-    def produce(before, rest):
+    engines = []
+    monkeypatch.setattr(target_process, "build_target",
+                        lambda spec, tp_rank, pp_rank=0: engines.append(Engine()) or engines[-1])
+
+    def produce(before, rest, known=None):
         ring = FakeRing()
         target_process.run_producer(spec, torch.cat(seqs), torch.arange(0, 16, 3), rest, ring, os.getppid(),
-                                    before=before)
+                                    before=before, known=known)
         assert isinstance(ring.got[-1], EndOfStream)
         return ring.got[:-1]
 
     whole = produce([], batches)
     assert produce(batches[:2], batches[2:]) == [(item - 2, ids, lens) for item, ids, lens in whole[2:]]
+    # given every conversation as saved, it decodes nothing and sends the same
+    known = {i: torch.tensor(ids[5 * k:5 * k + 5]) for (_, ids, _), batch in zip(whole, batches)  # 3 + 2 tokens each
+             for k, i in enumerate(batch)}
+    assert known[0].tolist()[:3] == [10, 1, 2] and produce([], batches, known) == whole and engines[-1].calls == []
 
 
 def test_two_epochs_decode_each_prompt_once_and_hold_only_what_is_used_again():
