@@ -74,6 +74,8 @@ def read_store(path: Path, provenance: dict, hint: str = SOURCE_HINT) -> tuple[d
     lines = raw.split(b"\n")
     torn_tail = lines[-1] != b""  # the last line ended without its newline: a torn write, or nothing after the last \n
     lines = lines[:-1] if not torn_tail else lines
+    if not lines:
+        raise ValueError(f"{path}: empty, not a file of regenerated answer ids (no header line)")
     answers: dict[str, tuple[int, torch.Tensor]] = {}
     good_bytes = 0
     for n, line in enumerate(lines, 1):

@@ -63,3 +63,6 @@ def test_damaged_or_foreign_files_are_refused(tmp_path):
     path.write_text(header[:10])
     with pytest.raises(ValueError, match="not a file of regenerated answer ids"):
         read_store(path, PROVENANCE)
+    path.write_text("")
+    with pytest.raises(ValueError, match="empty, not a file of regenerated answer ids"):
+        read_store(path, PROVENANCE)
