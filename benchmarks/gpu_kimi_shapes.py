@@ -207,7 +207,7 @@ def is_oom(err: BaseException) -> bool:
 
 # -------------------------------------------------------------------------------------- step
 def frozen_dtype(bf16: bool) -> torch.dtype:
-    """dtype of the frozen embedding and lm_head: the target's (train/trainer.py build_learner keeps
+    """dtype of the frozen embedding and lm_head: the target's (train/learner.py build_learner keeps
     them in hw.target_dtype, bfloat16 for the bf16-autocast profiles); fp32 with --no-bf16."""
     return torch.bfloat16 if bf16 else torch.float32
 

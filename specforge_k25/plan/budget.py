@@ -21,7 +21,8 @@ from typing import Any, Optional
 from ..draft.method import DraftMethod
 from .facts import GiB, MiB, PlanError, TargetFacts, draft_of, trainable_params
 from .kernels import MARLIN, int4_moe_backend, kernel_notes, marlin_scratch_bytes
-from .memory import Item, activation_note, embedding_host_bytes, gib, optimizer_items, trainer_items
+from .memory import (Item, activation_note, embedding_host_bytes, gib, host_optimizer_note, offload_note, optimizer_items,
+                     trainer_items)
 
 ROLE_TARGET = "target TP rank"
 
@@ -238,7 +239,7 @@ def plan_memory(job, facts: TargetFacts, *, max_length: int | None = None, batch
                             checkpoint=tr.activation_checkpointing, optimizer_offloaded=opt_dev is not None,
                             shards=ranks if coloc else 1, method=method)
     P = trainable_params(cfg, method)
-    notes = [(_offload_note(P, ranks, method.keep_units_gathered) if coloc else _host_optimizer_note(P, ranks))
+    notes = [(offload_note(P, ranks, method.keep_units_gathered) if coloc else host_optimizer_note(P, ranks))
              ] if opt_dev == "cpu" else []
     notes.append(f"frozen embedding [V, H] in host memory: {gib(embedding_host_bytes(cfg, elem))} per trainer process, "
                  f"its rows looked up there and copied to the GPU (train/host_embedding.py)")
@@ -310,22 +311,6 @@ def length_problems(facts: TargetFacts, max_length: int) -> list[str]:
         problems.append(f"data.max_length={max_length} exceeds the target's context ({facts.max_position_embeddings}): "
                         f"lower data.max_length")
     return problems
-
-
-def _host_optimizer_note(P: int, ranks: int) -> str:
-    host = sum(i.bytes for i in optimizer_items(P, on_gpu=False)) * ranks
-    return (f"optimizer on the host (train.optimizer_device=cpu): {gib(host)} of pinned host memory for "
-            f"{ranks} rank(s) (fp32 master, gradient copies, m, v); each optimizer step copies "
-            f"{gib(8 * P)} over PCIe (grads in, weights out) and runs fused AdamW on the CPU: raise "
-            f"train.grad_accum to amortise it, or put it on a GPU with room (train.optimizer_device=cuda:N)")
-
-
-def _offload_note(P: int, ranks: int, keep_gathered: bool) -> str:
-    gathers = "one all-gather" if keep_gathered else "two all-gathers (forward, backward)"
-    return (f"co-located shards on the host (train.optimizer_device=cpu, FSDP2's CPU offload): {gib(16 * P)} of pinned "
-            f"host memory over {ranks} rank(s) (fp32 weights, grads, m, v); per unit and micro-batch {gathers} copy "
-            f"its fp32 shard up and its reduce-scatter the grad shard down, and each rank runs AdamW on its shard on "
-            f"the CPU")
 
 
 def _layout_problems(hw, facts: TargetFacts, layout: NodeLayout, opt_dev) -> list[str]:

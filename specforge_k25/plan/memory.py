@@ -56,6 +56,22 @@ def optimizer_items(P: int, on_gpu: bool) -> list[Item]:
     return items
 
 
+def host_optimizer_note(P: int, ranks: int) -> str:
+    host = sum(i.bytes for i in optimizer_items(P, on_gpu=False)) * ranks
+    return (f"optimizer on the host (train.optimizer_device=cpu): {gib(host)} of pinned host memory for "
+            f"{ranks} rank(s) (fp32 master, gradient copies, m, v); each optimizer step copies "
+            f"{gib(8 * P)} over PCIe (grads in, weights out) and runs fused AdamW on the CPU: raise "
+            f"train.grad_accum to amortise it, or put it on a GPU with room (train.optimizer_device=cuda:N)")
+
+
+def offload_note(P: int, ranks: int, keep_gathered: bool) -> str:
+    gathers = "one all-gather" if keep_gathered else "two all-gathers (forward, backward)"
+    return (f"co-located shards on the host (train.optimizer_device=cpu, FSDP2's CPU offload): {gib(16 * P)} of pinned "
+            f"host memory over {ranks} rank(s) (fp32 weights, grads, m, v); per unit and micro-batch {gathers} copy "
+            f"its fp32 shard up and its reduce-scatter the grad shard down, and each rank runs AdamW on its shard on "
+            f"the CPU")
+
+
 def step_bytes(cfg, batch: int, seq_len: int, k: int, bf16: bool, method: DraftMethod | None = None):
     """(bytes, mask bytes) TTT step k of the draft saves for backward (its method's count)."""
     return _method(cfg, method).plan.step_bytes(cfg, batch, seq_len, k, bf16)

@@ -21,7 +21,7 @@ from tqdm import tqdm
 from ..config import JobConfig
 from ..data.regenerate import regeneration_prompt
 from ..export.serving import export_draft
-from ..setup.run import RunSetup, fresh_draft, make_target_stream, prepare, regeneration_note
+from ..setup.run import RunSetup, make_target_stream, prepare, regeneration_note
 from ..stream.target_stream import StreamError, StreamInterrupted, TargetStream
 from .checkpoint import (check_draft_keys, list_checkpoints, optimizer_state_for, read_checkpoint, read_state,
                          save_checkpoint)
@@ -32,12 +32,10 @@ from .feed import rebuild_regenerated, take_batches
 from .metrics import MetricsLogger, NullLogger, LossStats
 from .regenerated import COLUMNS, RegenerationLog
 from .answer_store import AnswerStore, answer_provenance, known_conversations, read_store, store_path
-from .optim import build_optimizer, build_scheduler
 from .overview import eval_line, print_overview
 from .schedule import BatchItem, build_schedule
-from .host_embedding import keep_embedding_on_host
-from .sharding import shard_draft
-from .step import DraftLearner, batch_seed
+from .learner import build_learner
+from .step import batch_seed
 from .stop import StopOnSignal, TrainingInterrupted
 
 
@@ -53,32 +51,6 @@ class Progress:
 
 
 # ------------------------------------------------------------------------------- builders
-def build_learner(job: JobConfig, setup: RunSetup, steps: int, device: torch.device,
-                  ranks: Ranks | None = None) -> DraftLearner:
-    """A fresh draft (target embedding, vocab maps from the training split only), AdamW and schedule.
-    hw.trainer_layout=colocated with several ranks: the draft sharded over them (train/sharding.py),
-    AdamW on each rank's shard, on the GPU or with train.optimizer_device=cpu on the host (FSDP2's
-    CPU offload). The frozen embedding stays on the host (train/host_embedding.py)."""
-    tr = job.train
-    frozen = getattr(torch, job.hw.target_dtype)  # the frozen embedding / lm_head keep the target's dtype
-    # the lm_head made on the trainer's device: a draft that holds it moves no copy of it with draft.to
-    draft, lm_head = fresh_draft(setup, tr.seed, device, frozen)
-    draft.embed_tokens.to(frozen)
-    keep_embedding_on_host(draft)
-    draft.to(device)
-    opt_device = tr.optimizer_device
-    if ranks is not None and ranks.colocated and ranks.distributed:
-        shard_draft(draft, setup.method.fsdp_units(draft), bf16=job.hw.autocast == "bf16",
-                    keep_gathered=setup.method.keep_units_gathered, offload=opt_device == "cpu")
-        opt_device = None  # the optimizer follows the shards, wherever they are
-    optimizer = build_optimizer(draft.trainable_parameters(), tr.lr, tr.betas, tr.weight_decay, opt_device)
-    scheduler = build_scheduler(optimizer, steps, tr.warmup_ratio, tr.lr_schedule, tr.decay_ratio)
-    return DraftLearner(setup.method, draft, lm_head, optimizer, scheduler, spec=job.draft,
-                        grad_accum=tr.grad_accum, grad_clip=tr.grad_clip,
-                        teacher_chunk=tr.teacher_chunk, autocast_bf16=job.hw.autocast == "bf16",
-                        activation_checkpointing=tr.activation_checkpointing, ranks=ranks, seed=tr.seed)
-
-
 def find_resume_checkpoint(resume: str, run_dir: Path) -> Path | None:
     if resume in ("none", "", None):
         return None

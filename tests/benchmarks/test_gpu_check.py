@@ -244,7 +244,7 @@ def test_the_checks_engine_arguments_resolve_on_an_h200(tmp_path):
     import torch
 
     e2e, spec, ea = bench("gpu_e2e"), bench("gpu_spec"), bench("gpu_engine_args")
-    from specforge_k25.train.trainer import build_learner
+    from specforge_k25.train.learner import build_learner
 
     cpu_args = e2e.parse_args(["--device", "cpu", "--small"])
     size = e2e.SIZES["small"]

@@ -29,7 +29,8 @@ from specforge_k25.export.serving import load_exported_draft
 from specforge_k25.train.step import DraftLearner
 from specforge_k25.train.feed import take_batches
 from specforge_k25.train.schedule import padding_share
-from specforge_k25.train.trainer import Trainer, build_learner
+from specforge_k25.train.learner import build_learner
+from specforge_k25.train.trainer import Trainer
 
 V, H = 96, 32
 
