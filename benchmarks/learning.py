@@ -72,6 +72,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--eval-prompts", type=int, default=8, help="prompts per set for --eval (eval.num_prompts)")
     p.add_argument("--work", type=Path, default=None, help="run folders (default: a fresh folder under /tmp)")
     p.add_argument("--small", action="store_true", help="tiny target and data (the test)")
+    p.add_argument("--no-share-answers", action="store_true",
+                   help="every regenerating recipe decodes its own answers (default: the later ones train on the "
+                        "first one's saved answers, data.regen_source; its decode time is in its wall time)")
     p.add_argument("--replot", action="store_true", help="redraw the plot from the saved JSON, measure nothing")
     p.add_argument("--out", type=Path, default=None, help=f"JSON result (default {DEFAULT_OUT}; small {SMALL_OUT})")
     args = p.parse_args(argv)
@@ -82,7 +85,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     unknown = [n for n in [*names, *args.reuse] if n not in known]
     if unknown:
         p.error(f"unknown recipe(s) {unknown}; known: {', '.join(known)}")
-    args.names = list(dict.fromkeys([*names, *args.reuse]))
+    args.names = list(dict.fromkeys([*args.reuse, *names]))  # reused first: a later recipe may train on their answers
     return args
 
 
@@ -136,17 +139,26 @@ def measure(args) -> dict:
     work.mkdir(parents=True, exist_ok=True)
     base = [*(SMALL if args.small else ()), *args.extra]
     recipes = {}
+    result = {"benchmark": "learning", "args": {"small": args.small, "extra": args.extra, "eval": args.eval},
+              "work": str(work), "recipes": recipes, "machine": machine_info()}
+    answers_from = None  # the first regenerating run: later ones train on its saved answers (decoded once)
     for name in args.names:
         method, overrides = known[name]
         overrides = [*base, *overrides]
+        shared = answers_from if REGEN[0] in overrides and not args.no_share_answers else None
+        if shared is not None:
+            overrides.append(f"data.regen_source={recipes[shared]['run_dir']}")
         run_dir = Path(args.reuse.get(name) or work / name)
         command = train_command(overrides, run_dir)
         print(f"{name}: {'reading ' + str(run_dir) if name in args.reuse else 'training in ' + str(run_dir)}", flush=True)
         wall = None if name in args.reuse else run(command, work / f"{name}.log")
         rec = {"method": method, "overrides": overrides, "run_dir": str(run_dir), "reused": name in args.reuse,
                "command": "python -m specforge_k25.train " + " ".join(overrides), "wall_s": wall,
+               "answers_from": shared,
                **read_curve(run_dir)}
-        if args.eval:
+        if args.eval and name in args.reuse and (run_dir / "eval" / "eval.json").exists():
+            rec["al"] = read_eval(run_dir / "eval")  # a reused run's own evaluation
+        elif args.eval:
             out = run_dir / "eval"
             cmd = [sys.executable, "-m", "specforge_k25.eval", *[o for o in overrides if o.startswith(("target", "data"))],
                    f"export_dir={run_dir / 'export'}", f"eval.output={out}", f"eval.num_prompts={args.eval_prompts}",
@@ -155,8 +167,10 @@ def measure(args) -> dict:
             rec["eval_wall_s"] = run(cmd, work / f"{name}.eval.log")
             rec["al"] = read_eval(out)
         recipes[name] = rec
-    return {"benchmark": "learning", "args": {"small": args.small, "extra": args.extra, "eval": args.eval},
-            "work": str(work), "recipes": recipes, "machine": machine_info()}
+        write_json(args.out, result)  # each finished recipe kept, should a later one fail
+        if REGEN[0] in overrides and answers_from is None:
+            answers_from = name
+    return result
 
 
 def report(result: dict) -> None:

@@ -78,6 +78,10 @@ class DraftMethod:
     # them after each unit's forward and after its backward (units called once each, as a stack of
     # layers: the peak holds about two units instead of the whole draft)
     keep_units_gathered: bool = True
+    # co-located: each rank holds 1/W of the target's lm_head rows (train/vocab_parallel.py
+    # VocabShard, given to `attach_target`) and the loss scores tokens with the other ranks; for a
+    # model whose loss takes the target's whole vocabulary through that head (DFlash)
+    shards_target_head: bool = False
     # config fields that bound memory (chunk and tile sizes), not what is learned: a resume may
     # change them (train/fingerprint.py), e.g. to get past an out-of-memory error
     memory_only: tuple[str, ...] = ()
@@ -182,6 +186,8 @@ class DraftMethod:
     #   draft_step_flops(cfg, batch, seq_len, depth, checkpoint=False) -> {"teacher", ..., "total"}
     #   context_parallel_values(cfg, size, depth) -> values a rank sends per position it holds, forward
     #     (methods with `context_parallel` only)
+    #   split_head_bytes(cfg, shards, bf16) -> bytes of the exchange buffers of one logits chunk with
+    #     the lm_head split over `shards` ranks (methods with `shards_target_head` only)
     # A "step" is what the method unrolls or stacks: EAGLE-3's TTT step, DFlash's draft layer (what
     # per-layer activation checkpointing recomputes at a time; its depth arguments are unused).
     plan: Any = None
@@ -251,6 +257,8 @@ def method_problems(method: DraftMethod) -> list[str]:
         problems.append("config_class (what resolve_config returns) is not set")
     problems += [f"{name}() is not defined" for name in REQUIRED if getattr(cls, name) is getattr(DraftMethod, name)]
     problems += [f"plan.{name} is missing" for name in PLAN_FUNCTIONS if not callable(getattr(method.plan, name, None))]
+    if method.shards_target_head and not callable(getattr(method.plan, "split_head_bytes", None)):
+        problems.append("plan.split_head_bytes is missing (shards_target_head)")
     return problems
 
 

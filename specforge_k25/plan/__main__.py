@@ -60,7 +60,8 @@ def render(job, plan: MemoryPlan) -> None:
     tr = job.train
     opt = f"on {tr.optimizer_device} with its own fp32 master" if tr.optimizer_device else "next to the weights"
     console.print(f"draft ({plan.method.name}): {plan.method.describe(d)}; fp32 weights and grads, AdamW m/v {opt}; "
-                  f"frozen embedding and target lm_head in {hw.target_dtype} on the trainer GPU; activation "
+                  f"frozen embedding in {hw.target_dtype} in host memory, the target's lm_head on the trainer GPU"
+                  f"{' (co-located: its rows split over the ranks)' if plan.method.shards_target_head else ''}; activation "
                   f"checkpointing {'on' if tr.activation_checkpointing else 'off'}")
     params = Table()
     params.add_column("module")

@@ -158,7 +158,9 @@ def _sharded_trainer_items(cfg, method: DraftMethod, shards: int, *, batch: int,
     its fp32 reduce-scatter input: FSDP2 keeps one reduce-scatter input in flight and waits for
     it before the next unit's reduce-scatter allocates its own (the units share the root's
     communication context; while a unit's grads are computed the previous unit's input, at most
-    as large, is the one in flight). The frozen lm_head stays whole on every rank."""
+    as large, is the one in flight). The frozen lm_head stays whole on every rank, or, for a method
+    that splits it (`shards_target_head`: train/vocab_parallel.py), 1/shards of its rows per rank
+    plus one logits chunk's exchange buffers (its plan's `split_head_bytes`)."""
     P = trainable_params(cfg, method)
     K = method.num_aux(cfg)
     shard = -(-P // shards)  # ceil: the largest shard
@@ -171,7 +173,11 @@ def _sharded_trainer_items(cfg, method: DraftMethod, shards: int, *, batch: int,
             Item(f"draft grads fp32 (shard 1/{shards})", 4 * shard),
             Item(f"AdamW m, v fp32 (shard 1/{shards})", 8 * shard),
         ]
-    items += _frozen_items(cfg, frozen_bytes)
+    split = shards if method.shards_target_head else 1
+    items += _frozen_items(cfg, frozen_bytes, split)
+    if split > 1:
+        items.append(Item(f"lm_head split {split} ways: one logits chunk's exchange", method.plan.split_head_bytes(
+            cfg, split, bf16), PHASE_DRAFT, note="gathered rows [W*c, Ht] and their grads (train/vocab_parallel.py)"))
     items += _teacher_items(cfg, K, batch * seq_len, teacher_chunk, frozen_bytes) if method.needs_teacher else []
     items.append(_batch_item(cfg, method, batch * seq_len, PHASE_DRAFT))
     dtype = 'bf16' if bf16 else 'fp32'
@@ -210,13 +216,15 @@ def _batch_item(cfg, method: DraftMethod, tokens: int, phase: str) -> Item:
                 + (" + final [B,T,Ht] fp32" if final else ""), _batch_bytes(cfg, K, tokens, teacher, final), phase)
 
 
-def _frozen_items(cfg, frozen_bytes: int) -> list[Item]:
-    """The frozen tensors on the trainer GPU: the target's lm_head and the vocab maps (the frozen
-    embedding is looked up on the host: `embedding_host_bytes`)."""
+def _frozen_items(cfg, frozen_bytes: int, split: int = 1) -> list[Item]:
+    """The frozen tensors on the trainer GPU: the target's lm_head (whole, or `split` > 1: this
+    rank's ceil(V / split) rows) and the vocab maps (the frozen embedding is looked up on the
+    host: `embedding_host_bytes`)."""
     V, Vd = cfg.vocab_size, cfg.draft_vocab_size
     dtype = {2: "bf16", 4: "fp32"}.get(frozen_bytes, f"{frozen_bytes} B")
+    rows, what = (V, "[V, Ht]") if split == 1 else (-(-V // split), f"[V/{split}, Ht] (rows split over ranks)")
     return [
-        Item(f"target lm_head [V, Ht] {dtype} (teacher)", frozen_bytes * V * cfg.target_hidden_size),
+        Item(f"target lm_head {what} {dtype} (teacher)", frozen_bytes * rows * cfg.target_hidden_size),
         Item("vocab maps d2t int64 + t2d bool", 8 * Vd + V),
     ]
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 import torch
 
 from ..config import JobConfig
+from .vocab_parallel import VocabShard
 from ..setup.run import RunSetup, fresh_draft
 from .distributed import Ranks
 from .host_embedding import keep_embedding_on_host
@@ -19,7 +20,9 @@ def build_learner(job: JobConfig, setup: RunSetup, steps: int, device: torch.dev
     """A fresh draft (target embedding, vocab maps from the training split only), AdamW and schedule.
     hw.trainer_layout=colocated with several ranks: the draft sharded over them (train/sharding.py),
     AdamW on each rank's shard, on the GPU or with train.optimizer_device=cpu on the host (FSDP2's
-    CPU offload). The frozen embedding stays on the host (train/host_embedding.py)."""
+    CPU offload), and for a method that scores tokens over the target's vocabulary
+    (`shards_target_head`) 1/W of the frozen lm_head's rows per rank. The frozen embedding stays
+    on the host (train/host_embedding.py)."""
     tr = job.train
     frozen = getattr(torch, job.hw.target_dtype)  # the frozen embedding / lm_head keep the target's dtype
     # the lm_head made on the trainer's device: a draft that holds it moves no copy of it with draft.to
@@ -32,6 +35,8 @@ def build_learner(job: JobConfig, setup: RunSetup, steps: int, device: torch.dev
         shard_draft(draft, setup.method.fsdp_units(draft), bf16=job.hw.autocast == "bf16",
                     keep_gathered=setup.method.keep_units_gathered, offload=opt_device == "cpu")
         opt_device = None  # the optimizer follows the shards, wherever they are
+        if setup.method.shards_target_head:  # 1/W of the frozen head per rank (the whole one is freed)
+            lm_head = VocabShard.of(lm_head, ranks.world, ranks.rank)
     optimizer = build_optimizer(draft.trainable_parameters(), tr.lr, tr.betas, tr.weight_decay, opt_device)
     scheduler = build_scheduler(optimizer, steps, tr.warmup_ratio, tr.lr_schedule, tr.decay_ratio)
     return DraftLearner(setup.method, draft, lm_head, optimizer, scheduler, spec=job.draft,

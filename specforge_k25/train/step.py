@@ -8,6 +8,7 @@ import torch.nn.functional as F
 
 from ..draft.objective import LossResult, compute_teacher
 from ..draft.method import DraftBatch, DraftMethod, draft_state
+from .vocab_parallel import VocabShard
 from ..stream.ring import SeqWindow
 from .context_parallel import SeqShard, shard_of
 from .distributed import Ranks
@@ -37,7 +38,8 @@ def batch_seed(*key) -> int:
 
 
 class DraftLearner:
-    """Owns the draft, the frozen target lm_head (in the target's dtype), the optimizer and the schedule.
+    """Owns the draft, the frozen target lm_head (in the target's dtype; co-located, for a method
+    with `shards_target_head`, this rank's VocabShard of its rows), the optimizer and the schedule.
 
     The method decides what a batch holds and how many positions its loss counts per token
     (`depth`: EAGLE-3's TTT unroll draft.ttt_length, DFlash's block size - 1): the teacher only
@@ -61,7 +63,8 @@ class DraftLearner:
     when a peer is gone (`Ranks.collectives`), as the ones the learner calls do.
     """
 
-    def __init__(self, method: DraftMethod, draft: torch.nn.Module, lm_head: torch.Tensor, optimizer, scheduler, *, spec,
+    def __init__(self, method: DraftMethod, draft: torch.nn.Module, lm_head: torch.Tensor | VocabShard, optimizer,
+                 scheduler, *, spec,
                  grad_accum: int, grad_clip: float, teacher_chunk: int, autocast_bf16: bool,
                  activation_checkpointing: bool = False, ranks: Ranks | None = None, seed: int = 0):
         """`spec`: the method's draft.* config (its objective's settings: EAGLE-3's TTT unroll and weights)."""
@@ -227,4 +230,5 @@ class DraftLearner:
             return self.draft.cpu()
         with self.ranks.collectives("gathering the trained draft for its export"):
             model = full_model_state(self.draft)
-        return unsharded_copy(self.method, self.draft, model, self.lm_head.cpu()) if self.ranks.main else None
+            head = self.lm_head.full() if isinstance(self.lm_head, VocabShard) else self.lm_head  # on rank 0
+        return unsharded_copy(self.method, self.draft, model, head.cpu()) if self.ranks.main else None

@@ -4,21 +4,29 @@ the same SGLang TP2 target with the same global batch: the same weights after ev
 
 DFlash draws each sequence's anchors from its own seed (the run's, the schedule item's and the
 sample's), so the co-located ranks (each with its share of the batch) train on the same blocks as
-the dedicated rank (the whole batch), with 4 anchors drawn of far more candidates."""
+the dedicated rank (the whole batch), with 4 anchors drawn of far more candidates. Each co-located
+rank holds half of the target's lm_head rows (train/vocab_parallel.py) where the dedicated rank
+holds all of them. A resume of the co-located run from its step-2 checkpoint ends on its bits."""
 from __future__ import annotations
 
 import json
+import shutil
+import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+import torch
 from safetensors.torch import load_file
 
 from colocated_settings import COMMON
-from rank_runs import checkpoint_diffs, max_rel_diff, run_side_by_side
+from rank_runs import checkpoint_diffs, max_rel_diff, rank_env, run_side_by_side
+
+ROOT = Path(__file__).resolve().parents[2]
 
 EAGLE_ONLY = ("draft.vocab_size=1024", "draft.ttt_length=3")
 DFLASH = [*(o for o in COMMON if o not in EAGLE_ONLY), "draft=dflash", "draft.block_size=4", "draft.num_anchors=4"]
+COLOCATED = [*DFLASH, "hw.trainer_layout=colocated", "train.batch_size=2"]
 
 
 def _cli(run_dir: Path, overrides: list[str]) -> list[str]:
@@ -31,7 +39,7 @@ def dflash_runs(tiny_deepseek_path, tmp_path_factory):
     root = tmp_path_factory.mktemp("colocated_dflash")
     one, two = root / "dedicated", root / "colocated"
     logs = run_side_by_side([_cli(one, [*DFLASH, "train.batch_size=4"]),
-                             _cli(two, [*DFLASH, "hw.trainer_layout=colocated", "train.batch_size=2"])], timeout=900)
+                             _cli(two, COLOCATED)], timeout=900)
     return one, two, logs
 
 
@@ -39,6 +47,7 @@ def dflash_runs(tiny_deepseek_path, tmp_path_factory):
 def test_two_colocated_dflash_ranks_equal_one_dedicated_rank(dflash_runs):
     one, two, logs = dflash_runs
     assert "starting them with torchrun" in logs[1] and "DFlash" in logs[1]
+    assert "the target's lm_head split 2 ways by vocabulary rows" in logs[1]
     s1, s2 = (json.loads((d / "summary.json").read_text()) for d in (one, two))
     assert (s1["trainer_ranks"], s2["trainer_ranks"]) == (1, 2)
     assert s1["steps"] == s2["steps"] == 4 and s1["tokens_trained"] == s2["tokens_trained"]
@@ -50,3 +59,21 @@ def test_two_colocated_dflash_ranks_equal_one_dedicated_rank(dflash_runs):
     first = load_file(one / "checkpoints" / ckpts[0] / "draft.safetensors")
     assert max_rel_diff(first, load_file(one / "checkpoints" / ckpts[-1] / "draft.safetensors")) > 1e-2
     assert any(k.startswith("layers.0.") for k in first)  # the dotted units trained and were gathered
+
+
+@pytest.mark.e2e
+def test_colocated_dflash_resumes_from_a_step_boundary_bit_exact(dflash_runs, tmp_path):
+    _, two, _ = dflash_runs
+    run = tmp_path / "resumed"
+    (run / "checkpoints").mkdir(parents=True)
+    shutil.copytree(two / "checkpoints" / "step_00000002", run / "checkpoints" / "step_00000002")
+    out = subprocess.run(_cli(run, [*COLOCATED, "train.resume=auto"]), env=rank_env(), cwd=ROOT,
+                         capture_output=True, text=True, timeout=900)
+    assert out.returncode == 0, (out.stdout + out.stderr)[-5000:]
+    summary = json.loads((run / "summary.json").read_text())
+    assert summary["steps"] == 4 and summary["resumed_from"].endswith("step_00000002")
+    for a, b in [(two / "export" / "model.safetensors", run / "export" / "model.safetensors"),
+                 *((two / "checkpoints" / "step_00000004" / n, run / "checkpoints" / "step_00000004" / n)
+                   for n in ("draft.safetensors", "optimizer.safetensors"))]:
+        a, b = load_file(a), load_file(b)
+        assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a if k != "rng.torch")

@@ -22,8 +22,9 @@ Loss: CE_j = mean over counted positions of block position j of the token loss
 (q over the full target vocab, through the target's lm_head; p the target's own distribution for
 position a+j, its lm_head on its final state at a+j-1; d = draft.distill, 0 by default: no p is
 computed), logits in chunks of `logits_chunk` rows, each chunk recomputed in backward (only its
-hidden rows stay saved). total = sum_j w_j CE_j / sum_j w_j with w_j = exp(-(j-1)/gamma), or the
-weights given (draft.loss_weights): a position-weighted mean, equal to the weighted mean over all
+hidden rows stay saved); with the lm_head's rows split over co-located ranks (a VocabShard
+attached) the ranks compute the same l together (train/vocab_parallel.py).
+total = sum_j w_j CE_j / sum_j w_j with w_j = exp(-(j-1)/gamma), or the weights given (draft.loss_weights): a position-weighted mean, equal to the weighted mean over all
 counted tokens when every position counts as many tokens. Distillation teaches the whole
 distribution where the sequence shows one token of it: for greedy regenerated data the label is
 the target's argmax, so d = 0 teaches that argmax only.
@@ -169,17 +170,21 @@ def dflash_loss(model, aux_hidden: torch.Tensor, input_ids: torch.Tensor, loss_m
             correct = (logits.argmax(-1) == labels_chunk).to(torch.int64)
         return ce, correct
 
-    ces, corrects = [], []
-    for s in range(0, h.shape[0], cfg.logits_chunk):
-        args = (h[s:s + cfg.logits_chunk], labels[s:s + cfg.logits_chunk], teacher_rows[s:s + cfg.logits_chunk])
-        if torch.is_grad_enabled():
-            ce, correct = torch.utils.checkpoint.checkpoint(chunk_stats, *args, use_reentrant=False)
-        else:
-            ce, correct = chunk_stats(*args)
-        ces.append(ce)
-        corrects.append(correct)
-    ce = torch.cat(ces) if ces else hidden.new_zeros(0, dtype=at_least_fp32(hidden.dtype))
-    correct = torch.cat(corrects) if corrects else torch.zeros(0, dtype=torch.int64, device=dev)
+    shard = getattr(model, "vocab_shard", None)
+    if shard is not None:  # the head's rows split over the ranks: they score their tokens together
+        ce, correct = shard.token_losses(h, labels, teacher_rows, distill, cfg.logits_chunk)
+    else:
+        ces, corrects = [], []
+        for s in range(0, h.shape[0], cfg.logits_chunk):
+            args = (h[s:s + cfg.logits_chunk], labels[s:s + cfg.logits_chunk], teacher_rows[s:s + cfg.logits_chunk])
+            if torch.is_grad_enabled():
+                ce, correct = torch.utils.checkpoint.checkpoint(chunk_stats, *args, use_reentrant=False)
+            else:
+                ce, correct = chunk_stats(*args)
+            ces.append(ce)
+            corrects.append(correct)
+        ce = torch.cat(ces) if ces else hidden.new_zeros(0, dtype=at_least_fp32(hidden.dtype))
+        correct = torch.cat(corrects) if corrects else torch.zeros(0, dtype=torch.int64, device=dev)
 
     P = Bk - 1
     ce_sum = torch.zeros(P, dtype=ce.dtype, device=dev).index_add(0, k, ce)  # differentiable

@@ -13,7 +13,8 @@ What the trainer asks of it beyond the EAGLE-3 methods (draft/method.py):
   depth                  block_size - 1 (block positions 1..B-1); cfg.loss_gamma weights the positions
   prepare_batch          the anchors, from the trainer's generator (seeded per schedule item, so a
                          resume draws the same), into `batch.draws`; loss and loss_positions need them
-  attach_target          the target's lm_head (the logits are computed with it)
+  attach_target          the target's lm_head (the logits are computed with it); co-located, this
+                         rank's rows of it (shards_target_head, train/vocab_parallel.py)
 """
 from __future__ import annotations
 
@@ -39,6 +40,7 @@ class DFlashMethod(DraftMethod):
     model_class = DFlashDraft
     spec_class = DFlashSpec  # draft.* (conf group option `draft=dflash`)
     keep_units_gathered = False  # each layer runs once per forward: free it after its forward and backward
+    shards_target_head = True  # co-located: 1/W of the lm_head per rank, the loss's logits computed together
     config_class = DFlashConfig  # what resolve_config returns (registry.method_of_config)
     plan = plan
     needs_teacher = False  # CE against the sequence's own tokens; with draft.distill its loss computes the

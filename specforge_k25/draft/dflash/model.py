@@ -167,6 +167,7 @@ class DFlashDraft(nn.Module):
         self.norm = RMSNorm(H, cfg.rms_norm_eps)
         # the target's lm_head [V, Ht], attached by reference (attach_lm_head); not in state_dict
         self.register_buffer("lm_head_weight", torch.empty(0, cfg.target_hidden_size), persistent=False)
+        self.vocab_shard = None  # the head's rows split over ranks (attach_lm_head)
         # identity vocab maps of a full-vocab draft (module doc)
         self.register_buffer("d2t", torch.zeros(cfg.vocab_size, dtype=torch.int64))
         self.register_buffer("t2d", torch.ones(cfg.vocab_size, dtype=torch.bool))
@@ -174,11 +175,18 @@ class DFlashDraft(nn.Module):
     def trainable_parameters(self):
         return [p for p in self.parameters() if p.requires_grad]
 
-    def attach_lm_head(self, weight: torch.Tensor) -> None:
-        """The target's lm_head [V, Ht] (any dtype; kept as given, shared, never trained)."""
-        if tuple(weight.shape) != (self.cfg.vocab_size, self.cfg.target_hidden_size):
-            raise ValueError(f"lm_head {tuple(weight.shape)}, expected {(self.cfg.vocab_size, self.cfg.target_hidden_size)}")
-        self.lm_head_weight = weight.detach()
+    def attach_lm_head(self, weight) -> None:
+        """The target's lm_head [V, Ht] (any dtype; kept as given, shared, never trained), or this
+        rank's rows of it (train/vocab_parallel.py VocabShard: `weight` [Vs, Ht] rows of the
+        `vocab_size`; the loss then scores tokens with the ranks of its group, through its
+        `token_losses`, and `logits` is not available)."""
+        shard = None if isinstance(weight, torch.Tensor) else weight
+        rows = shard.vocab_size if shard is not None else weight.shape[0]
+        width = (shard.weight if shard is not None else weight).shape[1]
+        if (rows, width) != (self.cfg.vocab_size, self.cfg.target_hidden_size):
+            raise ValueError(f"lm_head {(rows, width)}, expected {(self.cfg.vocab_size, self.cfg.target_hidden_size)}")
+        self.vocab_shard = shard
+        self.lm_head_weight = (shard.weight if shard is not None else weight).detach()
 
     def project(self, aux_hidden: torch.Tensor) -> torch.Tensor:
         """aux [B, T, K*Ht] -> context [B, T, H] = hidden_norm(fc(aux))."""
@@ -215,6 +223,9 @@ class DFlashDraft(nn.Module):
         w = self.lm_head_weight
         if w.numel() == 0:
             raise RuntimeError("DFlashDraft has no lm_head: call attach_lm_head(target lm_head) first")
+        if self.vocab_shard is not None:
+            raise RuntimeError("DFlashDraft holds 1/W of the lm_head's rows (VocabShard): its loss scores tokens "
+                               "with its group (train/vocab_parallel.py); attach the whole head for logits")
         return F.linear(hidden.to(w.dtype), w)
 
     def draft_block(self, aux_hidden: torch.Tensor, last_token: int | torch.Tensor) -> torch.Tensor:

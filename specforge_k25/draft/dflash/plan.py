@@ -170,6 +170,16 @@ def backward_working_bytes(cfg: DFlashConfig, batch: int, seq_len: int, depth: i
     return chunk * V * (2 * a + 12) + batch * (P * 4 * H + layer)
 
 
+def split_head_bytes(cfg: DFlashConfig, shards: int, bf16: bool = False) -> int:
+    """The lm_head's rows split over `shards` co-located ranks (train/vocab_parallel.py): one chunk's
+    exchange buffers beside its logits slice [shards*c, V/shards] (as large as one replicated chunk's
+    [c, V], in `backward_working_bytes`): the gathered rows of the hidden states and of the target's
+    final states [shards*c, Ht] fp32, the fp32 grad part before its reduce-scatter and the rank's
+    own share [c, Ht]; c = logits_chunk."""
+    rows = shards * cfg.logits_chunk
+    return 4 * cfg.target_hidden_size * (3 * rows + cfg.logits_chunk)
+
+
 def context_parallel_values(cfg: DFlashConfig, size: int, depth: int = 0) -> float:
     """Values one rank sends per position it holds in a forward with the sequences split over
     `size` ranks (train/context_parallel.py): each of the N layers all-gathers the context's roped
