@@ -91,19 +91,21 @@ def print_overview(job: JobConfig, setup: RunSetup, schedule: list[BatchItem], s
         lines.insert(-2, planned)
     layout = node_layout(job.hw)
     cp = job.hw.context_parallel
-    sharded = f"draft sharded {world} ways (FSDP2)" + (
-        f", the target's lm_head split {world} ways by vocabulary rows" if setup.method.shards_target_head else "")
+    def sharded() -> str:  # co-located only
+        return f"draft sharded {world} ways (FSDP2)" + (
+            f", the target's lm_head split {world} ways by vocabulary rows" if setup.method.shards_target_head else "")
+
     if world > 1 and layout.colocated and cp > 1:
         lines.insert(-2, f"ranks       {world} co-located trainer ranks, one beside each TP rank of {world // layout.per_replica} "
                          f"replica(s), in {world // cp} group(s) of {cp} that split every sequence's positions "
                          f"(hw.context_parallel; Ulysses attention); global batch {world // cp} x {job.train.batch_size} "
-                         f"samples, shared out to the groups balanced by tokens; {sharded}")
+                         f"samples, shared out to the groups balanced by tokens; {sharded()}")
     elif world > 1 and layout.colocated:
         tp = layout.per_replica
         beside = f"each of the {layout.pp} pipeline stages' TP ranks" if layout.pp > 1 else "each TP rank"
         lines.insert(-2, f"ranks       {world} co-located trainer ranks, one beside {beside} of {world // tp} "
                          f"replica(s); global batch {world} x {job.train.batch_size} samples, each replica's "
-                         f"{tp * job.train.batch_size} shared out balanced by tokens; {sharded}")
+                         f"{tp * job.train.batch_size} shared out balanced by tokens; {sharded()}")
     elif world > 1:
         lines.insert(-2, f"ranks       {world} data-parallel trainer ranks, one target replica each; global batch "
                          f"{world} x {job.train.batch_size} samples, sliced by rank")
