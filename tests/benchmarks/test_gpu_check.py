@@ -13,6 +13,8 @@ from pathlib import Path
 
 import pytest
 
+from test_benchmarks import image_only_env
+
 ROOT = Path(__file__).resolve().parents[2]
 BENCHMARKS = ROOT / "benchmarks"
 
@@ -213,9 +215,11 @@ def test_replay_agreement_allows_one_near_tie():
 def test_the_device_command_in_cpu_mode_runs_every_check(tmp_path):
     """`gpu_check.py --device cpu --small`: every step passes and writes what the device run brings
     back, DFlash and MLA EAGLE-3 served by SGLang included (~5 min on the busy 2-core box; the JIT
-    compile is left to test_sglang_jit_builds_against_a_pip_layout_only_through_the_shim)."""
+    compile is left to test_sglang_jit_builds_against_a_pip_layout_only_through_the_shim). It sees
+    only the H200 image's packages and the carried wheels (`image_only_env`): an import the wheel
+    list misses fails here."""
     out = tmp_path / "out"
-    env = {**os.environ, "PYTHONWARNINGS": "ignore"}
+    env = image_only_env()
     env.pop("OUT", None)
     proc = subprocess.run([sys.executable, str(BENCHMARKS / "gpu_check.py"), "--device", "cpu", "--small",
                            "--budget-s", "1500", "--no-compile", "--out", str(out)], capture_output=True, text=True, timeout=1700,
