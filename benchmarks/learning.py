@@ -73,7 +73,7 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="an override added to every run (e.g. train.max_steps=100)")
     p.add_argument("--eval", action="store_true", help="also SGLang's AL of each final head vs n-gram (python -m specforge_k25.eval)")
     p.add_argument("--eval-prompts", type=int, default=8, help="prompts per set for --eval (eval.num_prompts)")
-    p.add_argument("--work", type=Path, default=None, help="run folders (default: a fresh folder under /tmp)")
+    p.add_argument("--work", type=Path, default=None, help="run folders (default: a fresh outputs/learning_<time> folder of the checkout)")
     p.add_argument("--small", action="store_true", help="tiny target and data (the test)")
     p.add_argument("--no-share-answers", action="store_true",
                    help="every regenerating recipe decodes its own answers (default: the later ones train on the "
@@ -148,7 +148,7 @@ def eval_command(result: dict, base: list[str], out: Path, prompts: int) -> list
 
 def measure(args) -> dict:
     known = SMALL_RECIPES if args.small else RECIPES
-    work = args.work or Path(f"/tmp/learning_{time.strftime('%Y%m%d_%H%M%S')}")
+    work = (args.work or ROOT / "outputs" / f"learning_{time.strftime('%Y%m%d_%H%M%S')}").resolve()
     work.mkdir(parents=True, exist_ok=True)
     base = [*(SMALL if args.small else ()), *args.extra]
     recipes = {}

@@ -24,7 +24,7 @@ from specforge_k25.setup.layout import World, check_layout
 from specforge_k25.train.distributed import Ranks, balanced_shares
 
 from colocated_settings import COLOCATED, COMMON, PIPELINE_COLOCATED
-from rank_runs import assert_same_evals, checkpoint_diffs, max_rel_diff, rank_env, run_side_by_side
+from rank_runs import assert_same_evals, checkpoint_diffs, max_rel_diff, rank_env, resume_from_copy, run_side_by_side
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -143,13 +143,7 @@ def test_colocated_ranks_beside_two_pipeline_stages_equal_one_dedicated_rank(col
 def test_colocated_resume_from_its_gathered_checkpoint_is_bit_identical(colocated_runs, tmp_path):
     _, two, _ = colocated_runs
     run = tmp_path / "resumed"
-    (run / "checkpoints").mkdir(parents=True)
-    shutil.copytree(two / "checkpoints" / "step_00000002", run / "checkpoints" / "step_00000002")
-    out = subprocess.run(_cli(run, [*COLOCATED, "train.resume=auto"], nproc=2), env=rank_env(), cwd=ROOT,
-                         capture_output=True, text=True, timeout=900)
-    assert out.returncode == 0, (out.stdout + out.stderr)[-5000:]
-    summary = json.loads((run / "summary.json").read_text())
-    assert summary["steps"] == 4 and summary["resumed_from"].endswith("step_00000002")
+    assert resume_from_copy(two, run, _cli(run, [*COLOCATED, "train.resume=auto"], nproc=2))["steps"] == 4
     a, b = load_file(two / "export" / "model.safetensors"), load_file(run / "export" / "model.safetensors")
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
     for name in ("draft.safetensors", "optimizer.safetensors"):

@@ -10,8 +10,6 @@ holds all of them. A resume of the co-located run from its step-2 checkpoint end
 from __future__ import annotations
 
 import json
-import shutil
-import subprocess
 import sys
 from pathlib import Path
 
@@ -20,9 +18,7 @@ import torch
 from safetensors.torch import load_file
 
 from colocated_settings import COMMON
-from rank_runs import checkpoint_diffs, max_rel_diff, rank_env, run_side_by_side
-
-ROOT = Path(__file__).resolve().parents[2]
+from rank_runs import checkpoint_diffs, max_rel_diff, resume_from_copy, run_side_by_side
 
 EAGLE_ONLY = ("draft.vocab_size=1024", "draft.ttt_length=3")
 DFLASH = [*(o for o in COMMON if o not in EAGLE_ONLY), "draft=dflash", "draft.block_size=4", "draft.num_anchors=4"]
@@ -65,13 +61,7 @@ def test_two_colocated_dflash_ranks_equal_one_dedicated_rank(dflash_runs):
 def test_colocated_dflash_resumes_from_a_step_boundary_bit_exact(dflash_runs, tmp_path):
     _, two, _ = dflash_runs
     run = tmp_path / "resumed"
-    (run / "checkpoints").mkdir(parents=True)
-    shutil.copytree(two / "checkpoints" / "step_00000002", run / "checkpoints" / "step_00000002")
-    out = subprocess.run(_cli(run, [*COLOCATED, "train.resume=auto"]), env=rank_env(), cwd=ROOT,
-                         capture_output=True, text=True, timeout=900)
-    assert out.returncode == 0, (out.stdout + out.stderr)[-5000:]
-    summary = json.loads((run / "summary.json").read_text())
-    assert summary["steps"] == 4 and summary["resumed_from"].endswith("step_00000002")
+    assert resume_from_copy(two, run, _cli(run, [*COLOCATED, "train.resume=auto"]))["steps"] == 4
     for a, b in [(two / "export" / "model.safetensors", run / "export" / "model.safetensors"),
                  *((two / "checkpoints" / "step_00000004" / n, run / "checkpoints" / "step_00000004" / n)
                    for n in ("draft.safetensors", "optimizer.safetensors"))]:
