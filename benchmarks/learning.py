@@ -37,10 +37,13 @@ REGEN = ("data.regenerate=true",)
 DFLASH = ("draft=dflash", *REGEN)
 
 # name -> (method, overrides of README command 1). The DFlash recipes train on the target's own
-# answers (as DFlash is meant to be trained); `pos1x4` weighs the first drafted token 4x the others.
+# answers (as DFlash is meant to be trained); `pos1x4` weighs the first drafted token 4x the others;
+# `head` starts the EAGLE-3 lm_head from the target's rows of the draft vocabulary.
 RECIPES = {
     "eagle3": ("eagle3", ()),
     "eagle3_wsd": ("eagle3", ("train.lr_schedule=wsd",)),
+    "eagle3_head": ("eagle3", ("draft.head_from_target=true",)),
+    "eagle3_head_wsd": ("eagle3", ("draft.head_from_target=true", "train.lr_schedule=wsd")),
     "eagle3_regen": ("eagle3", REGEN),
     "dflash": ("dflash", DFLASH),
     "dflash_distill": ("dflash", (*DFLASH, "draft.distill=0.5")),

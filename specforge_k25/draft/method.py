@@ -131,6 +131,10 @@ class DraftMethod:
         lm_head on the trainer's device, after a resume. Default: nothing (the EAGLE-3 heads have
         their own lm_head)."""
 
+    def init_from_target(self, model: nn.Module, spec, lm_head: torch.Tensor) -> None:
+        """Start trainable weights of a fresh `model` (its vocab maps set) from the target's frozen
+        lm_head [V, Ht] where `spec` asks; a resume loads its checkpoint over them. Default: nothing."""
+
     def reserved_token_ids(self, cfg) -> list[int]:
         """Token ids real input must never contain (DFlash: its mask token); setup refuses data with them."""
         return []

@@ -92,7 +92,7 @@ def _heads(job: EvalJobConfig, setup: RunSetup, out_dir: Path) -> dict[str, Path
             raise FileNotFoundError(f"{name} head {path}: no config.json (expected a `train` run's export/ folder)")
         method_of_export(path)  # an export of no draft method fails here, before any engine starts
     if "untrained" in wanted:
-        draft, _ = fresh_draft(setup, job.eval.untrained_seed)  # as a training run of this config starts
+        draft, _ = fresh_draft(setup, job.draft, job.eval.untrained_seed)  # as a training run of this config starts
         bos, eos = setup.tokenizer.bos_token_id, setup.tokenizer.eos_token_id
         heads["untrained"] = export_draft(draft, out_dir / "untrained_head", setup.sglang_capture_ids, bos, eos,
                                           capture_points=setup.capture_points, end_of_turn_id=setup.end_of_turn_id)

@@ -210,11 +210,13 @@ def prompt_renderer(job: JobConfig, tokenizer):
     return chat_format(job.target.chat_format).prompt_renderer(tokenizer, job.target)
 
 
-def fresh_draft(setup: RunSetup, seed: int, device: torch.device | str = "cpu",
+def fresh_draft(setup: RunSetup, spec, seed: int, device: torch.device | str = "cpu",
                 lm_head_dtype: torch.dtype | None = None) -> tuple[torch.nn.Module, torch.Tensor]:
-    """An untrained draft of the run's method (seeded init, the target's embedding, vocab maps
-    from the training split only, the target's lm_head attached where the method computes with
-    it) and the target's lm_head [V, Ht], on `device` in `lm_head_dtype` (default: as stored)."""
+    """An untrained draft of the run's method for `spec` (job.draft): seeded init, the target's
+    embedding, vocab maps from the training split only, the target's lm_head attached where the
+    method computes with it, trainable pieces started from the target's where the spec asks
+    (`DraftMethod.init_from_target`); and the target's lm_head [V, Ht], on `device` in
+    `lm_head_dtype` (default: as stored)."""
     torch.manual_seed(seed)
     d2t, t2d = build_vocab_maps(count_tokens(setup.data.train, setup.info.vocab_size), setup.draft_cfg.draft_vocab_size)
     embed, lm_head = load_embedding_and_head(setup.model_path)
@@ -223,6 +225,7 @@ def fresh_draft(setup: RunSetup, seed: int, device: torch.device | str = "cpu",
     with torch.no_grad():
         draft.d2t.copy_(d2t)
         draft.t2d.copy_(t2d)
+    setup.method.init_from_target(draft, spec, lm_head)
     return draft, lm_head
 
 

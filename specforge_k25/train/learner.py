@@ -26,7 +26,7 @@ def build_learner(job: JobConfig, setup: RunSetup, steps: int, device: torch.dev
     tr = job.train
     frozen = getattr(torch, job.hw.target_dtype)  # the frozen embedding / lm_head keep the target's dtype
     # the lm_head made on the trainer's device: a draft that holds it moves no copy of it with draft.to
-    draft, lm_head = fresh_draft(setup, tr.seed, device, frozen)
+    draft, lm_head = fresh_draft(setup, job.draft, tr.seed, device, frozen)
     draft.embed_tokens.to(frozen)
     keep_embedding_on_host(draft)
     draft.to(device)

@@ -368,3 +368,37 @@ def test_checkpoints_from_before_the_options_still_resume():
         other = {**now, "draft": {**now["draft"], option: True}}
         with pytest.raises(ValueError, match=rf"draft: checkpoint .*'{option}': True"):
             check_fingerprint(before, other, Path("ckpt"))
+
+
+@pytest.mark.parametrize("variant", ["llama", "mla"])
+@pytest.mark.parametrize("on", [True, False])
+def test_head_from_target_starts_the_draft_head_at_the_target_rows(variant, on):
+    """draft.head_from_target: the draft's logits are the target's logits of the draft tokens,
+    listed by hand for counts whose draft vocabulary is target ids 1, 2, 3, 5 (vocab-map hand case
+    above); off, the seeded random init stays."""
+    from specforge_k25.draft.eagle3.config import Eagle3Spec
+    from specforge_k25.draft.eagle3_mla.config import Eagle3MLASpec
+    from specforge_k25.draft.registry import method_of_spec
+    from mla_ttt_reference import tiny_mla_config
+
+    counts = torch.tensor([0, 5, 3, 5, 0, 7, 3, 0, 1, 0])
+    spec = (Eagle3Spec if variant == "llama" else Eagle3MLASpec)(head_from_target=on)
+    method = method_of_spec(spec)
+    cfg = (DraftConfig(hidden_size=6, intermediate_size=8, num_attention_heads=2, num_key_value_heads=1, head_dim=3,
+                       vocab_size=10, draft_vocab_size=4, target_hidden_size=6) if variant == "llama"
+           else tiny_mla_config(hidden_size=6, target_hidden_size=6, vocab_size=10, draft_vocab_size=4))
+    torch.manual_seed(0)
+    draft = method.build(cfg).double()
+    before = draft.lm_head.weight.detach().clone()
+    d2t, t2d = build_vocab_maps(counts, 4)
+    draft.d2t.copy_(d2t)
+    draft.t2d.copy_(t2d)
+    head = torch.randn(10, 6, dtype=torch.float64)
+    method.init_from_target(draft, spec, head)
+    x = torch.randn(5, 6, dtype=torch.float64)
+    if not on:
+        assert torch.equal(draft.lm_head.weight, before)
+        return
+    torch.testing.assert_close(draft.lm_head(x), (x @ head.T)[:, [1, 2, 3, 5]], rtol=0, atol=1e-12)
+    with pytest.raises(ValueError, match="head_from_target"):  # a target head of another width
+        method.init_from_target(draft, spec, torch.randn(10, 7))

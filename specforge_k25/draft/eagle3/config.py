@@ -17,6 +17,8 @@ class TTTSpec(DraftSpec):
     vocab_size: int = doc(32000, "draft vocabulary size Vd (most frequent supervised target tokens)", at_least=1)
     ttt_length: int = doc(7, "TTT unroll steps K: the draft steps trained per token (the serving chain's length)", at_least=1)
     loss_decay: float = doc(0.8, "weight of TTT step k is decay^k", above=0)
+    head_from_target: bool = doc(False, "start the draft lm_head from the target's lm_head rows of the draft "
+                                        "vocabulary (d2t) instead of a random init (docs/PERFORMANCE.md §0.2)")
 
 
 @dataclass

@@ -64,6 +64,19 @@ class Eagle3Method(DraftMethod):
                 f"{cfg.num_key_value_heads} x {cfg.head_dim}, I {cfg.intermediate_size}, Vd {cfg.draft_vocab_size}"
                 + (f", EAGLE-3.1 {' + '.join(options)}" if options else ""))
 
+    def init_from_target(self, model, spec: TTTSpec, lm_head: torch.Tensor) -> None:
+        """draft.head_from_target: draft token i's lm_head row = the target's row of its token
+        (i + d2t[i]), so the head starts with the target's output geometry; the draft's final norm
+        keeps its ones (the target's final norm is not among the frozen pieces it receives)."""
+        if not spec.head_from_target:
+            return
+        if lm_head.shape[1] != model.lm_head.weight.shape[1]:
+            raise ValueError(f"draft.head_from_target: the target's lm_head is {lm_head.shape[1]} wide, the "
+                             f"draft's {model.lm_head.weight.shape[1]}; turn it off for this draft")
+        rows = torch.arange(model.d2t.numel(), device=model.d2t.device) + model.d2t
+        with torch.no_grad():
+            model.lm_head.weight.copy_(lm_head[rows.to(lm_head.device)].to(model.lm_head.weight))
+
     def fsdp_units(self, model) -> list[str]:
         return [u for u in self._units if hasattr(model, u)]
 
