@@ -34,24 +34,26 @@ ROOT = Path(__file__).resolve().parents[1]
 DEFAULT_OUT = RESULTS / "learning.json"
 SMALL_OUT = RESULTS / "learning_small.json"
 REGEN = ("data.regenerate=true",)
-DFLASH = ("draft=dflash", *REGEN)
+COSINE = ("train.lr_schedule=cosine",)  # the CPU default's schedule before WSD: the runs measured with it keep it
+DFLASH = ("draft=dflash", *REGEN, *COSINE)
 
-# name -> (method, overrides of README command 1). The DFlash recipes train on the target's own
-# answers (as DFlash is meant to be trained); `pos1x4` weighs the first drafted token 4x the others;
-# `head` starts the EAGLE-3 lm_head from the target's rows of the draft vocabulary.
+# name -> (method, overrides of README command 1). `eagle3` is command 1 as it is (WSD);
+# `head` starts the EAGLE-3 lm_head from the target's rows of the draft vocabulary. The DFlash
+# recipes train on the target's own answers (as DFlash is meant to be trained); `pos1x4` weighs
+# the first drafted token 4x the others.
 RECIPES = {
     "eagle3": ("eagle3", ()),
-    "eagle3_wsd": ("eagle3", ("train.lr_schedule=wsd",)),
+    "eagle3_cosine": ("eagle3", COSINE),
     "eagle3_head": ("eagle3", ("draft.head_from_target=true",)),
-    "eagle3_head_wsd": ("eagle3", ("draft.head_from_target=true", "train.lr_schedule=wsd")),
-    "eagle3_regen": ("eagle3", REGEN),
+    "eagle3_head_cosine": ("eagle3", ("draft.head_from_target=true", *COSINE)),
+    "eagle3_regen": ("eagle3", (*REGEN, *COSINE)),
     "dflash": ("dflash", DFLASH),
     "dflash_distill": ("dflash", (*DFLASH, "draft.distill=0.5")),
     "dflash_distill_only": ("dflash", (*DFLASH, "draft.distill=1.0")),
     "dflash_pos1x4": ("dflash", (*DFLASH, "draft.loss_weights=[4,1,1,1,1,1,1]")),
-    "dflash_wsd": ("dflash", (*DFLASH, "train.lr_schedule=wsd")),
+    "dflash_wsd": ("dflash", ("draft=dflash", *REGEN, "train.lr_schedule=wsd")),
 }
-DEFAULT_RECIPES = ("eagle3", "eagle3_wsd", "dflash", "dflash_distill", "dflash_pos1x4")
+DEFAULT_RECIPES = ("eagle3", "eagle3_cosine", "eagle3_head", "dflash", "dflash_distill", "dflash_pos1x4")
 
 # --small: the tiny DeepSeek target of the end-to-end test, 12 samples, an evaluation every 2 steps
 SMALL = ("target=tiny_deepseek", "data.num_samples=12", "data.heldout_samples=4", "data.max_length=96",
