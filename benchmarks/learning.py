@@ -115,16 +115,19 @@ def run(cmd: list[str], log: Path) -> float:
 
 
 def read_curve(run_dir: Path) -> dict:
-    """The held-out evaluations of a finished run: one point per `eval/*` line of metrics.jsonl
-    (a resumed run's repeated steps: the last line counts), and its summary."""
+    """The held-out evaluations of a run: one point per `eval/*` line of metrics.jsonl (a resumed
+    run's repeated steps: the last line counts), and its summary (none for a run stopped early)."""
     points = {}
     for line in (run_dir / "metrics.jsonl").read_text().splitlines():
         row = json.loads(line)
         if "eval/tau_sim" in row:
             evals = {k.split("/", 1)[1]: v for k, v in row.items() if k.startswith("eval/")}
             points[row["optimizer_step"]] = {"step": row["optimizer_step"], **evals}
-    summary = json.loads((run_dir / "summary.json").read_text())
     curve = [points[s] for s in sorted(points)]
+    if not (run_dir / "summary.json").is_file():  # a run stopped before its end: its curve so far
+        return {"points": curve, "steps": curve[-1]["step"], "tokens_trained": curve[-1].get("tokens_trained"),
+                "train_wall_s": None, "total_wall_s": None, "tokens_per_s": None, "end": {}, "stopped": True}
+    summary = json.loads((run_dir / "summary.json").read_text())
     for p in curve:  # a run from before eval/tokens_trained was logged: tokens at the mean rate (marked)
         if "tokens_trained" not in p:
             p["tokens_trained"] = round(summary["tokens_trained"] * p["step"] / max(1, summary["steps"]))
