@@ -62,7 +62,7 @@ SMALL_EAGLE = ("draft.vocab_size=2048", "draft.ttt_length=3")
 SMALL_DFLASH = ("draft.block_size=4", "draft.num_anchors=16", "data.regen_max_new_tokens=24")
 SMALL_RECIPES = {
     "eagle3_wsd": ("eagle3", ("train.lr_schedule=wsd", *SMALL_EAGLE)),
-    "dflash_distill": ("dflash", ("draft=dflash", *REGEN, "draft.distill=0.5", "draft.loss_weights=[2,1,1]",
+    "dflash_distill": ("dflash", (*DFLASH, "draft.distill=0.5", "draft.loss_weights=[2,1,1]",
                                   *SMALL_DFLASH)),
 }
 
