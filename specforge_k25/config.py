@@ -33,6 +33,7 @@ class HwConfig:
     target_dtype: str = doc("float32", "target compute dtype in SGLang: float32 | bfloat16")
     target_threads: int = doc(1, "CPU threads of the target process (cpu only)", at_least=1)
     trainer_threads: int = doc(1, "CPU threads of the trainer process (cpu only)", at_least=1)
+    host_threads_per_rank: Optional[int] = doc(None, "CPU threads a trainer rank's host AdamW steps on (train.optimizer_device=cpu; torchrun leaves each rank OMP_NUM_THREADS=1); null = the node's cores / its local ranks on cuda, trainer_threads on cpu; the throughput plan's host AdamW time scales with it (docs/PERFORMANCE.md §3.1)", at_least=1)
     mem_fraction_static: float = doc(0.6, "SGLang static memory fraction (weights + KV pool); on CPU a share of system memory (other processes drawing on it during the weight load count against it), the pool capped by max_total_tokens", above=0)
     kv_pool_margin_gib: float = doc(1.0, "memory plan: GiB the derived mem_fraction_static keeps above SGLang's minimum (weights + KV pool + multimodal reservation), so a slightly low estimate does not fail the engine at start", at_least=0)
     target_attention_backend: Optional[str] = doc(None, "SGLang attention_backend of the target (e.g. fa3, triton, trtllm_mla, flashinfer); null = SGLang's choice per GPU (cpu: torch_native)")
@@ -51,6 +52,7 @@ class HwConfig:
     peak_tflops: float = doc(0.0, "throughput plan: dense bf16 tensor-core peak of one GPU in TFLOP/s (datasheet); 0 = no throughput plan", at_least=0)
     memory_gbps: float = doc(0.0, "throughput plan: memory bandwidth of one GPU in GB/s (datasheet): the target's weight reads, the GPU AdamW step", at_least=0)
     link_gbps: float = doc(0.0, "throughput plan: all-reduce bus bandwidth between the node's GPUs in GB/s (nccl-tests busbw; PCIe or NVLink): TP all-reduce, gradient traffic", at_least=0)
+    internode_gbps: float = doc(0.0, "throughput plan: bandwidth between nodes per GPU in GB/s (its NIC share; e.g. 50 for 400 Gb/s InfiniBand): multi-node data parallel (HSDP) all-reduces its gradients across nodes over it; 0 = not planned", at_least=0)
     trainer_efficiency: float = doc(0.433, "throughput plan: share of peak_tflops the trainer's step reaches (teacher + TTT fwd/bwd; measured on an H200, docs/PERFORMANCE.md §3)", above=0)
     target_efficiency: float = doc(0.35, "throughput plan: share of peak_tflops SGLang's prefill matmuls and attention reach, all-reduce apart (assumed; docs/PERFORMANCE.md §5)", above=0)
 

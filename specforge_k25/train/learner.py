@@ -10,7 +10,7 @@ from .vocab_parallel import VocabShard
 from ..setup.run import RunSetup, fresh_draft
 from .distributed import Ranks
 from .host_embedding import keep_embedding_on_host
-from .optim import build_optimizer, build_scheduler
+from .optim import build_optimizer, build_scheduler, host_threads
 from .sharding import shard_draft
 from .step import DraftLearner
 
@@ -30,14 +30,15 @@ def build_learner(job: JobConfig, setup: RunSetup, steps: int, device: torch.dev
     draft.embed_tokens.to(frozen)
     keep_embedding_on_host(draft)
     draft.to(device)
-    opt_device = tr.optimizer_device
+    opt_device, offloaded = tr.optimizer_device, False
     if ranks is not None and ranks.colocated and ranks.distributed:
         shard_draft(draft, setup.method.fsdp_units(draft), bf16=job.hw.autocast == "bf16",
                     keep_gathered=setup.method.keep_units_gathered, offload=opt_device == "cpu")
-        opt_device = None  # the optimizer follows the shards, wherever they are
+        offloaded, opt_device = opt_device == "cpu", None  # the optimizer follows the shards, wherever they are
         if setup.method.shards_target_head:  # 1/W of the frozen head per rank (the whole one is freed)
             lm_head = VocabShard.of(lm_head, ranks.world, ranks.rank)
-    optimizer = build_optimizer(draft.trainable_parameters(), tr.lr, tr.betas, tr.weight_decay, opt_device)
+    optimizer = build_optimizer(draft.trainable_parameters(), tr.lr, tr.betas, tr.weight_decay, opt_device,
+                                offloaded=offloaded, threads=host_threads(job.hw.host_threads_per_rank, job.hw.device))
     scheduler = build_scheduler(optimizer, steps, tr.warmup_ratio, tr.lr_schedule, tr.decay_ratio)
     return DraftLearner(setup.method, draft, lm_head, optimizer, scheduler, spec=job.draft,
                         grad_accum=tr.grad_accum, grad_clip=tr.grad_clip,

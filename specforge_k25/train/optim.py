@@ -5,8 +5,54 @@ tail near zero)."""
 from __future__ import annotations
 
 import math
+import os
+from contextlib import contextmanager
 
 import torch
+
+
+def host_threads(setting: int | None, device: str = "cuda", local_ranks: int | None = None) -> int | None:
+    """CPU threads of a rank's host AdamW (hw.host_threads_per_rank): the setting; else on a GPU
+    run the cores this process may run on shared by the node's local ranks (torchrun's
+    LOCAL_WORLD_SIZE; torchrun sets OMP_NUM_THREADS=1 for every rank, which would leave the host
+    optimizer one core); on a CPU run None (hw.trainer_threads, the process's own)."""
+    if setting:
+        return int(setting)
+    if device == "cpu":
+        return None
+    local = local_ranks or int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+    return max(1, len(os.sched_getaffinity(0)) // max(1, local))
+
+
+@contextmanager
+def _threads(n: int | None):
+    """torch's intra-op threads at `n` inside (None: unchanged), the process's own count after."""
+    if not n:
+        yield
+        return
+    before = torch.get_num_threads()
+    torch.set_num_threads(n)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
+
+
+class HostAdamW(torch.optim.AdamW):
+    """torch's fused CPU AdamW (one vectorised pass per tensor; the default per-tensor loop is
+    ~12x slower per thread, docs/PERFORMANCE.md §3.1) over parameters in host memory, stepping on
+    `threads` intra-op threads: the FSDP2-offloaded shards of a co-located rank
+    (train.optimizer_device=cpu). Not bitwise equal to the loop: its m/v/weight updates round
+    differently in the last bit (tests/train/test_optim.py)."""
+
+    def __init__(self, params, threads: int | None = None, **adamw_kwargs):
+        super().__init__(params, fused=True, **adamw_kwargs)
+        self.threads = threads
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        with _threads(self.threads):
+            return super().step(closure)
 
 
 class OffloadedAdamW(torch.optim.AdamW):
@@ -19,9 +65,10 @@ class OffloadedAdamW(torch.optim.AdamW):
     copies are allocated here, once; m and v on the first step, as in torch.
     """
 
-    def __init__(self, params, device, **adamw_kwargs):
+    def __init__(self, params, device, threads: int | None = None, **adamw_kwargs):
         self.model_params = [p for p in params]
         on_host = torch.device(device).type == "cpu"
+        self.threads = threads if on_host else None  # the host AdamW's intra-op threads
         pin = on_host and torch.cuda.is_available()
         masters = []
         for p in self.model_params:
@@ -46,7 +93,8 @@ class OffloadedAdamW(torch.optim.AdamW):
                 if m.grad is None:
                     m.grad = torch.empty_like(m)
                 m.grad.copy_(p.grad)
-        loss = super().step(closure)
+        with _threads(self.threads):
+            loss = super().step(closure)
         for p, m in zip(self.model_params, self.masters):
             p.copy_(m)
         return loss
@@ -66,13 +114,22 @@ class OffloadedAdamW(torch.optim.AdamW):
                 m.copy_(p)
 
 
-def build_optimizer(params, lr: float, betas, weight_decay: float, device: str | None = None) -> torch.optim.AdamW:
-    """AdamW on the parameters' device, or with its state on `device` (cpu | cuda:N; OffloadedAdamW)."""
+def build_optimizer(params, lr: float, betas, weight_decay: float, device: str | None = None,
+                    offloaded: bool = False, threads: int | None = None) -> torch.optim.AdamW:
+    """AdamW on the parameters' device, or with its state on `device` (cpu | cuda:N; OffloadedAdamW).
+    offloaded: the parameters are shards FSDP2 keeps in host memory (co-located,
+    train.optimizer_device=cpu): HostAdamW over them. threads: the host AdamW's intra-op threads
+    (`host_threads`; None: the process's). A run without an optimizer_device keeps torch's default
+    AdamW, whichever its device."""
     kwargs = dict(lr=lr, betas=tuple(betas), weight_decay=weight_decay, eps=1e-8)
     params = list(params)
+    if offloaded:
+        if any(p.device.type != "cpu" for p in params):
+            raise ValueError("offloaded=True: every parameter must be in host memory (FSDP2's CPU offload)")
+        return HostAdamW(params, threads=threads, **kwargs)
     if device in (None, "", "none") or (params and torch.device(device) == params[0].device):
         return torch.optim.AdamW(params, **kwargs)
-    return OffloadedAdamW(params, device, **kwargs)
+    return OffloadedAdamW(params, device, threads=threads, **kwargs)
 
 
 def _warmup_steps(total_steps: int, warmup_ratio: float) -> int:

@@ -91,3 +91,89 @@ def test_build_optimizer_offloads_only_to_another_device():
     assert type(build_optimizer(model.parameters(), 1e-3, [0.9, 0.95], 0.0)) is torch.optim.AdamW
     assert type(build_optimizer(model.parameters(), 1e-3, [0.9, 0.95], 0.0, device="cpu")) is torch.optim.AdamW
     assert isinstance(build_optimizer(model.parameters(), 1e-3, [0.9, 0.95], 0.0, device="meta"), OffloadedAdamW)
+
+
+def _offloaded_shards(port: int):
+    """A 1-rank gloo group and the model sharded by FSDP2 with its CPU offload (the co-located
+    layout's train.optimizer_device=cpu); the caller destroys the group."""
+    import os
+
+    import torch.distributed as dist
+    from torch.distributed.fsdp import CPUOffloadPolicy, fully_shard
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=0, world_size=1)
+    model = _model()
+    fully_shard(model, offload_policy=CPUOffloadPolicy(pin_memory=False))
+    return model
+
+
+def test_offloaded_shards_step_with_fused_host_adamw_on_the_configured_threads(monkeypatch):
+    """train.optimizer_device=cpu co-located: torch's fused CPU AdamW over the FSDP2 host shards,
+    stepping on hw.host_threads_per_rank threads (torchrun leaves a rank 1), the process's own
+    count back after; the same numbers as the fused kernel on one thread over plain tensors."""
+    import torch.distributed as dist
+    from torch.distributed.tensor import DTensor
+
+    from specforge_k25.train.optim import HostAdamW
+
+    seen = []
+    fused = torch._fused_adamw_
+    monkeypatch.setattr(torch, "_fused_adamw_", lambda *a, **k: (seen.append(torch.get_num_threads()), fused(*a, **k))[1])
+    kw = dict(lr=3e-3, betas=[0.9, 0.95], weight_decay=0.01)
+    before = torch.get_num_threads()
+    model = _offloaded_shards(29517)
+    try:
+        assert all(isinstance(p, DTensor) and p.device.type == "cpu" for p in model.parameters())
+        opt = build_optimizer(model.parameters(), device=None, offloaded=True, threads=before + 2, **kw)
+        assert type(opt) is HostAdamW and opt.param_groups[0]["fused"]
+        ref = _model()
+        torch.set_num_threads(1)
+        opt_ref = torch.optim.AdamW(ref.parameters(), fused=True, eps=1e-8, **kw)
+        torch.set_num_threads(before)
+        for s in range(3):
+            x = torch.randn(8, 12, generator=torch.Generator().manual_seed(s))
+            for m, o, threads in ((model, opt, before), (ref, opt_ref, 1)):
+                torch.set_num_threads(threads)
+                m(x).square().mean().backward()
+                o.step()
+                o.zero_grad()
+            assert torch.get_num_threads() == 1  # restored after HostAdamW's step (then the reference's 1)
+            torch.set_num_threads(before)
+        assert seen == [before + 2, 1] * 3, seen
+        for (name, p), q in zip(model.named_parameters(), ref.parameters()):
+            assert torch.equal(p.full_tensor(), q.detach()), name
+    finally:
+        torch.set_num_threads(before)
+        dist.destroy_process_group()
+
+
+def test_host_adamw_is_not_bitwise_the_loop():
+    """Why the default path keeps torch's per-tensor AdamW: the fused kernel rounds m/v/weights
+    differently in the last bit (a run's numbers would change), though within float32 rounding."""
+    a, b = _model(), _model()
+    kw = dict(lr=3e-3, betas=(0.9, 0.95), weight_decay=0.01, eps=1e-8)
+    oa, ob = torch.optim.AdamW(a.parameters(), **kw), build_optimizer(b.parameters(), 3e-3, kw["betas"], 0.01,
+                                                                      offloaded=True, threads=1)
+    for s in range(5):
+        x = torch.randn(8, 12, generator=torch.Generator().manual_seed(s))
+        for m, o in ((a, oa), (b, ob)):
+            m(x).square().mean().backward()
+            o.step()
+            o.zero_grad()
+    _assert_same(a, b, 1e-6)
+    assert not all(torch.equal(p, q) for p, q in zip(a.parameters(), b.parameters()))
+
+
+def test_host_threads_default_to_the_cores_per_local_rank(monkeypatch):
+    from specforge_k25.train import optim
+
+    monkeypatch.setattr(optim.os, "sched_getaffinity", lambda pid: set(range(64)))
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "8")
+    assert optim.host_threads(None, "cuda") == 8 and optim.host_threads(None, "cuda", local_ranks=3) == 21
+    assert optim.host_threads(5, "cuda") == 5 and optim.host_threads(5, "cpu") == 5
+    assert optim.host_threads(None, "cpu") is None  # a CPU run keeps hw.trainer_threads
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "128")
+    assert optim.host_threads(None, "cuda") == 1
+    with pytest.raises(ValueError, match="host memory"):
+        build_optimizer([torch.nn.Parameter(torch.zeros(2, device="meta"))], 1e-3, (0.9, 0.95), 0.0, offloaded=True)
