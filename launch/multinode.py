@@ -21,13 +21,25 @@ Example (print every node's command):
     python launch/multinode.py --nodes 2 --master-addr 10.0.0.1 --dry-run -- \\
         +hw=rtxpro6000x8 target=kimi_k25 target.path=/models/Kimi-K2.5
 On each node (what launch/slurm_multinode.sbatch does through srun):
-    python launch/multinode.py --nodes 2 --node-rank $NODE --master-addr 10.0.0.1 -- OVERRIDES
+    python launch/multinode.py --nodes 2 --node-rank $NODE --master-addr 10.0.0.1 --iface eth1 -- OVERRIDES
+
+--iface NAME: the network interface every process of the node talks to the other nodes over. The
+launcher sets, for the command it runs and so for every process it starts (trainer ranks, target
+processes, SGLang's schedulers): NCCL_SOCKET_IFNAME and GLOO_SOCKET_IFNAME (the interface NCCL's
+bootstrap/socket transport and gloo bind to) and SGLANG_HOST_IP (the address SGLang advertises to
+the other nodes: its cross-node shared-memory broadcaster's publish socket, sglang
+srt/distributed/device_communicators/shm_broadcast.py:192-195 via get_local_ip_auto, which reads
+SGLANG_HOST_IP first, else the address of the route to a public IP: srt/utils/network.py:391-430).
+SGLANG_HOST_IP is the interface's IPv4 address on the node that runs the command, read there.
 """
 from __future__ import annotations
 
 import argparse
+import fcntl
 import os
 import shlex
+import socket
+import struct
 import sys
 from dataclasses import dataclass
 from pathlib import Path
@@ -69,6 +81,10 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
                              "(hw.target_replicas, x hw.target_tp when hw.trainer_layout=colocated)")
     parser.add_argument("--python", default="python", help="interpreter on the nodes (default: python)")
     parser.add_argument("--torchrun", default="torchrun", help="torchrun executable on the nodes (default: torchrun)")
+    parser.add_argument("--iface", default=None,
+                        help="network interface between the nodes (e.g. eth1, ib0): sets NCCL_SOCKET_IFNAME, "
+                             "GLOO_SOCKET_IFNAME and SGLANG_HOST_IP (its IPv4 address on each node) for every process "
+                             "the node starts; default: each library's own choice")
     parser.add_argument("--dry-run", action="store_true", help="print the commands of every node (or --node-rank's)")
     parser.add_argument("overrides", nargs="*", help="Hydra overrides for specforge_k25.train (after --)")
     return parser.parse_args(argv)
@@ -154,6 +170,30 @@ def node_commands(args: argparse.Namespace, target_tp: int, target_replicas: int
     return commands
 
 
+NETWORK_ENV = ("NCCL_SOCKET_IFNAME", "GLOO_SOCKET_IFNAME", "SGLANG_HOST_IP")
+
+
+def interface_address(name: str) -> str:
+    """The IPv4 address of network interface `name` on this machine (Linux SIOCGIFADDR)."""
+    names = [n for _, n in socket.if_nameindex()]
+    if name not in names:
+        raise LaunchError(f"--iface {name}: no such network interface on this node (it has: {', '.join(names)})")
+    siocgifaddr = 0x8915
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+        try:
+            packed = fcntl.ioctl(s.fileno(), siocgifaddr, struct.pack("256s", name.encode()[:15]))
+        except OSError as err:
+            raise LaunchError(f"--iface {name}: the interface has no IPv4 address ({err.strerror})") from None
+    return socket.inet_ntoa(packed[20:24])
+
+
+def network_env(iface: str | None, address: str) -> dict[str, str]:
+    """The variables --iface sets for every process of a node (`address`: the interface's there)."""
+    if iface is None:
+        return {}
+    return dict(zip(NETWORK_ENV, (iface, iface, address)))
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(sys.argv[1:] if argv is None else argv)
     try:
@@ -167,10 +207,20 @@ def main(argv: list[str] | None = None) -> int:
     if args.dry_run:
         for c in commands:
             print(f"# node {c.node_rank} of {args.nodes}: {c.role}")
+            env = network_env(args.iface, f"<{args.iface}'s IPv4 address on node {c.node_rank}, read there>")
+            if env:
+                print("# environment: " + " ".join(f"{k}={v}" for k, v in env.items()))
             print(shlex.join(c.argv))
         return 0
     (command,) = commands
-    print(f"node {command.node_rank} of {args.nodes}: {shlex.join(command.argv)}", flush=True)
+    try:
+        env = network_env(args.iface, interface_address(args.iface) if args.iface else "")
+    except LaunchError as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 2
+    os.environ.update(env)  # inherited by torchrun, its ranks and every target process they start
+    print(f"node {command.node_rank} of {args.nodes}: {' '.join(f'{k}={v}' for k, v in env.items())}"
+          f"{' ' if env else ''}{shlex.join(command.argv)}", flush=True)
     os.chdir(REPO)
     os.execvp(command.argv[0], command.argv)  # replaces this process: signals and exit code are torchrun's
 

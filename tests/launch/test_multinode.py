@@ -49,7 +49,10 @@ def test_two_nodes_data_parallel_dry_run():
 
 def test_two_nodes_one_target_over_both_dry_run():
     out = _launch("--nodes", "2", "--master-addr", "10.0.0.1", "--target-nodes", "2", "--target-port", "29700",
-                  "--dry-run", "--", *KIMI, "hw.target_tp=16")
+                  "--iface", "eth1", "--dry-run", "--", *KIMI, "hw.target_tp=16")
+    env = [line for line in out.stdout.splitlines() if line.startswith("# environment: ")]
+    assert env == [f"# environment: NCCL_SOCKET_IFNAME=eth1 GLOO_SOCKET_IFNAME=eth1 SGLANG_HOST_IP=<eth1's IPv4 "
+                   f"address on node {i}, read there>" for i in range(2)], out.stdout  # --iface: every node's three
     assert _commands(out) == [
         "torchrun --nnodes 1 --node-rank 0 --nproc-per-node 1 --rdzv-backend static --rdzv-endpoint 10.0.0.1:29500 "
         "-m specforge_k25.train +hw=rtxpro6000x8 target=kimi_k25 target.path=/models/Kimi-K2.5 hw.trainer_layout=dedicated hw.target_tp=16 "
@@ -87,3 +90,25 @@ def test_bad_input_is_refused_clearly():
 def test_help():
     out = _launch("--help")
     assert out.returncode == 0 and "--master-addr" in out.stdout and "--dry-run" in out.stdout
+
+
+def test_iface_sets_the_three_variables_for_the_command_a_node_runs(tmp_path, monkeypatch):
+    """Run (not --dry-run) with a stand-in torchrun that prints what it inherited: the interface's
+    name for NCCL and gloo and its address (read on this node) for SGLang; an interface the node
+    lacks is refused by name before anything starts."""
+    fake = tmp_path / "torchrun"
+    fake.write_text('#!/bin/sh\necho "inherited $NCCL_SOCKET_IFNAME $GLOO_SOCKET_IFNAME $SGLANG_HOST_IP $1 $2"\n')
+    fake.chmod(0o755)
+    out = _launch("--nodes", "1", "--iface", "lo", "--torchrun", str(fake), "--", "train.lr=1e-4")
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.splitlines()[-1] == "inherited lo lo 127.0.0.1 --nnodes 1"
+    assert out.stdout.startswith("node 0 of 1: NCCL_SOCKET_IFNAME=lo GLOO_SOCKET_IFNAME=lo SGLANG_HOST_IP=127.0.0.1 ")
+
+    import importlib.util
+    spec = importlib.util.spec_from_file_location("multinode", LAUNCHER)
+    launcher = importlib.util.module_from_spec(spec)
+    monkeypatch.setitem(sys.modules, "multinode", launcher)  # its dataclass looks its module up
+    spec.loader.exec_module(launcher)
+    with pytest.raises(launcher.LaunchError, match=r"--iface no_such0: no such network interface on this node "
+                                                   r"\(it has: lo"):
+        launcher.interface_address("no_such0")
