@@ -15,7 +15,7 @@ from __future__ import annotations
 import os
 from typing import Optional
 
-from ..target_engine.node_probe import NodeProbe
+from ..target_engine.node_probe import NodeProbe, nvcc_problem
 from .facts import TargetFacts
 
 MARLIN = "marlin"
@@ -71,9 +71,10 @@ def kernel_problems(hw, facts: TargetFacts, probe: NodeProbe | None = None) -> l
     if not probe.cuda_available():
         return problems
     if backend == MARLIN:
-        if probe.nvcc() is None:
-            problems.append("no nvcc on this node (CUDA_HOME, PATH, /usr/local/cuda): SGLang compiles its Marlin "
-                            "MoE kernels for the INT4 experts at run time; install a CUDA toolkit")
+        nvcc = nvcc_problem(probe, hw.gpu_arch)
+        if nvcc is not None:
+            problems.append(f"{nvcc}: SGLang compiles its Marlin MoE kernels for the INT4 experts at run time; "
+                            f"install a CUDA toolkit that has it")
         try:
             names = probe.sgl_kernel_names()
         except Exception as err:  # the wheel is there but does not load
