@@ -27,6 +27,12 @@ method's choice (`DraftMethod.keep_units_gathered`):
 
 tests/train/test_sharding.py counts the all-gathers of both.
 
+More than one node (world size / torchrun's LOCAL_WORLD_SIZE > 1): HSDP, a 2-D device mesh
+(`data_parallel_mesh`): each unit is sharded over its node's ranks and replicated across nodes,
+so the per-micro-batch all-gathers and reduce-scatters stay on the node and only the
+reduce-scattered gradient shards are all-reduced across nodes (plan/throughput.py counts it over
+hw.internode_gbps).
+
 Gradients are SUMMED over ranks (divide factor 1, sum-only collectives: gloo has no PREMUL_SUM),
 because each rank's loss is already divided by the global number of loss positions
 (train/distributed.py). Checkpoints and the export hold the full, unsharded state in the format
@@ -34,10 +40,13 @@ of a one-rank run.
 """
 from __future__ import annotations
 
+import os
+
 import torch
 from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict,
                                                      get_optimizer_state_dict, set_model_state_dict,
                                                      set_optimizer_state_dict)
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 
 from torch import nn
@@ -46,9 +55,29 @@ from ..draft.method import DraftMethod
 _FULL = StateDictOptions(full_state_dict=True, cpu_offload=True)  # complete on rank 0, on the host
 
 
+def nodes_of(world: int, local: int) -> int:
+    """Nodes of a run of `world` ranks with `local` on each (torchrun's LOCAL_WORLD_SIZE)."""
+    if local < 1 or world % local:
+        raise ValueError(f"{world} ranks do not split into nodes of {local} (LOCAL_WORLD_SIZE)")
+    return world // local
+
+
+def data_parallel_mesh(device_type: str, world: int | None = None, local: int | None = None) -> DeviceMesh | None:
+    """The mesh the draft is sharded on: None on one node (fully_shard's default, every rank);
+    with several, (nodes, local) named ("replicate", "shard"): rank r is node r // local's
+    (torchrun numbers a node's ranks consecutively), HSDP. A collective every rank calls."""
+    world = world if world is not None else torch.distributed.get_world_size()
+    local = local if local is not None else int(os.environ.get("LOCAL_WORLD_SIZE", world))
+    nodes = nodes_of(world, local)
+    if nodes == 1:
+        return None
+    return init_device_mesh(device_type, (nodes, local), mesh_dim_names=("replicate", "shard"))
+
+
 def shard_draft(draft: nn.Module, units: list[str], bf16: bool = False, keep_gathered: bool = True,
-                offload: bool = False) -> nn.Module:
-    """In place: shard the draft's trainable units over the default process group.
+                offload: bool = False, mesh: DeviceMesh | None = None) -> nn.Module:
+    """In place: shard the draft's trainable units over the default process group, or on `mesh`
+    (default `data_parallel_mesh`: HSDP across nodes).
     bf16: gather the weights in bf16 (what autocast computes with anyway), reduce in fp32;
     keep_gathered: DraftMethod.keep_units_gathered (module doc); offload: the shards, their grads
     and the optimizer on the host (train.optimizer_device=cpu)."""
@@ -56,11 +85,13 @@ def shard_draft(draft: nn.Module, units: list[str], bf16: bool = False, keep_gat
     # pinned host shards copy to and from the GPU asynchronously; on a CPU run there is no device to pin for
     where = CPUOffloadPolicy(pin_memory=torch.cuda.is_available()) if offload else OffloadPolicy()
     trainable = {n for n, p in draft.named_parameters() if p.requires_grad}
+    if mesh is None:  # the weights' device before sharding (the offloaded shards go to the host after)
+        mesh = data_parallel_mesh(next(p for p in draft.parameters() if p.requires_grad).device.type)
     covered = {n for n in trainable if any(n.startswith(unit + ".") for unit in units)}
     if covered != trainable:  # an unsharded trainable weight would get no gradient sum over ranks
         raise ValueError(f"trainable weights outside the FSDP units {units}: {sorted(trainable - covered)}")
     for name in units:
-        unit = fully_shard(draft.get_submodule(name), reshard_after_forward=not keep_gathered, mp_policy=mp,
+        unit = fully_shard(draft.get_submodule(name), mesh=mesh, reshard_after_forward=not keep_gathered, mp_policy=mp,
                            offload_policy=where)
         unit.set_gradient_divide_factor(1.0)
         unit.set_force_sum_reduction_for_comms(True)
@@ -68,7 +99,7 @@ def shard_draft(draft: nn.Module, units: list[str], bf16: bool = False, keep_gat
             unit.set_reshard_after_backward(False)
     if not keep_gathered:  # the root over the units; its inputs keep their dtype (no param_dtype of its own)
         frozen = {p for p in draft.parameters() if not p.requires_grad}
-        fully_shard(draft, reshard_after_forward=True, offload_policy=where, ignored_params=frozen)
+        fully_shard(draft, mesh=mesh, reshard_after_forward=True, offload_policy=where, ignored_params=frozen)
     return draft
 
 
