@@ -10,7 +10,7 @@ import pytest
 PACKAGE = Path(__file__).resolve().parents[1] / "specforge_k25"
 
 # What each part of the package may import of ours, along the data path
-# data -> target_engine -> stream -> draft -> export -> plan -> setup -> train / eval.
+# data -> target_engine -> stream -> draft -> export -> plan -> serving / setup -> train / eval.
 # The top-level modules `fields` (config fields with help and bounds) and `paths` (the cache
 # folder, atomic file writes) are leaves; `config` (the typed config) reads the draft methods'
 # own configs from the registry.
@@ -24,9 +24,10 @@ ALLOWED = {
     "draft": {"paths", "fields"},  # torch only, the atomic file writes of its exports, its config's fields
     "export": {"draft", "target_engine", "paths"},  # the layer-id rules of the servers (target_engine/layers.py)
     "plan": {"config", "target_engine", "draft"},  # reads facts; builds nothing
+    "serving": {"config", "fields", "target_engine", "draft", "plan"},  # predicts from facts and a run's figures
     "setup": {"config", "data", "target_engine", "stream", "draft", "plan"},
-    "train": {"config", "setup", "data", "target_engine", "stream", "draft", "export", "plan", "paths"},
-    "eval": {"config", "setup", "data", "target_engine", "stream", "draft", "export"},
+    "train": {"config", "setup", "data", "target_engine", "stream", "draft", "export", "plan", "serving", "paths"},
+    "eval": {"config", "setup", "data", "target_engine", "stream", "draft", "export", "serving"},
 }
 ONLY_UNDER = {"sglang": "target_engine", "sgl_kernel": "target_engine"}  # third-party packages one part alone may import
 NEVER_IN = {"data": ["torch.distributed"], "draft": ["torch.distributed"]}
