@@ -55,6 +55,7 @@ def test_dflash_split_positions_give_one_ranks_loss_and_gradients_float64(two_ra
     assert r["loss_rel"] < 1e-12 and r["grad_rel"] < 1e-12 and r["grads"] > 10, r
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("case", ["llama", "mla_checkpointed", "dflash_checkpointed"])
 def test_split_learner_trains_as_one_rank(two_rank_result, case):
     """The trainer's path: windows and teacher halo cut by DraftLearner from packed states, FSDP2
