@@ -37,7 +37,32 @@ H200_MEMORY_GBPS = 4800.0
 # foreach AdamW next to the weights (docs/gpu_h200/shapes_default.json: 0.0227 s), and OffloadedAdamW
 # on the host: grads to pinned memory, fused CPU AdamW on 16 threads, weights back (shapes_rtx.json: 0.367 s)
 GPU_ADAMW_S_PER_PARAM = 0.0227 / 963_407_872  # memory bound: scaled by H200_MEMORY_GBPS / hw.memory_gbps
-HOST_ADAMW_S_PER_PARAM = 0.367 / 963_407_872  # the H200 host's; the profiles' host CPUs are unknown
+# Host AdamW, per thread: torch's fused CPU kernel on one thread, 1.25 ns per parameter over a
+# 33.6M-parameter shard (benchmarks/host_adamw.py, docs/PERFORMANCE.md §3.1; the default per-tensor
+# loop 8.4), divided by the rank's threads (hw.host_threads_per_rank; linear: optimistic once the
+# threads saturate the host's memory bandwidth). The H200 host's 0.367 s is that compute on 16
+# threads plus the copies OffloadedAdamW makes (grads down, weights up: 8 B per parameter over
+# PCIe), which the dedicated layout pays on top; FSDP2's offload copies are counted over the link.
+HOST_ADAMW_S_PER_PARAM_THREAD = 1.25e-9
+PLAN_HOST_THREADS = 16  # hw.host_threads_per_rank=null: the node's cores are not in the profile; the H200 run's
+HOST_COPY_S_PER_PARAM = 0.367 / 963_407_872 - HOST_ADAMW_S_PER_PARAM_THREAD / 16
+
+
+def host_adamw_s_per_param(threads: int) -> float:
+    """Seconds per parameter of the fused host AdamW on `threads` threads."""
+    return HOST_ADAMW_S_PER_PARAM_THREAD / threads
+
+
+def internode_grads_s(params: int, ranks: int, nodes: int, internode_gbps: float) -> float:
+    """Seconds per step of the gradients' trip across nodes: HSDP (train/sharding.py) all-reduces
+    each rank's reduce-scattered fp32 shard (4P / ranks bytes) with the same rank of every other
+    node, a ring over `nodes` (2 (n-1)/n of it over each rank's share of the inter-node network,
+    hw.internode_gbps); DDP (dedicated) across nodes moves the same per GPU. 0 on one node."""
+    if nodes <= 1:
+        return 0.0
+    if internode_gbps <= 0:
+        raise PlanError(f"{nodes} nodes: set hw.internode_gbps (the inter-node bandwidth per GPU) for the throughput plan")
+    return 4 * (-(-params // ranks)) * 2 * (nodes - 1) / nodes / (internode_gbps * 1e9)
 
 TARGET_COMPUTE, TARGET_ALLREDUCE = "target compute", "target all-reduce"
 TRAINER_COMPUTE, TRAINER_OPTIMIZER, TRAINER_GRADS = "trainer compute", "optimizer step", "gradient traffic"
@@ -176,9 +201,13 @@ def trained_share(padding_share: float) -> float:
     return 1.0 - padding_share
 
 
-def predict(job, facts: TargetFacts, layout: str | None = None, padding_share: float = 0.0) -> Throughput:
-    """The throughput of `job` in `layout` (default hw.trainer_layout); PlanError when the profile
-    has no throughput inputs (hw.peak_tflops, hw.memory_gbps, hw.link_gbps).
+def predict(job, facts: TargetFacts, layout: str | None = None, padding_share: float = 0.0,
+            nodes: int = 1) -> Throughput:
+    """The throughput of one node of `job` in `layout` (default hw.trainer_layout); PlanError when
+    the profile has no throughput inputs (hw.peak_tflops, hw.memory_gbps, hw.link_gbps).
+
+    `nodes`: nodes of data parallel, each running this node's layout; the gradients also cross
+    the nodes once per step (`internode_grads_s` over hw.internode_gbps, part of "gradient traffic").
 
     `padding_share`: of the positions a trainer rank computes, the share that is padding (the run
     plan's, train/schedule.py `padding_share`; 0: every micro-batch full). The target prefills only
@@ -217,25 +246,33 @@ def predict(job, facts: TargetFacts, layout: str | None = None, padding_share: f
     step_tokens = B * L * accum * real
     gpu_adamw = GPU_ADAMW_S_PER_PARAM * H200_MEMORY_GBPS * 1e9 / mem  # seconds per parameter on this GPU
     opt_dev = optimizer_device(tr.optimizer_device, hw.device, trainers)
+    threads = hw.host_threads_per_rank or PLAN_HOST_THREADS
+    host_adamw = host_adamw_s_per_param(threads)
     if coloc:  # FSDP2: AdamW on this rank's shard; reduce-scatter fp32 grads per step, all-gather params per micro-batch
         shard = -(-P // ranks)
         gathers = accum * (1 if method.keep_units_gathered else 2)  # a freed unit is gathered again for its backward
         grads_s = (4 * P + gathers * a * P) * (ranks - 1) / ranks / link
         grads_how = f"reduce-scatter 4P + {gathers} x all-gather {a}P over {ranks} ranks"
         if opt_dev == "cpu":  # FSDP2's CPU offload: host AdamW on the shard; the fp32 shard up per gather, grads down
-            opt_s = shard * HOST_ADAMW_S_PER_PARAM + 4 * shard * gathers / link
-            opt_how = f"host AdamW on a 1/{ranks} shard (FSDP2 CPU offload, + {gathers} x 4P/{ranks} up)"
+            opt_s = shard * host_adamw + 4 * shard * gathers / link
+            opt_how = (f"fused host AdamW on a 1/{ranks} shard on {threads} threads (FSDP2 CPU offload, "
+                       f"+ {gathers} x 4P/{ranks} up)")
         else:
             opt_s, opt_how = shard * gpu_adamw, f"AdamW on a 1/{ranks} shard on the GPU"
     else:
         if opt_dev == "cpu":
-            opt_s, opt_how = P * HOST_ADAMW_S_PER_PARAM, "host AdamW (train.optimizer_device=cpu)"
+            opt_s = P * (host_adamw + HOST_COPY_S_PER_PARAM)
+            opt_how = f"fused host AdamW on {threads} threads + grads down, weights up (train.optimizer_device=cpu)"
         elif isinstance(opt_dev, int):  # grads to that GPU and weights back over the link
             opt_s, opt_how = P * gpu_adamw + 8 * P / link, f"AdamW on cuda:{opt_dev} (+ 8P over the link)"
         else:
             opt_s, opt_how = P * gpu_adamw, "AdamW on the trainer GPU"
         grads_s = 4 * P * 2 * (ranks - 1) / ranks / link if ranks > 1 else 0.0
         grads_how = f"DDP all-reduce of 4P over {ranks} ranks" if ranks > 1 else "none (one rank)"
+    if nodes > 1:
+        grads_s += internode_grads_s(P, ranks, nodes, hw.internode_gbps)
+        grads_how += (f"; across {nodes} nodes: all-reduce of the 4P/{ranks} grad shard over hw.internode_gbps="
+                      f"{hw.internode_gbps:g} GB/s" + (" (HSDP)" if coloc else ""))
 
     # context parallelism: per position a rank holds, the attention exchanges of the whole loss (every
     # TTT step, or every layer), forward and backward (and the recompute's forward with checkpointing),
@@ -283,7 +320,10 @@ def predict(job, facts: TargetFacts, layout: str | None = None, padding_share: f
         ("TP all-reduce per token", f"{ar_bytes / 1e6:.3f} MB", f"(2 x {facts.num_layers} layers + 1) x Ht x {elem} B"),
         ("trainer FLOPs per token", f"{flops['total'] / (B * L) / 1e9:.2f} GFLOP",
          f"draft_step_flops, T {L}, K {K}, checkpointing {'on' if tr.activation_checkpointing else 'off'}"),
-        ("optimizer step", f"{opt_s:.4f} s", f"{opt_how}; H200 measured (plan/throughput.py)"),
+        ("optimizer step", f"{opt_s:.4f} s",
+         f"{opt_how}; " + ("host: benchmarks/host_adamw.py per thread, hw.host_threads_per_rank"
+                           + ("" if hw.host_threads_per_rank else f"=null: {PLAN_HOST_THREADS} assumed")
+                           if opt_dev == "cpu" else "H200 measured (plan/throughput.py)")),
         ("gradient traffic per step", f"{grads_s:.4f} s", grads_how),
         ("tokens per optimizer step per rank", f"{step_tokens:,.0f}",
          "batch_size x max_length x grad_accum" + (" x (1 - padding share)" if padding_share else "")),

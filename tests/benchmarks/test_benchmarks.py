@@ -406,3 +406,16 @@ def test_padding_small(tmp_path, capsys):
     one, four = point["rows"]
     assert one["shuffled"] == one["grouped"] == 0.0  # batch 1 pads nothing
     assert 0.0 <= four["grouped"] <= four["shuffled"] < 1.0
+
+
+# ------------------------------------------------------------------------------ host_adamw
+def test_host_adamw_small(tmp_path):
+    h = bench("host_adamw")
+    out = tmp_path / "host_adamw.json"
+    result = h.main(["--params", "100000", "--tensor-mib", "0.1", "--threads", "1", "--steps", "1", "--out", str(out)])
+    assert json.loads(out.read_text())["rows"] == result["rows"]
+    assert result["params"] == 100000 and result["tensors"] == 4  # 26,214 per 0.1 MiB tensor, the rest in a fourth
+    assert [(r["mode"], r["threads"]) for r in result["rows"]] == [("loop", 1), ("foreach", 1), ("fused", 1)]
+    assert all(finite(r["ns_per_param"]) and r["ns_per_param"] > 0 for r in result["rows"])
+    with pytest.raises(SystemExit, match="unknown"):
+        h.main(["--modes", "fast", "--out", str(out)])

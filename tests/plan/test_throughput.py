@@ -266,3 +266,50 @@ def test_context_parallel_exchange_hand_computed():
     values = 7 / 8 * 56 * (128 + 64 + 128) + 7 * (512 + 64)  # draft=kimi: 56 heads; Kimi MLA dn 128, dr 64, dv 128, r 512
     assert mla.gpu(3).parts["sequence exchange"] == pytest.approx(values * 2 * 7 * 3 / 28e9 / 8, rel=1e-12)
     assert predict(_job("rtxpro6000x8"), KIMI_K25).gpu(3).parts["sequence exchange"] == 0.0
+
+
+# ------------------------------------------------------------- host threads, nodes (issue 44)
+@pytest.mark.parametrize("threads", [None, 2, 12])
+def test_colocated_host_adamw_is_the_fused_per_thread_rate_over_the_ranks_threads(threads):
+    """Co-located train.optimizer_device=cpu: each rank's 1/8 shard stepped by the fused host AdamW,
+    1.25 ns per parameter on one thread (benchmarks/host_adamw.py) / hw.host_threads_per_rank
+    (null: 16 assumed), plus the fp32 shard up per gather (EAGLE-3 keeps its units gathered: one per
+    micro-batch) over the PCIe link."""
+    extra = [f"hw.host_threads_per_rank={threads}"] if threads else []
+    t = predict(_job("rtxpro6000x8", "train.optimizer_device=cpu", *extra), KIMI_K25, "colocated")
+    shard, n = math.ceil(P / 8), threads or 16
+    optimizer = shard * 1.25e-9 / n + 4 * shard * 1 / 28e9  # grad_accum 1, EAGLE-3: one gather per micro-batch
+    assert t.gpu(3).parts["optimizer step"] == pytest.approx(optimizer / 2048 / 8, rel=1e-12)
+    row = next(r for r in t.inputs if r[0] == "optimizer step")
+    assert f"on {n} threads" in row[2] and ("16 assumed" in row[2]) == (threads is None), row
+
+
+def test_dedicated_host_adamw_at_16_threads_is_the_h200_measurement_and_scales_its_compute_only():
+    """OffloadedAdamW: the H200 host's 0.367 s = the fused compute on 16 threads + the copies; on 4
+    threads the compute takes 4x, the copies the same."""
+    at16 = predict(_job("rtxpro6000x8", "train.optimizer_device=cpu", "hw.host_threads_per_rank=16"), KIMI_K25,
+                   "dedicated")
+    at4 = predict(_job("rtxpro6000x8", "train.optimizer_device=cpu", "hw.host_threads_per_rank=4"), KIMI_K25,
+                  "dedicated")
+    assert at16.gpu(0).parts["optimizer step"] * 2048 == pytest.approx(0.367, rel=1e-12)
+    assert (at4.gpu(0).parts["optimizer step"] - at16.gpu(0).parts["optimizer step"]) * 2048 == pytest.approx(
+        P * 1.25e-9 * (1 / 4 - 1 / 16), rel=1e-9)
+
+
+@pytest.mark.parametrize("layout", ["colocated", "dedicated"])
+def test_nodes_add_the_gradients_all_reduce_across_nodes(layout):
+    """Two or four nodes of b300x8 at 50 GB/s per GPU between nodes: each rank's fp32 grad shard
+    (4P / trainer ranks of the node) all-reduced in a ring over the nodes, once per step; the rest as one node."""
+    job = _job("b300x8", f"hw.trainer_layout={layout}", "hw.internode_gbps=50")
+    one = predict(job, KIMI_K25)
+    ranks = 8 if layout == "colocated" else 2
+    share = 1 / 4 if layout == "colocated" else 1.0  # a co-located rank trains 1/tp of its replica's tokens
+    for nodes in (2, 4):
+        many = predict(job, KIMI_K25, nodes=nodes)
+        across = 4 * math.ceil(P / ranks) * 2 * (nodes - 1) / nodes / 50e9
+        g0, g1 = one.gpu(0).parts, many.gpu(0).parts
+        assert g1["gradient traffic"] - g0["gradient traffic"] == pytest.approx(share * across / 8192, rel=1e-9)
+        assert {k: v for k, v in g1.items() if k != "gradient traffic"} == pytest.approx(
+            {k: v for k, v in g0.items() if k != "gradient traffic"}, rel=1e-12)
+    with pytest.raises(PlanError, match="hw.internode_gbps"):
+        predict(_job("b300x8", f"hw.trainer_layout={layout}"), KIMI_K25, nodes=2)
