@@ -194,12 +194,38 @@ def describe(cls=JobConfig) -> list[str]:
     return lines
 
 
+def draft_profiles(conf_dir: str = CONF_DIR) -> list[str]:
+    """The profiles of the `draft` group: conf/draft/*.yaml, each a method's config with some fields set."""
+    return sorted(p.stem for p in Path(conf_dir, "draft").glob("*.yaml"))
+
+
+def draft_options() -> str:
+    """The `draft=` options: every registered method (draft/registry.py, a plug-in's included) and the profiles."""
+    return (f"draft={' | '.join(METHODS)} (a method at its defaults, sizes from the target), "
+            f"draft={' | '.join(draft_profiles())} (profiles of one, conf/draft/)")
+
+
+def check_profile_names(conf_dir: str = CONF_DIR) -> None:
+    """ValueError for a profile named after a method: Hydra would read `defaults: [<method>]` inside
+    it as the file itself, and recurse until Python gives up (a bare RecursionError)."""
+    clash = [name for name in draft_profiles(conf_dir) if name in METHODS]
+    if clash:
+        raise ValueError(f"{', '.join(f'conf/draft/{n}.yaml' for n in clash)}: a draft profile named after its method "
+                         f"({', '.join(clash)}); a profile takes a name of its own (e.g. kimi_{clash[0]}) and starts "
+                         f"with `defaults: [{clash[0]}, _self_]`")
+
+
+class _DraftGroupMessage:
+    """Where draft.method went, with the options listed when shown (methods registered later included)."""
+
+    def __str__(self) -> str:
+        return "the draft config group, which also selects the method's own draft.* fields: " + draft_options()
+
+
 # Keys that left the config, with where their meaning went: an override of one fails before Hydra
 # composes, naming the new home (Hydra alone would say only that the key is not in the struct).
-DRAFT_OPTIONS = ("draft=eagle3 | eagle3_mla | dflash (sizes from the target), draft=kimi | kimi_mla | kimi_dflash "
-                 "(Kimi-K2.5's), draft=small (the CPU default)")
 MOVED_KEYS = {
-    "draft.method": "the draft config group, which also selects the method's own draft.* fields: " + DRAFT_OPTIONS,
+    "draft.method": _DraftGroupMessage(),
     "train.ttt_length": "draft.ttt_length (a knob of the EAGLE-3 methods)",
     "train.loss_decay": "draft.loss_decay (a knob of the EAGLE-3 methods)",
     **{f"target.kimi_{name}": f"target.kimi.{name} (the Kimi renderer's options, target.kimi.*)" for name in (
@@ -245,5 +271,6 @@ def register_schemas() -> None:
         node = OmegaConf.structured(cls)
         node.draft = "???"  # the draft group fills it with a method's own config (of any type)
         store.store(name=schema, node=node)
+    check_profile_names()
     for name, method in METHODS.items():  # `draft=<name>`: the method's config at its defaults
         store.store(group="draft", name=name, node=method.spec_class)

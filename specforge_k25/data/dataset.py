@@ -158,6 +158,11 @@ def build_dataset(
         raise ValueError(f"only {len(samples)} usable samples from data.source={source} (skipped: {dict(skipped)})")
     random.Random(seed).shuffle(samples)
     n_held = min(heldout_samples, len(samples) // 5) if len(samples) < want else heldout_samples
+    if heldout_samples and not n_held:  # a run asked to evaluate must not end without its held-out rows
+        raise ValueError(f"only {len(samples)} usable samples from data.source={source} (skipped: {dict(skipped)}): "
+                         f"a short source gives the held-out split a fifth of them, here none of the "
+                         f"data.heldout_samples={heldout_samples}; add rows, or set data.heldout_samples=0 to train "
+                         f"on all {len(samples)} without a held-out evaluation")
     return TokenizedData(samples[n_held:], samples[:n_held], skipped, truncated, rows, turns_dropped)
 
 

@@ -2,12 +2,19 @@
 drafting, so that none of them names one. A method is one folder under `draft/` (its config,
 model, objective, plan, export and serving) plus an entry in `draft/registry.py`; the `draft`
 config group picks it (`draft=dflash`: the `draft.*` fields are then that method's config).
+docs/NEW_METHOD.md walks through a new one (tests/fixtures/mtp_method.py, complete in one file).
 
-A method's model is a plain `nn.Module` with
+The contract is a small core (`CORE`, every method defines it) plus capabilities a method opts into
+(`CAPABILITIES`: random draws, reserved tokens, a vocabulary-split head, context parallelism,
+serving by SGLang / vLLM, replay), each a typed Protocol below; `method_problems` checks both, and
+what shared code reads of the method's config and model (`CONFIG_FIELDS`, `MODEL_MEMBERS`), when
+the registry takes a method. Everything else has a default here.
+
+A method's model is a plain `nn.Module` with `MODEL_MEMBERS`:
+    cfg              its config (the method's `config_class`)
     embed_tokens     the target's embedding [V, H], frozen (never checkpointed or exported)
     d2t, t2d         draft vocab maps (draft/vocab.py)
     trainable_parameters()
-and the method says how to build it, train it, size it for the plan, export it and serve it.
 
 `spec` is the method's `draft.*` config (its `spec_class`, a draft/spec.py DraftSpec), `cfg` the
 model config `resolve_config` makes of it; `target` is duck-typed, the target's facts (plan/facts.py
@@ -17,7 +24,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable, Protocol
 
 import torch
 import torch.nn as nn
@@ -59,6 +66,76 @@ class Serving:
     vllm_speculative_config: dict  # vLLM's --speculative-config, without "model" (the export folder)
 
 
+class DraftPlan(Protocol):
+    """The arithmetic the memory and throughput plans (plan/) read of a method: its `plan`, often a
+    module of its folder (`plan = plan`), every function taking the method's model config. A "step"
+    is what the method unrolls or stacks: EAGLE-3's TTT step, DFlash's draft layer (what per-layer
+    activation checkpointing recomputes at a time; its depth arguments are then unused)."""
+
+    def param_counts(self, cfg) -> dict[str, int]:
+        """{module: parameters}; '(frozen)' names are not trained."""
+
+    def step_bytes(self, cfg, batch: int, seq_len: int, k: int, bf16: bool) -> tuple[int, int]:
+        """(bytes of the B*T tokens, mask bytes) step k keeps for backward."""
+
+    def saved_bytes(self, cfg, batch: int, seq_len: int, depth: int, bf16: bool,
+                    checkpoint: bool = False) -> dict[str, int]:
+        """{"per_token": bytes linear in T, "attention_mask": bytes of masks (0: none), "total": both}."""
+
+    def backward_working_bytes(self, cfg, batch: int, seq_len: int, depth: int, bf16: bool) -> int:
+        """Bytes backward allocates beyond what forward saved."""
+
+    def draft_step_flops(self, cfg, batch: int, seq_len: int, depth: int,
+                         checkpoint: bool = False) -> dict[str, float]:
+        """{"teacher", ..., "total"}: FLOPs of one micro-batch (forward, backward, recompute)."""
+
+
+class ContextParallelPlan(Protocol):
+    def context_parallel_values(self, cfg, size: int, depth: int) -> float:
+        """Values a rank sends per position it holds, forward (plan/throughput.py)."""
+
+
+class SplitHeadPlan(Protocol):
+    def split_head_bytes(self, cfg, shards: int, bf16: bool) -> int:
+        """Bytes of the exchange buffers of one logits chunk with the lm_head split over `shards` ranks."""
+
+
+# ---------------------------------------------------------------------------------- capabilities
+class RandomDraws(Protocol):
+    def prepare_batch(self, cfg, batch: DraftBatch, generator: torch.Generator) -> DraftBatch: ...
+
+
+class ReservedTokens(Protocol):
+    def reserved_token_ids(self, cfg) -> list[int]: ...
+
+
+class SplitTargetHead(Protocol):
+    shards_target_head: bool
+    plan: SplitHeadPlan
+
+    def attach_target(self, model: nn.Module, lm_head: torch.Tensor) -> None: ...
+
+
+class ContextParallel(Protocol):
+    context_parallel: bool
+    plan: ContextParallelPlan
+
+
+class SGLangServing(Protocol):
+    """`servings` has a default: a chain drafter's settings, one per eval chain."""
+
+    sglang_algorithm: str
+
+
+class VLLMServing(Protocol):
+    vllm_method: str
+
+
+class Replay(Protocol):
+    def proposals(self, model: nn.Module, aux_hidden: torch.Tensor, input_ids: torch.Tensor,
+                  servings: list[Serving], final_hidden: torch.Tensor | None = None) -> list[torch.Tensor] | None: ...
+
+
 class DraftMethod:
     """Base of every draft method (docs/EAGLE3.md §7.1)."""
 
@@ -88,13 +165,20 @@ class DraftMethod:
     # model config fields added after checkpoints were first written, with the value an older
     # checkpoint that does not record them meant (train/fingerprint.py compares them so)
     config_recorded_later: dict = {}
+    plan_label: str = "draft"  # what the plan calls the steps it sizes ("TTT" for EAGLE-3's unroll)
 
     # ------------------------------------------------------------------ shape
-    def resolve_config(self, spec, target, num_aux: int = 3) -> Any:
+    def resolve_config(self, spec, target, num_aux: int) -> Any:
         """The model config from `draft.*`, the target's facts and the number of capture points the
-        run asks for (target.aux_layers); unset sizes follow the target. A method that cannot read
-        `num_aux` states raises ValueError saying so."""
+        run asks for (target.aux_layers, else `default_capture_points`); unset sizes follow the
+        target. A method that cannot read `num_aux` states raises ValueError saying so."""
         raise NotImplementedError
+
+    def default_capture_points(self, spec, num_layers: int) -> list[int] | None:
+        """The capture points `target.aux_layers=null` means for this method on a `num_layers`-layer
+        target ([] = none: a head that reads only the final state); None = the target's default,
+        SGLang's [2, L//2, L-3] (target_engine/layers.py). Default: None."""
+        return None
 
     def num_aux(self, cfg) -> int:
         """K >= 0: the captured target states (inputs of K decoder layers) the model reads per token,
@@ -103,13 +187,17 @@ class DraftMethod:
         raise NotImplementedError
 
     def new_model(self, cfg) -> nn.Module:
-        """The method's model for `cfg`, freshly initialised (callers use `build`)."""
-        raise NotImplementedError
+        """The method's model for `cfg`, freshly initialised (callers use `build`). Default: model_class(cfg)."""
+        return self.model_class(cfg)
 
     def build(self, cfg, *, embed: torch.Tensor | None = None, lm_head: torch.Tensor | None = None) -> nn.Module:
         """The model for `cfg` with the target's frozen pieces when given: `embed` [V, H] copied into
         its embed_tokens, `lm_head` [V, Ht] attached where the model computes with it (`attach_target`)."""
         model = self.new_model(cfg)
+        lacking = [m for m in MODEL_MEMBERS if not hasattr(model, m)]
+        if lacking:
+            raise TypeError(f"draft={self.name}: its model {type(model).__name__} lacks {', '.join(lacking)}, "
+                            f"which training reads of every draft (draft/method.py MODEL_MEMBERS)")
         if embed is not None:
             with torch.no_grad():
                 model.embed_tokens.weight.copy_(embed.float())
@@ -146,18 +234,24 @@ class DraftMethod:
         return spec
 
     def fsdp_units(self, model: nn.Module) -> list[str]:
-        """Names of the trainable submodules, each sharded on its own (train/sharding.py)."""
-        raise NotImplementedError
+        """Names of the trainable submodules, each sharded on its own (train/sharding.py). Default:
+        the model's children that hold a trainable parameter (the frozen embedding is not one)."""
+        return [name for name, child in model.named_children()
+                if name != "embed_tokens" and any(p.requires_grad for p in child.parameters())]
 
     def describe(self, cfg) -> str:
-        """One line for the plan a run prints."""
-        raise NotImplementedError
+        """One line for the plan a run prints. Default: the method's name and its config's fields."""
+        import dataclasses
+
+        fields = dataclasses.asdict(cfg) if dataclasses.is_dataclass(cfg) else vars(cfg)
+        return f"{self.name}: " + ", ".join(f"{k} {v}" for k, v in fields.items())
 
     # --------------------------------------------------------------- training
     def depth(self, spec, cfg) -> int:
         """How many positions per token the loss counts: the length of its LossResult counters
-        (acc_0..depth-1, the data-parallel normalizer). EAGLE-3: the TTT unroll, draft.ttt_length."""
-        raise NotImplementedError
+        (acc_0..depth-1, the data-parallel normalizer). EAGLE-3: the TTT unroll, draft.ttt_length.
+        Default: 1 (one prediction per position)."""
+        return 1
 
     def objective_fingerprint(self, spec) -> dict:
         """The objective's settings that are not in the model config (a resume with one changed is
@@ -180,25 +274,20 @@ class DraftMethod:
         raise NotImplementedError
 
     # -------------------------------------------------------------------- plan
-    # `plan`: a module of the method's folder with the arithmetic the memory and throughput plans
-    # (plan/) read, each taking the method's config:
-    #   param_counts(cfg) -> {module: parameters}, '(frozen)' names not trained
-    #   step_bytes(cfg, batch, seq_len, k, bf16) -> (bytes of the B*T tokens, mask bytes) step k keeps
-    #   saved_bytes(cfg, batch, seq_len, depth, bf16, checkpoint=False) -> {"per_token": bytes linear in T,
-    #     "attention_mask": bytes of masks (0: none), "total": both}
-    #   backward_working_bytes(cfg, batch, seq_len, depth, bf16) -> bytes
-    #   draft_step_flops(cfg, batch, seq_len, depth, checkpoint=False) -> {"teacher", ..., "total"}
-    #   context_parallel_values(cfg, size, depth) -> values a rank sends per position it holds, forward
-    #     (methods with `context_parallel` only)
-    #   split_head_bytes(cfg, shards, bf16) -> bytes of the exchange buffers of one logits chunk with
-    #     the lm_head split over `shards` ranks (methods with `shards_target_head` only)
-    # A "step" is what the method unrolls or stacks: EAGLE-3's TTT step, DFlash's draft layer (what
-    # per-layer activation checkpointing recomputes at a time; its depth arguments are unused).
-    plan: Any = None
+    # the memory and throughput plans' arithmetic; with `context_parallel` also a ContextParallelPlan,
+    # with `shards_target_head` a SplitHeadPlan
+    plan: DraftPlan | None = None
+
+    def streamed_bytes(self, cfg, elem_bytes: int) -> int:
+        """Bytes of target hidden states the stream carries per token for this model: its K capture
+        points and the final state (stream/ring.py's slots), `elem_bytes` each value."""
+        return (self.num_aux(cfg) + 1) * cfg.target_hidden_size * elem_bytes
 
     # ----------------------------------------------------------------- export
     def serving_tensors(self, model: nn.Module, dtype: torch.dtype) -> dict[str, torch.Tensor]:
-        raise NotImplementedError
+        """The export's tensors. Default: the trainable weights, in `dtype` (a method whose server reads its
+        vocab maps or other buffers exports them itself)."""
+        return {k: p.detach().to(dtype).contiguous() for k, p in model.named_parameters() if p.requires_grad}
 
     def serving_config(self, cfg, *, sglang_layer_ids: list[int], vllm_layer_ids: list[int], bos_token_id,
                        eos_token_id, dtype: str) -> dict:
@@ -211,8 +300,22 @@ class DraftMethod:
     def load_export(self, export_dir: Path, embed_weight: torch.Tensor) -> nn.Module:
         raise NotImplementedError
 
+    def export_capture_points(self, export_dir: Path) -> list[int] | None:
+        """The capture points an export reads (eval picks their columns of the stream); None: unknown,
+        the run's own. Default: the vLLM ids its config.json holds at the top level
+        (`eagle_aux_hidden_state_layer_ids`, = capture points, which every built-in method writes)."""
+        import json
+
+        ids = json.loads((Path(export_dir) / "config.json").read_text()).get("eagle_aux_hidden_state_layer_ids")
+        return [int(i) for i in ids] if ids else None
+
     # ------------------------------------------------------------------ serve
-    vllm_method: str = ""  # vLLM speculative_config "method" that serves the export
+    vllm_method: str = ""  # vLLM speculative_config "method" that serves the export ("": vLLM does not)
+
+    @property
+    def serves_sglang(self) -> bool:
+        """SGLang serves the export (`sglang_algorithm` set): eval runs its speculative decoding."""
+        return bool(self.sglang_algorithm)
 
     def servings(self, chains: list) -> list[Serving]:
         """The settings an export of this method is served at, from the eval's `chains`
@@ -236,16 +339,71 @@ class DraftMethod:
         return None
 
 
-# What a method must define itself (the base raises NotImplementedError), and what its `plan`
-# module must hold: `method_problems` checks both when the registry takes a method.
-REQUIRED = ("resolve_config", "num_aux", "new_model", "fsdp_units", "describe", "depth", "loss", "loss_positions",
-            "serving_tensors", "serving_config", "validate_export", "load_export")
-PLAN_FUNCTIONS = ("param_counts", "step_bytes", "saved_bytes", "backward_working_bytes", "draft_step_flops")
+# ------------------------------------------------------------------------------------ contract
+def protocol_members(protocol: type) -> tuple[str, ...]:
+    """The members a Protocol of this module declares (its functions and annotated attributes)."""
+    return tuple(dict.fromkeys([*(n for n, v in vars(protocol).items() if callable(v) and not n.startswith("_")),
+                                *getattr(protocol, "__annotations__", {})]))
+
+
+# The core every method defines itself: its identity and classes (config, model), capture points
+# (num_aux), loss, export, and its plan (a DraftPlan). The base gives everything else a default.
+CORE_ATTRIBUTES = ("name", "served_architecture", "spec_class", "config_class", "model_class", "plan")
+CORE_METHODS = ("resolve_config", "num_aux", "loss", "loss_positions", "serving_config", "validate_export",
+                "load_export")
+CORE = CORE_ATTRIBUTES + CORE_METHODS
+# What shared code reads of every model config (plan/memory.py, train/step.py, setup/run.py) and of
+# every model (train/, setup/run.py fresh_draft, export/serving.py); `method_problems` checks the
+# config class's fields and the model class's methods, `DraftMethod.build` a built model's attributes
+CONFIG_FIELDS = ("hidden_size", "target_hidden_size", "vocab_size", "draft_vocab_size")
+MODEL_MEMBERS = ("cfg", "embed_tokens", "d2t", "t2d", "trainable_parameters")
+
+
+@dataclass(frozen=True)
+class Capability:
+    """What a method opts into beyond the core: `opted_in(method)` says whether it does; it must then
+    define the `protocol`'s methods itself, its plan the `plan_protocol`'s functions, and its config
+    class the `config_fields` shared code reads for it."""
+
+    name: str
+    protocol: type
+    opted_in: Callable[["DraftMethod"], bool]
+    plan_protocol: type | None = None
+    config_fields: tuple[str, ...] = ()
+
+
+def _defines(method: "DraftMethod", name: str) -> bool:
+    return getattr(type(method), name) is not getattr(DraftMethod, name)
+
+
+CAPABILITIES = (
+    Capability("random draws", RandomDraws, lambda m: _defines(m, "prepare_batch")),
+    Capability("reserved tokens", ReservedTokens, lambda m: _defines(m, "reserved_token_ids")),
+    Capability("vocabulary-split head", SplitTargetHead, lambda m: m.shards_target_head, SplitHeadPlan),
+    Capability("context parallelism", ContextParallel, lambda m: m.context_parallel, ContextParallelPlan,
+               ("num_attention_heads",)),
+    Capability("SGLang serving", SGLangServing, lambda m: m.serves_sglang),
+    Capability("vLLM serving", VLLMServing, lambda m: bool(m.vllm_method)),
+    Capability("replay", Replay, lambda m: _defines(m, "proposals")),
+)
+
+
+def capabilities(method: "DraftMethod") -> list[str]:
+    """The capabilities `method` opts into, by name."""
+    return [c.name for c in CAPABILITIES if c.opted_in(method)]
+
+
+def _config_has(config_class: type, name: str) -> bool:
+    import dataclasses
+
+    return (dataclasses.is_dataclass(config_class) and name in {f.name for f in dataclasses.fields(config_class)}) \
+        or hasattr(config_class, name)
 
 
 def method_problems(method: DraftMethod) -> list[str]:
-    """Every way `method` falls short of the interface: unset names and classes, members it does
-    not define, plan arithmetic it lacks (empty: it plugs in)."""
+    """Every way `method` falls short of the contract: unset names and classes, core members it does
+    not define, plan arithmetic it lacks, what shared code reads of its config and model class, and
+    the same for each capability it opts into (empty: it plugs in)."""
     import dataclasses
 
     cls = type(method)
@@ -254,15 +412,34 @@ def method_problems(method: DraftMethod) -> list[str]:
             and method.spec_class is not DraftSpec and dataclasses.is_dataclass(method.spec_class)):
         problems.append("spec_class must be its own dataclass extending draft/spec.py DraftSpec (its draft.* "
                         "config, by which the registry knows the method of a config)")
-    if not (isinstance(method.model_class, type) and issubclass(method.model_class, nn.Module)
-            and method.model_class is not nn.Module):
+    model_ok = (isinstance(method.model_class, type) and issubclass(method.model_class, nn.Module)
+                and method.model_class is not nn.Module)
+    if not model_ok:
         problems.append("model_class must be its nn.Module subclass")
-    if method.config_class is object:
+    elif not callable(getattr(method.model_class, "trainable_parameters", None)):
+        problems.append(f"model_class {method.model_class.__name__} has no trainable_parameters()")
+    config_ok = isinstance(method.config_class, type) and method.config_class is not object
+    if not config_ok:
         problems.append("config_class (what resolve_config returns) is not set")
-    problems += [f"{name}() is not defined" for name in REQUIRED if getattr(cls, name) is getattr(DraftMethod, name)]
-    problems += [f"plan.{name} is missing" for name in PLAN_FUNCTIONS if not callable(getattr(method.plan, name, None))]
-    if method.shards_target_head and not callable(getattr(method.plan, "split_head_bytes", None)):
-        problems.append("plan.split_head_bytes is missing (shards_target_head)")
+    problems += [f"{name}() is not defined" for name in CORE_METHODS if getattr(cls, name) is getattr(DraftMethod, name)]
+    if method.plan is None:
+        problems.append("plan (its DraftPlan: param_counts, step_bytes, ...) is not set")
+    else:
+        problems += [f"plan.{name} is missing" for name in protocol_members(DraftPlan)
+                     if not callable(getattr(method.plan, name, None))]
+    wanted_fields = list(CONFIG_FIELDS)
+    for cap in CAPABILITIES:
+        if not cap.opted_in(method):
+            continue
+        problems += [f"{name}() is not defined ({cap.name})" for name in protocol_members(cap.protocol)
+                     if callable(getattr(DraftMethod, name, None)) and getattr(cls, name) is getattr(DraftMethod, name)]
+        if cap.plan_protocol is not None and method.plan is not None:
+            problems += [f"plan.{name} is missing ({cap.name})" for name in protocol_members(cap.plan_protocol)
+                         if not callable(getattr(method.plan, name, None))]
+        wanted_fields += cap.config_fields
+    if config_ok:
+        problems += [f"config_class {method.config_class.__name__} has no {name} (shared code reads it)"
+                     for name in dict.fromkeys(wanted_fields) if not _config_has(method.config_class, name)]
     return problems
 
 

@@ -1,6 +1,8 @@
 """The draft methods by name (the `draft` config group's option), by config, by model class and by
 served architecture. Adding a method: a folder under draft/ with a `DraftMethod` subclass, and one
-entry here (or `register` it, as tests/draft/test_plugin_method.py does from outside the package)."""
+entry here (or `register` it from outside the package, as tests/fixtures/mtp_method.py does;
+docs/NEW_METHOD.md). `register` refuses a method that misses a member of the contract
+(draft/method.py `method_problems`), naming each."""
 from __future__ import annotations
 
 import json

@@ -2,12 +2,13 @@
 and our own replay of each head on the same outputs.
 
     prompts -> SGLang greedy (no speculation) -> reference outputs
-            -> SGLang speculative decoding, per head x serving (the head's draft method reads
-               eval.chains into its servings and engine arguments, `DraftMethod.servings`)
-               -> AL = Σ completion / Σ verify steps (+ same output?)
             -> prompt lookup replayed on the reference outputs -> n-gram AL
             -> target hidden states of prompt+output (the training stream) -> our draft's proposals
                (`DraftMethod.proposals`) -> replayed AL, acc_k and τ_sim on the same prompts
+               -> eval.json written (a head without SGLang serving ends here)
+            -> SGLang speculative decoding, per head x serving (the head's draft method reads
+               eval.chains into its servings and engine arguments, `DraftMethod.servings`)
+               -> AL = Σ completion / Σ verify steps (+ same output?) -> eval.json again
 
 Heads: the trained one (`export_dir`, of whichever method wrote it), any further exports
 (`eval.heads`), and an untrained head of the run's own method (the `draft` group), built as a
@@ -99,12 +100,6 @@ def _heads(job: EvalJobConfig, setup: RunSetup, out_dir: Path) -> dict[str, Path
     return heads
 
 
-def _capture_points(export: Path) -> list[int] | None:
-    """The capture points a head reads: its config's top-level vLLM ids (= capture points, every method)."""
-    ids = json.loads((export / "config.json").read_text()).get("eagle_aux_hidden_state_layer_ids")
-    return [int(i) for i in ids] if ids else None
-
-
 def _target_hidden(job: EvalJobConfig, setup: RunSetup, sequences: list[list[int]]):
     """Yields (index, aux [T, K*Ht], final [T, Ht]) for each sequence, from the same target process training uses."""
     samples = [SimpleNamespace(input_ids=torch.tensor(s)) for s in sequences]
@@ -131,6 +126,7 @@ def run_eval(job: EvalJobConfig, out_dir: str | Path) -> dict:
                   max_running_requests=ev.max_running_requests, draft_attention_backend=ev.draft_attention_backend)
     methods = {head: method_of_export(path) for head, path in heads.items()}
     served = {head: methods[head].servings(ev.chains) for head in heads}  # each method's reading of eval.chains
+    sglang_heads = [head for head in heads if methods[head].serves_sglang]  # the others: replay only
     # the n-gram baseline at every chain and at every other serving a head gets (a block of B: B-1 tokens)
     ngram_at = {c.label: c.draft_tokens for c in DraftMethod().servings(ev.chains)}
     for head in heads:
@@ -138,7 +134,8 @@ def run_eval(job: EvalJobConfig, out_dir: str | Path) -> dict:
     at = ", ".join(f"{h} at {[c.label for c in served[h]]}" for h in heads)
     print(f"eval: {len(prompts)} prompts ({', '.join(f'{k} {len(v)}' for k, v in sets.items())}), "
           f"{ev.max_new_tokens} new tokens each; heads {at or 'none'}; "
-          f"{1 + sum(map(len, served.values()))} SGLang engine runs, then one target pass for the replay", flush=True)
+          f"{1 + sum(len(served[h]) for h in sglang_heads)} SGLang engine runs (greedy first, speculative after the "
+          f"replay), one target pass for the replay", flush=True)
 
     cells: dict[tuple[str, str, str], Cell] = {}
     verify_steps: dict[str, dict[str, list[int]]] = {}  # "head chain" -> {"sglang": [...], "replay": [...]} per prompt
@@ -169,8 +166,8 @@ def run_eval(job: EvalJobConfig, out_dir: str | Path) -> dict:
     if heads:
         embed, lm_head = load_embedding_and_head(setup.model_path)
         drafts = {head: load_exported_draft(path, embed, lm_head).eval() for head, path in heads.items()}
-        columns = {head: aux_columns(_capture_points(heads[head]), setup.capture_points, embed.shape[1])
-                   for head in drafts}
+        columns = {head: aux_columns(methods[head].export_capture_points(heads[head]), setup.capture_points,
+                                     embed.shape[1]) for head in drafts}
         for head in [h for h, c in columns.items() if c is None]:
             print(f"eval: the {head} head reads layers the run does not capture ({setup.capture_points}); "
                   f"SGLang's AL only")
@@ -191,7 +188,27 @@ def run_eval(job: EvalJobConfig, out_dir: str | Path) -> dict:
                     correct, scored = step_counts(predictions, sequences[i], len(prompts[i]))
                     add(head, serving.label, owner[i], replay_tokens=n, replay_steps=steps, correct=correct, scored=scored)
 
-    for head, path in heads.items():
+    def write() -> dict:
+        """eval.json as far as the eval has come (after the replay: before any speculative engine starts)."""
+        results = {
+            "target": setup.model_path, "export_dir": job.export_dir, "prompt_sets": {k: len(v) for k, v in sets.items()},
+            "heads": {head: {"path": str(path), "method": methods[head].name} for head, path in heads.items()},
+            "max_new_tokens": ev.max_new_tokens, "chains": list(ngram_at), "timings": timings,
+            "servings": {head: [{"setting": c.label, "sglang": c.sglang_args,
+                                 "vllm_speculative_config": c.vllm_speculative_config}
+                                for c in served[head]] for head in heads},
+            "verify_steps_per_prompt": verify_steps,
+            "rows": [{"method": m, "chain": ch, "prompt_set": s, **c.as_dict()} for (m, ch, s), c in cells.items()],
+        }
+        (out_dir / "eval.json").write_text(json.dumps(results, indent=1))
+        return results
+
+    write()
+    for head in heads:
+        if head not in sglang_heads:
+            print(f"eval: the {head} head ({methods[head].name}) has no SGLang serving: replay only", flush=True)
+    for head in sglang_heads:
+        path = heads[head]
         for serving in served[head]:
             draft_args = serving.sglang_args
             print(f"eval: SGLang {draft_args['speculative_algorithm']} with the {head} head ({methods[head].name}), "
@@ -204,14 +221,4 @@ def run_eval(job: EvalJobConfig, out_dir: str | Path) -> dict:
                 add(head, serving.label, name, completion_tokens=spec.completion_tokens[i], verify_steps=spec.verify_steps[i],
                     mismatched_outputs=int(spec.outputs[i] != greedy.outputs[i]))
 
-    results = {
-        "target": setup.model_path, "export_dir": job.export_dir, "prompt_sets": {k: len(v) for k, v in sets.items()},
-        "heads": {head: {"path": str(path), "method": methods[head].name} for head, path in heads.items()},
-        "max_new_tokens": ev.max_new_tokens, "chains": list(ngram_at), "timings": timings,
-        "servings": {head: [{"setting": c.label, "sglang": c.sglang_args, "vllm_speculative_config": c.vllm_speculative_config}
-                            for c in served[head]] for head in heads},
-        "verify_steps_per_prompt": verify_steps,
-        "rows": [{"method": m, "chain": ch, "prompt_set": s, **c.as_dict()} for (m, ch, s), c in cells.items()],
-    }
-    (out_dir / "eval.json").write_text(json.dumps(results, indent=1))
-    return results
+    return write()

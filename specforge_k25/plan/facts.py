@@ -18,7 +18,7 @@ from typing import Any, Optional
 
 from ..draft.method import DraftMethod, trainable_count
 from ..draft.registry import method_of_config, method_of_spec
-from ..target_engine.layers import default_capture_points
+from ..target_engine.layers import default_capture_points, resolve_capture_points
 
 GiB = 1 << 30
 MiB = 1 << 20
@@ -195,17 +195,35 @@ def with_hw_overrides(job, facts: TargetFacts) -> TargetFacts:
 
 
 # ----------------------------------------------------------------------------------- draft
-def num_capture_points(job, facts: TargetFacts) -> int:
-    """K, the target states the run captures: len(target.aux_layers) (0 for []), or the default's
-    when it is null (target_engine/layers.py, checked there against the target when a run starts)."""
-    points = job.target.aux_layers
+def requested_capture_points(spec, aux_layers: list | None, num_layers: int) -> list | None:
+    """The capture points a run asks for: `target.aux_layers`, else the draft method's default for
+    `spec` (`DraftMethod.default_capture_points`); None: the target's default (target_engine/layers.py)."""
+    if aux_layers is not None:
+        return aux_layers
+    return method_of_spec(spec).default_capture_points(spec, num_layers)
+
+
+def run_capture_points(job, num_layers: int) -> list[int]:
+    """The run's capture points on a `num_layers`-layer target, checked (target_engine/layers.py)."""
+    return resolve_capture_points(requested_capture_points(job.draft, job.target.aux_layers, num_layers), num_layers)
+
+
+def num_capture_points(job, facts: TargetFacts, spec=None) -> int:
+    """K, the target states the run captures: len(target.aux_layers) (0 for []), or the length of the
+    draft method's default (of `spec`, else job.draft), else the target's, when it is null (checked
+    against the target when a run starts)."""
+    spec = job.draft if spec is None else spec
+    points = requested_capture_points(spec, job.target.aux_layers, facts.num_layers)
     return len(default_capture_points(facts.num_layers) if points is None else points)
 
 
-def resolve_draft(spec, facts: TargetFacts, num_aux: int = 3):
+def resolve_draft(spec, facts: TargetFacts, num_aux: int | None = None):
     """The model config the trainer builds from `draft.*` (a method's own config, draft/registry.py),
-    with `num_aux` capture points; unset sizes follow the target. A method that refuses the spec
-    raises PlanError (a ValueError) with its reason."""
+    with `num_aux` capture points (None: the method's default count on these facts); unset sizes
+    follow the target. A method that refuses the spec raises PlanError (a ValueError) with its reason."""
+    if num_aux is None:
+        points = requested_capture_points(spec, None, facts.num_layers)
+        num_aux = len(default_capture_points(facts.num_layers) if points is None else points)
     try:
         return method_of_spec(spec).resolve_config(spec, facts, num_aux)
     except PlanError:
@@ -218,7 +236,7 @@ def draft_of(job, facts: TargetFacts, spec=None) -> tuple[DraftMethod, Any]:
     """(the method whose config job.draft is, its model config for this target and the run's capture points);
     `spec` replaces job.draft (the fit search and the method comparison vary it)."""
     spec = job.draft if spec is None else spec
-    return method_of_spec(spec), resolve_draft(spec, facts, num_capture_points(job, facts))
+    return method_of_spec(spec), resolve_draft(spec, facts, num_capture_points(job, facts, spec))
 
 
 def draft_param_counts(cfg, method: DraftMethod | None = None) -> dict[str, int]:

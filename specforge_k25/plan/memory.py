@@ -250,20 +250,20 @@ def _teacher_items(cfg, num_aux: int, tokens: int, teacher_chunk: int, frozen_by
 
 def _ttt_items(cfg, method: DraftMethod, batch: int, seq_len: int, ttt_length: int, bf16: bool,
                checkpoint: bool) -> list[Item]:
-    arithmetic = method.plan
+    arithmetic, label = method.plan, method.plan_label  # the method's name for its steps ("TTT")
     saved = arithmetic.saved_bytes(cfg, batch, seq_len, ttt_length, bf16, checkpoint)
     items = [
-        Item("TTT saved: per-token tensors (K steps)", saved["per_token"], PHASE_DRAFT,
+        Item(f"{label} saved: per-token tensors (K steps)", saved["per_token"], PHASE_DRAFT,
              note=("checkpointed: each step's hidden input + its attention cache" if checkpoint else
                    "incl. [B,T,Vd] fp32 log-probs + teacher probs per step")),
     ]
     if saved["attention_mask"] > 0:  # a method with masks (DFlash); EAGLE-3's TTT attention builds none
-        items.append(Item("TTT saved: attention masks (K steps)", saved["attention_mask"], PHASE_DRAFT))
+        items.append(Item(f"{label} saved: attention masks (K steps)", saved["attention_mask"], PHASE_DRAFT))
     if checkpoint:  # backward recomputes one step at a time: the last (largest) one at most
         per_token, mask = arithmetic.step_bytes(cfg, batch, seq_len, ttt_length - 1, bf16)
-        items.append(Item("TTT one step recomputed in backward", per_token + mask, PHASE_DRAFT,
+        items.append(Item(f"{label} one step recomputed in backward", per_token + mask, PHASE_DRAFT,
                           note="activation checkpointing: the largest step's saved tensors"))
-    items.append(Item("TTT backward working set (estimate)",
+    items.append(Item(f"{label} backward working set (estimate)",
                       arithmetic.backward_working_bytes(cfg, batch, seq_len, ttt_length, bf16), PHASE_DRAFT))
     return items
 
@@ -271,11 +271,12 @@ def _ttt_items(cfg, method: DraftMethod, batch: int, seq_len: int, ttt_length: i
 def activation_note(cfg, batch: int, seq_len: int, ttt_length: int, bf16: bool, checkpoint: bool,
                     method: DraftMethod | None = None) -> str:
     """The TTT activations with and without train.activation_checkpointing at this length."""
-    arithmetic = _method(cfg, method).plan
+    method = _method(cfg, method)
+    arithmetic = method.plan
     plain = arithmetic.saved_bytes(cfg, batch, seq_len, ttt_length, bf16)["total"]
     kept = arithmetic.saved_bytes(cfg, batch, seq_len, ttt_length, bf16, checkpoint=True)["total"]
     one = sum(arithmetic.step_bytes(cfg, batch, seq_len, ttt_length - 1, bf16))
     state = "on" if checkpoint else "off"
-    return (f"TTT activations at T={seq_len}, K={ttt_length}: {gib(plain)} kept for backward without activation "
+    return (f"{method.plan_label} activations at T={seq_len}, K={ttt_length}: {gib(plain)} kept for backward without activation "
             f"checkpointing; {gib(kept)} kept + {gib(one)} for the one step recomputed with it "
             f"(train.activation_checkpointing, {state}; ~1 more forward)")

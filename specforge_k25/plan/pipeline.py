@@ -46,14 +46,13 @@ from dataclasses import dataclass, field
 from typing import Optional
 
 from .budget import GpuBudget, length_problems
-from .facts import GiB, MiB, PlanError, TargetFacts, draft_of, trainable_params
+from .facts import GiB, MiB, PlanError, TargetFacts, draft_of, run_capture_points, trainable_params
 from .fit import largest_fitting
 from .kernels import MARLIN, int4_moe_backend, marlin_scratch_bytes
 from .memory import Item, trainer_items
 from .throughput import (GPU_ADAMW_S_PER_PARAM, H200_MEMORY_GBPS, TARGET_ALLREDUCE, TARGET_COMPUTE, TRAINER_COMPUTE,
                          TRAINER_EXCHANGE, TRAINER_GRADS, TRAINER_OPTIMIZER, GpuTime, Throughput,
                          compute_bound_tokens_per_s, target_flops_per_token, target_params_per_token, trained_share)
-from ..target_engine.layers import resolve_capture_points
 
 STAGE_TRANSFERS = "stage transfers"
 PIPELINE_PARTS = (TARGET_COMPUTE, TARGET_ALLREDUCE, STAGE_TRANSFERS, TRAINER_COMPUTE, TRAINER_EXCHANGE, TRAINER_OPTIMIZER,
@@ -239,7 +238,7 @@ def predict_pipeline(job, facts: TargetFacts, pp: int, tp: int = 1, replicas: in
     # target stages
     flops = stage_flops_per_token(facts, L, split)
     weights = stage_weight_bytes(facts, split, tp)
-    points = resolve_capture_points(job.target.aux_layers, facts.num_layers)
+    points = run_capture_points(job, facts.num_layers)
     states = owned_states(split, points)
     proxy = 2 * Ht * elem  # {hidden_states, residual} per token
     remote = 1.0 - 1.0 / pp  # tokens whose trainer rank sits on another stage's GPUs
@@ -329,7 +328,7 @@ def pipeline_memory(job, facts: TargetFacts, pp: int, tp: int = 1, replicas: int
     forward = min(micro, hw.target_prefill_chunk or micro)
     weights = stage_weight_bytes(facts, split, tp)
     kv_layer = kv_bytes_per_token_per_layer(facts, tp)
-    points = resolve_capture_points(job.target.aux_layers, facts.num_layers)
+    points = run_capture_points(job, facts.num_layers)
     states = owned_states(split, points)
     t_items = trainer_items(cfg, batch=B, seq_len=L, ttt_length=method.depth(job.draft, cfg),
                             teacher_chunk=tr.teacher_chunk, bf16=hw.autocast == "bf16", data_parallel=True,

@@ -14,9 +14,10 @@ from ..data.chat_formats import chat_format
 from ..data.dataset import TokenizedData, build_dataset
 from ..data.regenerate import regeneration_prompt
 from ..draft.method import DraftMethod
-from ..draft.registry import method_of_spec
+from ..draft.registry import METHODS, method_of_spec
 from ..draft.vocab import build_vocab_maps, count_tokens
 from ..plan import check_fits, facts_from_folder, resolve_draft, with_hw_overrides
+from ..plan.facts import run_capture_points
 from ..plan.pipeline import check_pipeline_fits
 from ..plan.budget import kv_pool_tokens
 from ..stream.ring import SeqWindow
@@ -24,7 +25,7 @@ from ..stream.target_stream import TargetStream
 from ..target_engine.base import TargetInfo
 from ..target_engine.factory import TargetSpec, check_tp_layout
 from ..target_engine.hf_config import load_embedding_and_head, read_target_info
-from ..target_engine.layers import DEEPSEEK_RULE, layer_id_rule, resolve_capture_points, sglang_layer_ids
+from ..target_engine.layers import DEEPSEEK_RULE, layer_id_rule, sglang_layer_ids
 from ..target_engine.models import resolve_target_path
 from ..target_engine.sampling import Regeneration
 from .layout import World, check_layout
@@ -96,8 +97,9 @@ def check_context_parallel_method(job: JobConfig, method: DraftMethod, draft_cfg
     if cp == 1:
         return
     if not method.context_parallel:
+        able = ", ".join(m.name for m in METHODS.values() if m.context_parallel)
         raise ValueError(f"hw.context_parallel={cp}: draft={method.name} does not split a sequence over ranks "
-                         f"(eagle3, eagle3_mla and dflash do); use hw.context_parallel=1")
+                         f"({able} do); use hw.context_parallel=1")
     heads = draft_cfg.num_attention_heads
     if heads % cp:
         raise ValueError(f"hw.context_parallel={cp}: the draft's {heads} attention heads do not split over {cp} ranks "
@@ -160,10 +162,10 @@ def check_reserved_tokens(method: DraftMethod, draft_cfg, data: TokenizedData, t
 
 
 def capture_points(job: JobConfig, info: TargetInfo) -> list[int]:
-    """The run's capture points (target.aux_layers checked against the target), refused unless the
-    draft method reads one aux state per point: K = len(points) sizes the engine's capture, the
-    ring's slots and the trainer's batches."""
-    points = resolve_capture_points(job.target.aux_layers, info.num_layers)
+    """The run's capture points (target.aux_layers, else the draft method's default, checked against
+    the target), refused unless the draft method reads one aux state per point: K = len(points)
+    sizes the engine's capture, the ring's slots and the trainer's batches."""
+    points = run_capture_points(job, info.num_layers)  # target.aux_layers, else the method's default
     facts = facts_from_folder(resolve_target_path(job.target), job.target.name)
     resolve_draft(job.draft, facts, len(points))  # the method refuses a K it cannot read
     return points

@@ -5,7 +5,8 @@ rank; dedicated: one per hw.target_replicas) starts them itself with torchrun on
 launch/multinode.py).
 
 Hydra composes conf/config.yaml; the structured schema (specforge_k25/config.py) rejects
-unknown keys and wrong types. `--help` lists every field with its one-line doc.
+unknown keys (`+key=value` too) and wrong types, in one line with exit code 2. `--help` lists every
+field with its one-line doc.
 """
 from __future__ import annotations
 
@@ -16,7 +17,8 @@ from pathlib import Path
 import hydra
 from omegaconf import OmegaConf
 
-from ..config import CONF_DIR, JobConfig, check_moved_keys, describe, register_schemas
+from ..config import (CONF_DIR, JobConfig, check_composed, check_moved_keys, describe, register_schemas,
+                      run_hydra_main)
 
 register_schemas()
 
@@ -39,6 +41,8 @@ def print_summary(summary: dict, target=None) -> None:
     table.add_row("trainer waiting on target", f"{100 * summary['stream_wait_frac']:.0f}%")
     table.add_row("padding in the trainer's batches", f"{100 * summary['padding_share']:.1f}%")
     table.add_row("rows skipped (by reason)", str(data["skipped"] or "none"))
+    if not data.get("heldout_samples"):
+        table.add_row("held-out evaluation", "none (data.heldout_samples=0)")
     for tag in ("start", "end"):
         ev = summary["eval"].get(tag)
         if ev:
@@ -91,12 +95,15 @@ def main(cfg) -> None:
     from ..setup.layout import World
     from ..stream.channel import bars_with_a_thread_lock
     from ..stream.target_stream import StreamError
+    from .checkpoint import WriteFailed
     from .distributed import RankFailed
+    from .finite import NonFiniteError
     from .stop import TrainingInterrupted
     from .trainer import run_training
 
     bars_with_a_thread_lock()
     try:
+        check_composed(cfg)  # a +draft.KEY of another method
         job: JobConfig = OmegaConf.to_object(cfg)  # a size out of range is refused here, by name
         relaunch_under_torchrun(job, sys.argv[1:])
     except ValueError as err:  # a field out of range; hw.trainer_layout not dedicated | colocated
@@ -115,6 +122,14 @@ def main(cfg) -> None:
         leave(1)
     except RankFailed as err:  # torchrun: another trainer rank died or hung
         print(f"\ndata-parallel failure: {err}", file=sys.stderr)
+        leave(1)
+    except NonFiniteError as err:  # nothing exported; summary.json says failed
+        if World.from_env().rank == 0:
+            print(f"\nrun failed: {err}", file=sys.stderr)
+        leave(1)
+    except WriteFailed as err:  # a full disk, a permission, a vanished folder at a save or the export
+        if World.from_env().rank == 0:
+            print(f"\nrun failed: {err}", file=sys.stderr)
         leave(1)
     except (ValueError, FileNotFoundError) as err:  # configuration / data problems found before training
         print(f"\nerror: {err}", file=sys.stderr)
@@ -153,8 +168,8 @@ if __name__ == "__main__":
         print("\n".join(describe()))
         sys.exit(0)
     try:
-        check_moved_keys(sys.argv[1:])
+        check_moved_keys(sys.argv[1:], JobConfig)
     except ValueError as err:
         print(f"\nerror: {err}", file=sys.stderr)
         sys.exit(2)
-    main()
+    run_hydra_main(main)

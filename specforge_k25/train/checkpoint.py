@@ -1,8 +1,10 @@
 """Atomic checkpoints: safetensors for tensors, JSON for the rest (no pickle).
 
-Layout: <run>/checkpoints/step_00000042/{draft.safetensors, optimizer.safetensors, state.json}.
-A checkpoint is written into a temporary sibling folder and renamed into place only when
-complete, so a crash mid-save leaves the previous checkpoint intact.
+Layout: <run>/checkpoints/step_00000042/{draft.safetensors, optimizer.safetensors, state.json,
+manifest.json}. A checkpoint is written into a temporary sibling folder and renamed into place only
+when complete, so a crash mid-save leaves the previous checkpoint intact; a save that fails (a full
+disk) removes its temporary folder. Each file's size and hash are in its manifest (train/manifest.py),
+checked before a resume (`pick_checkpoint`).
 """
 from __future__ import annotations
 
@@ -11,12 +13,20 @@ import os
 import shutil
 from pathlib import Path
 
+import psutil
 import torch
+from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
 from ..paths import write_atomic, write_text_atomic
+from .finite import check_finite
+from .manifest import manifest_problems, write_manifest
 
 PREFIX = "step_"
+
+
+class WriteFailed(RuntimeError):
+    """A checkpoint or the export could not be written (a full disk, a permission, a vanished folder)."""
 
 
 def _fsync_dir(path: Path) -> None:
@@ -72,28 +82,44 @@ def save_checkpoint(run_dir: Path, step: int, draft_tensors: dict, optimizer_sta
     root = Path(run_dir) / "checkpoints"
     root.mkdir(parents=True, exist_ok=True)
     final = root / f"{PREFIX}{step:08d}"
-    for stale in root.glob(f".tmp-{PREFIX}*"):  # left by a save that was interrupted
-        shutil.rmtree(stale, ignore_errors=True)
-    tmp = root / f".tmp-{PREFIX}{step:08d}-{os.getpid()}"
-    tmp.mkdir()
     draft = {k: v.detach().contiguous() for k, v in draft_tensors.items() if not k.startswith("embed_tokens.")}
-    write_atomic(tmp / "draft.safetensors", lambda f: save_file(draft, f))  # each file flushed, umask's mode
     opt_tensors, opt_meta = optimizer_tensors(optimizer_state)
-    rng = {"rng.torch": torch.get_rng_state()}
-    write_atomic(tmp / "optimizer.safetensors", lambda f: save_file({**opt_tensors, **rng}, f))
-    state = {"step": step, "optimizer": opt_meta, "scheduler": scheduler_state, **extra}
-    write_text_atomic(tmp / "state.json", json.dumps(state, indent=1, default=str))
-    if final.exists():  # re-saving a step: move the old one aside so a crash never leaves neither
-        old = root / f".tmp-old-{final.name}-{os.getpid()}"
-        os.replace(final, old)
+    check_finite({**draft, **opt_tensors}, f"checkpoint of optimizer step {step}")
+    for stale in root.glob(".tmp-*"):  # left by a save that was interrupted (never another live process's)
+        if _abandoned(stale):
+            shutil.rmtree(stale, ignore_errors=True)
+    tmp = root / f".tmp-{PREFIX}{step:08d}-{os.getpid()}"
+    old = root / f".tmp-old-{final.name}-{os.getpid()}"
+    tmp.mkdir()
+    try:
+        write_atomic(tmp / "draft.safetensors", lambda f: save_file(draft, f))  # each file flushed, umask's mode
+        rng = {"rng.torch": torch.get_rng_state()}
+        write_atomic(tmp / "optimizer.safetensors", lambda f: save_file({**opt_tensors, **rng}, f))
+        state = {"step": step, "optimizer": opt_meta, "scheduler": scheduler_state, **extra}
+        write_text_atomic(tmp / "state.json", json.dumps(state, indent=1, default=str))
+        write_manifest(tmp)
+        if final.exists():  # re-saving a step: move the old one aside so a crash never leaves neither
+            os.replace(final, old)
         os.replace(tmp, final)
-        shutil.rmtree(old, ignore_errors=True)
-    else:
-        os.replace(tmp, final)
-    _fsync_dir(root)
+        _fsync_dir(root)
+    except BaseException:  # a failed write (a full disk, a vanished folder): nothing partial left
+        shutil.rmtree(tmp, ignore_errors=True)
+        if old.exists() and not final.exists():
+            try:
+                os.replace(old, final)
+            except OSError:
+                pass  # still whole beside it; the next save of this process removes it
+        raise
+    shutil.rmtree(old, ignore_errors=True)
     for old in list_checkpoints(run_dir)[:-keep] if keep > 0 else []:
         shutil.rmtree(old, ignore_errors=True)
     return final
+
+
+def _abandoned(temporary: Path) -> bool:
+    """A save's temporary folder (named ...-<pid>) whose process is this one or no longer runs."""
+    pid = temporary.name.rsplit("-", 1)[-1]
+    return not pid.isdigit() or int(pid) == os.getpid() or not psutil.pid_exists(int(pid))
 
 
 def list_checkpoints(run_dir: Path) -> list[Path]:
@@ -101,6 +127,65 @@ def list_checkpoints(run_dir: Path) -> list[Path]:
     if not root.is_dir():
         return []
     return sorted(p for p in root.iterdir() if p.is_dir() and p.name.startswith(PREFIX) and (p / "state.json").is_file())
+
+
+def checkpoint_problems(path: Path) -> list[str]:
+    """Each way checkpoint `path` is damaged ([] if none): checked against its manifest; one
+    written before manifests existed only as far as opening its files (a cut file's header no
+    longer covers it, its JSON no longer parses)."""
+    path = Path(path)
+    problems = manifest_problems(path)
+    if problems is not None:
+        return problems
+    problems = []
+    for name in ("draft.safetensors", "optimizer.safetensors"):
+        try:
+            with safe_open(path / name, "pt"):
+                pass
+        except Exception as err:  # safetensors' own error type; a missing file
+            problems.append(f"{path / name} cannot be read ({err})")
+    try:
+        read_state(path)
+    except (OSError, ValueError) as err:
+        problems.append(f"{path / 'state.json'} cannot be read ({err})")
+    return problems
+
+
+def last_good_checkpoint(run_dir: Path) -> Path | None:
+    """The newest checkpoint of the run that verifies (what a failed run's progress is)."""
+    return next((p for p in reversed(list_checkpoints(run_dir)) if not checkpoint_problems(p)), None)
+
+
+def pick_checkpoint(resume: str, run_dir: Path) -> tuple[Path | None, list[str]]:
+    """The checkpoint `train.resume` names and the notes to print: `auto` the newest that
+    verifies, each newer one it skipped named with why; a named checkpoint that does not verify is
+    refused (ValueError) with the damaged file and the way on. None: start fresh."""
+    if resume in ("none", "", None):
+        return None, []
+    notes = []
+    if resume == "auto":
+        found = list_checkpoints(run_dir)
+        for path in reversed(found):
+            problems = checkpoint_problems(path)
+            if not problems:
+                if manifest_problems(path) is None:
+                    notes.append(f"{path} has no manifest (written before checkpoints carried one): not verified")
+                return path, notes
+            notes.append(f"skipped {path}: " + "; ".join(problems))
+        if found:
+            raise ValueError(f"train.resume=auto: no checkpoint in {Path(run_dir) / 'checkpoints'} is intact ("
+                             + " | ".join(notes) + f"); start a new run in another train.out_dir")
+        return None, notes
+    path = Path(resume)
+    if not (path / "state.json").is_file():
+        raise FileNotFoundError(f"train.resume={resume}: not a checkpoint folder (no state.json)")
+    problems = checkpoint_problems(path)
+    if problems:
+        raise ValueError(f"train.resume={resume} is damaged: " + "; ".join(problems)
+                         + " (train.resume=auto resumes from the newest intact checkpoint of its run)")
+    if manifest_problems(path) is None:
+        notes.append(f"{path} has no manifest (written before checkpoints carried one): not verified")
+    return path, notes
 
 
 def read_state(path: Path) -> dict:

@@ -119,9 +119,10 @@ def check_fingerprint(saved: dict, current: dict, checkpoint: Path) -> None:
         raise ValueError(f"cannot resume from {checkpoint}: it belongs to a different run\n  " + "\n  ".join(diffs))
 
 
-def unrecorded(saved: dict) -> list[str]:
-    """The keys an older checkpoint did not record (not compared on resume: `RECORDED_LATER`)."""
-    return [k for k in RECORDED_LATER if k not in saved]
+def unrecorded(saved: dict, current: dict | None = None) -> list[str]:
+    """The keys an older checkpoint did not record (not compared on resume: `RECORDED_LATER`);
+    given the `current` fingerprint, only those it records (DFlash records no loss_decay)."""
+    return [k for k in RECORDED_LATER if k not in saved and (current is None or k in current)]
 
 
 def with_recorded_optimizer(saved: dict, state: dict) -> dict:

@@ -71,7 +71,8 @@ def print_overview(job: JobConfig, setup: RunSetup, schedule: list[BatchItem], s
         f"aux layers  inputs of layers {setup.capture_points} (SGLang's ids {setup.sglang_capture_ids})",
         f"draft       {setup.method.name}: {setup.method.describe(setup.draft_cfg)}; {_fmt_params(trainable)} "
         f"trainable (+{_fmt_params(draft.embed_tokens.weight.numel())} frozen embedding)",
-        f"data        {len(setup.data.train)} train / {len(setup.data.heldout)} held-out samples, max_length "
+        f"data        {len(setup.data.train)} train / {len(setup.data.heldout)} held-out samples"
+        f"{'' if setup.data.heldout else ' (no held-out evaluation: data.heldout_samples=0)'}, max_length "
         f"{job.data.max_length} ({setup.data.truncated} cut there, {setup.data.turns_dropped} as their later turns); "
         f"skipped {dict(setup.data.skipped) or 'none'}",
         f"schedule    {steps} optimizer steps = {len(train_items)} micro-batches of {job.train.batch_size} "

@@ -380,7 +380,7 @@ class Trainer:
         job, setup, stream, p = self.job, self.setup, self.stream, self.progress
         train_wall = time.perf_counter() - self._t_train if self._t_train else float("nan")
         elem_bytes = torch.finfo(getattr(torch, job.hw.target_dtype)).bits // 8
-        token_bytes = 4 * setup.info.hidden_size * elem_bytes
+        token_bytes = setup.method.streamed_bytes(setup.draft_cfg, elem_bytes)  # its K capture points + the final state
         smallest_batch = min(sum(self._floor_tokens(i) for i in item.sample_ids) for item in self.schedule)
         # summed over the data-parallel ranks: every target process and every trainer
         hidden_disk, startup_disk, trainer_written, real, padded = self.ranks.sum_ints(

@@ -250,7 +250,8 @@ def test_checkpoint_files_hold_no_pickle(tmp_path):
     draft, opt, sched = make_training(seed=0)
     train_step(draft, opt, sched, seed=1)
     path = save_checkpoint(tmp_path, 1, draft.state_dict(), opt.state_dict(), sched.state_dict(), {"note": "x"}, keep=1)
-    assert sorted(p.name for p in path.iterdir()) == ["draft.safetensors", "optimizer.safetensors", "state.json"]
+    assert sorted(p.name for p in path.iterdir()) == ["draft.safetensors", "manifest.json", "optimizer.safetensors",
+                                                      "state.json"]
     d = load_file(path / "draft.safetensors")
     assert "embed_tokens.weight" not in d and set(d) == set(draft_state(draft))
     o = load_file(path / "optimizer.safetensors")
@@ -278,7 +279,7 @@ def test_checkpoint_files_get_the_umask_mode(tmp_path, mask, mode):
     finally:
         os.umask(saved)
     assert {p.name: p.stat().st_mode & 0o777 for p in path.iterdir()} == {
-        "draft.safetensors": mode, "optimizer.safetensors": mode, "state.json": mode}
+        "draft.safetensors": mode, "optimizer.safetensors": mode, "state.json": mode, "manifest.json": mode}
     assert sorted(p.name for p in path.parent.iterdir()) == ["step_00000001"]  # no temporary file left
 
 

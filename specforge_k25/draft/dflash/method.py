@@ -51,8 +51,9 @@ class DFlashMethod(DraftMethod):
     context_parallel = True
     # the loss's logits chunk and the block attention's tile: the same sums, computed in pieces
     memory_only = ("logits_chunk", "attention_tile_rows", "attention_tile_keys")
+    plan_label = "DFlash"  # the plan's steps are its draft layers
 
-    def resolve_config(self, spec: DFlashSpec, target, num_aux: int = 5) -> DFlashConfig:
+    def resolve_config(self, spec: DFlashSpec, target, num_aux: int) -> DFlashConfig:
         if num_aux < 1:
             raise ValueError("DFlash reads at least one capture point")
         check_objective(spec)

@@ -29,8 +29,9 @@ class Eagle3Method(DraftMethod):
     _units = ("fc_norm", "fc", "midlayer", "norm", "lm_head")  # fc_norm exists only with the option on
     context_parallel = True  # train/context_parallel.py: Ulysses attention, the TTT loss cut to each rank's window
     config_recorded_later = {"fc_norm": False, "norm_output": False}  # the EAGLE-3.1 options, off before them
+    plan_label = "TTT"  # the plan sizes its unroll's steps
 
-    def resolve_config(self, spec: Eagle3Spec, target, num_aux: int = NUM_AUX) -> DraftConfig:
+    def resolve_config(self, spec: Eagle3Spec, target, num_aux: int) -> DraftConfig:
         """H = Ht (the draft embeds tokens with the target's frozen embedding); unset sizes follow
         the target; an MLA target's heads become MHA heads of hidden/heads."""
         check_draft_vocab(spec, target)

@@ -9,7 +9,6 @@ from . import export, plan
 from .config import Eagle3MLASpec
 from .model import Eagle3MLADraft, MLADraftConfig
 
-DEFAULT_NUM_AUX = 3
 
 
 class Eagle3MLAMethod(Eagle3Method):
@@ -25,12 +24,15 @@ class Eagle3MLAMethod(Eagle3Method):
     _units = ("fc", "midlayer", "norm", "lm_head")
     config_recorded_later = {}  # its config has no EAGLE-3.1 options
 
-    def resolve_config(self, spec: Eagle3MLASpec, target, num_aux: int = DEFAULT_NUM_AUX) -> MLADraftConfig:
+    def resolve_config(self, spec: Eagle3MLASpec, target, num_aux: int) -> MLADraftConfig:
         """Unset MLA sizes follow an MLA target (Kimi-K2.5: q_lora_rank 1536, kv_lora_rank 512,
         nope/rope/v head dims 128/64/128); behind a GQA/MHA target (head dim hd) they take
         Kimi's ratios: nope hd, rope hd/2, v hd, kv_lora_rank 4hd, q_lora_rank 12hd.
         RoPE is plain (YaRN factor 1, written as such): the head sees draft-length contexts."""
         check_draft_vocab(spec, target)
+        if num_aux < 1:
+            raise ValueError(f"{num_aux} capture points (target.aux_layers), but the MLA EAGLE-3 head reads at least "
+                             f"one (its fc is K x Ht wide): give one or more, or null for the default")
         heads = spec.num_attention_heads or target.num_attention_heads
         hd = spec.head_dim or target.hidden_size // heads
         mla = target.kv_lora_rank is not None
