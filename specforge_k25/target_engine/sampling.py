@@ -40,10 +40,15 @@ def sample_next(logits: torch.Tensor, temperature: float, top_p: float, generato
 
     temperature 0: argmax. Otherwise softmax(logits / T) restricted to the smallest set of tokens
     whose probability reaches top_p (ties broken towards lower ids), then one draw per row from
-    that row's generator (float64 on the CPU, so every engine and rank draws the same token)."""
-    logits = logits.detach().to("cpu", torch.float64)
-    if temperature <= 0:
-        return logits.argmax(-1)
+    that row's generator, in float64 so every engine and rank draws the same token. Where the
+    logits are: on the CPU row by row; on a GPU the softmax, sort and cut run there for the whole
+    batch (`_nucleus_on_device`) and only the kept tokens' probabilities come to the host for the
+    draw (the generators are CPU ones)."""
+    if temperature <= 0:  # the float64 conversion is exact: the argmax of the logits as they are
+        return logits.detach().argmax(-1).to("cpu", torch.int64)
+    if logits.device.type != "cpu":
+        return _nucleus_on_device(logits.detach(), temperature, top_p, generators)
+    logits = logits.detach().to(torch.float64)
     probs = torch.softmax(logits / temperature, -1)
     out = torch.empty(len(probs), dtype=torch.int64)
     for b, (row, gen) in enumerate(zip(probs, generators)):
@@ -52,6 +57,23 @@ def sample_next(logits: torch.Tensor, temperature: float, top_p: float, generato
         keep = int((sorted_p.cumsum(0) < top_p).sum()) + 1  # the token that crosses top_p is kept
         kept = sorted_p[:keep] / sorted_p[:keep].sum()
         out[b] = order[int(torch.multinomial(kept, 1, generator=gen))]
+    return out
+
+
+def _nucleus_on_device(logits: torch.Tensor, temperature: float, top_p: float,
+                       generators: list[torch.Generator]) -> torch.Tensor:
+    """`sample_next`'s rule for the whole batch where the logits are: one sort of [B, V] and one
+    copy to the host of the widest row's kept prefix (all of V at top_p 1), instead of B argsorts
+    over V on the host. On the CPU it draws what the row loop draws (tests/target_engine)."""
+    probs = torch.softmax(logits.to(torch.float64) / temperature, -1)
+    sorted_p, order = torch.sort(probs, dim=-1, descending=True, stable=True)
+    keep = ((sorted_p.cumsum(-1) < top_p).sum(-1) + 1).clamp(max=probs.shape[-1])
+    width = int(keep.max())
+    sorted_p, order, keep = sorted_p[:, :width].cpu(), order[:, :width].cpu(), keep.cpu().tolist()
+    out = torch.empty(len(probs), dtype=torch.int64)
+    for b, (k, gen) in enumerate(zip(keep, generators)):
+        kept = sorted_p[b, :k] / sorted_p[b, :k].sum()
+        out[b] = order[b, int(torch.multinomial(kept, 1, generator=gen))]
     return out
 
 

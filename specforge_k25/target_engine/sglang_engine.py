@@ -86,6 +86,11 @@ def engine_server_args(model_path: str, *, device: str, dtype: str, tp_size: int
         tp_size=tp_size,
         pp_size=pp_size,
         attention_backend=attention_backend or ("torch_native" if device == "cpu" else None),
+        # No CUDA graphs, regeneration's decode steps included: the capture fields set
+        # speculative_algorithm=EAGLE3, under which SGLang captures its decode graphs as TARGET_VERIFY
+        # batches of speculative_num_draft_tokens per request (model_executor/runner/
+        # decode_cuda_graph_runner.py ~356-367), and model_runner.py ~1985-1995 would replay them for
+        # this engine's plain DECODE batches too; the training forwards are prefills, which no graph serves.
         disable_cuda_graph=True,
         mem_fraction_static=mem_fraction_static,
         max_total_tokens=max_total_tokens,
@@ -150,7 +155,7 @@ def load_runner(fields: dict, *, tp_rank: int, pp_rank: int, gpu_id: int, local_
     one_batch.publish(server_args, role="scheduler", ranks=one_batch.SpawnRanks(world_rank=world_rank, gpu_id=gpu_id))
     one_batch._init_process_global_configs()
     runner, _ = one_batch.load_model(server_args, port_args, gpu_id, tp_rank)
-    if num_threads:  # SGLang sets its own thread count while loading
+    if num_threads and device == "cpu":  # hw.target_threads; SGLang sets its own thread count while loading
         torch.set_num_threads(num_threads)
     return one_batch, runner
 

@@ -22,6 +22,35 @@ def test_greedy_is_argmax_and_top_p_keeps_the_smallest_set_reaching_p():
     assert seen == {1, 3}
 
 
+@pytest.mark.parametrize("temperature,top_p", [(1.0, 1.0), (0.7, 0.9), (1.3, 0.3), (0.5, 0.999)])
+def test_the_batched_device_rule_draws_what_the_row_loop_draws(temperature, top_p):
+    """On a GPU `sample_next` sorts and cuts the whole batch where the logits are
+    (`_nucleus_on_device`); run on the CPU it must draw the row loop's tokens from the same
+    generators (and leave them in the same state), ties and a whole-vocabulary top_p included."""
+    from specforge_k25.target_engine.sampling import _nucleus_on_device
+
+    g = torch.Generator().manual_seed(3)
+    logits = torch.randn(6, 500, generator=g) * 3
+    logits[1, 7] = logits[1, 9] = logits[1].max() + 1  # a tie at the top: the lower id first
+    logits[2] = 0.0  # a flat row: every token equally likely
+    logits = logits.to(torch.bfloat16)  # as a GPU engine hands them
+    loop_gens = [torch.Generator().manual_seed(10 + b) for b in range(6)]
+    batch_gens = [torch.Generator().manual_seed(10 + b) for b in range(6)]
+    for _ in range(25):
+        want = sample_next(logits, temperature, top_p, loop_gens)
+        assert torch.equal(_nucleus_on_device(logits, temperature, top_p, batch_gens), want)
+    assert all(torch.equal(a.get_state(), b.get_state()) for a, b in zip(loop_gens, batch_gens))
+
+
+def test_greedy_takes_the_argmax_of_the_logits_as_they_are():
+    """temperature 0 no longer converts to float64 first: exact for bf16/fp32, so the same ids,
+    the first of tied maxima included."""
+    logits = torch.randn(4, 300, generator=torch.Generator().manual_seed(0)).to(torch.bfloat16)
+    logits[0, 5] = logits[0, 8] = logits[0].max() + 1
+    got = sample_next(logits, 0.0, 1.0, [])
+    assert got.dtype == torch.int64 and torch.equal(got, logits.double().argmax(-1)) and got[0] == 5
+
+
 def test_a_prompts_random_stream_is_reproducible_and_its_own():
     p, q = torch.tensor([1, 2, 3]), torch.tensor([1, 2, 4])
     a = torch.rand(4, generator=request_generator(7, p))
