@@ -115,7 +115,9 @@ def render(job, plan: MemoryPlan) -> None:
         console.print(f"SGLang mem_fraction_static: derived {plan.mem_fraction_static:.2f} (SGLang's minimum "
                       f"{plan.mem_fraction_min:.4f} + hw.kv_pool_margin_gib={hw.kv_pool_margin_gib}; configured "
                       f"hw.mem_fraction_static={hw.mem_fraction_static}); "
-                      f"KV pool {plan.kv_pool_tokens} tokens (hw.max_total_tokens={hw.max_total_tokens})")
+                      f"KV pool {plan.kv_pool_tokens} tokens = {plan.kv_pool_tokens // plan.kv_page_size} pages of "
+                      f"{plan.kv_page_size} token(s) (hw.max_total_tokens={hw.max_total_tokens}, raised to one batch "
+                      f"in whole pages)")
     split = f" / context_parallel {hw.context_parallel}" if context_parallel(hw) > 1 else ""
     console.print(f"tokens per optimizer step: {plan.tokens_per_step:,} = batch {job.train.batch_size} x max_length "
                   f"{job.data.max_length} x grad_accum {job.train.grad_accum} x {len(node_layout(hw).trainer_gpus)} "

@@ -20,6 +20,9 @@ from typing import Any, Optional
 
 from ..draft.method import DraftMethod
 from .facts import GiB, MiB, PlanError, TargetFacts, draft_of, trainable_params
+from ..target_engine.pages import whole_pages
+from .engine import (engine_notes, extend_activation_bytes, extend_tokens, kv_page_size, nccl_note,
+                     trainer_nccl_bytes)
 from .kernels import MARLIN, int4_moe_backend, kernel_notes, marlin_scratch_bytes
 from .memory import (Item, activation_note, embedding_host_bytes, gib, host_optimizer_note, offload_note, optimizer_items,
                      trainer_items)
@@ -72,6 +75,7 @@ class MemoryPlan:
     capacity_ok: bool = True  # every GPU's peak fits and the target loads (what an override of sizes can fix)
     free_before_load: Optional[int] = None  # SGLang's `pre`: the smallest free memory of a TP rank before loading
     method: Optional[DraftMethod] = None  # the method job.draft configures (draft/registry.py)
+    kv_page_size: int = 1  # tokens per KV page of the target's attention backend (plan/engine.py)
 
     @property
     def fits(self) -> bool:
@@ -194,10 +198,18 @@ def trainer_seq_len(hw, max_length: int, depth: int) -> int:
     return max_length if cp == 1 else -(-max_length // cp) + depth
 
 
-def kv_pool_tokens(hw, batch_size: int, max_length: int) -> int:
-    """The engine's KV pool cap: hw.max_total_tokens, raised to one whole target batch when that is
-    larger (the engine cannot run a batch its pool does not hold; the memory plan counts the pool)."""
-    return max(hw.max_total_tokens, target_batch_tokens(hw, batch_size, max_length))
+def target_batch_slots(hw, batch_size: int, max_length: int, page_size: int = 1) -> int:
+    """KV slots one target batch holds: its sequences (`target_batch_tokens`' count of them), each
+    in whole pages of `page_size` tokens (target_engine/pages.py)."""
+    sequences = batch_size * node_layout(hw).per_replica // context_parallel(hw)
+    return sequences * whole_pages(max_length, page_size)
+
+
+def kv_pool_tokens(hw, batch_size: int, max_length: int, page_size: int = 1) -> int:
+    """The engine's KV pool cap, in whole pages (SGLang floors its pool to pages): hw.max_total_tokens,
+    raised to one whole target batch when that is larger (the engine cannot run a batch its pool does
+    not hold; the memory plan counts the pool)."""
+    return whole_pages(max(hw.max_total_tokens, target_batch_slots(hw, batch_size, max_length, page_size)), page_size)
 
 
 def optimizer_device(value: Optional[str], device: str, trainer_gpus: list[int]) -> str | int | None:
@@ -228,7 +240,8 @@ def plan_memory(job, facts: TargetFacts, *, max_length: int | None = None, batch
     ranks, coloc = len(trainers), layout.colocated
     tokens_per_step = B * L * tr.grad_accum * ranks // context_parallel(hw)
     batch_tokens = target_batch_tokens(hw, B, L)
-    kv_tokens = kv_pool_tokens(hw, B, L)
+    page = kv_page_size(hw, facts)
+    kv_tokens = kv_pool_tokens(hw, B, L, page)
     ctx = int(hw.cuda_context_gib * GiB) if hw.device == "cuda" else 0
     elem = 2 if hw.target_dtype in ("bfloat16", "float16") else 4  # the target's dtype: ring, frozen tensors
     # colocated: AdamW lives with the shards, on the GPUs or (cpu) on the host with FSDP2's CPU offload
@@ -238,6 +251,9 @@ def plan_memory(job, facts: TargetFacts, *, max_length: int | None = None, batch
                             bf16=bf16, data_parallel=ranks > 1, context_bytes=ctx, frozen_bytes=elem,
                             checkpoint=tr.activation_checkpointing, optimizer_offloaded=opt_dev is not None,
                             shards=ranks if coloc else 1, method=method)
+    nccl, nccl_how = trainer_nccl_bytes(hw, ranks, context_parallel(hw))
+    if nccl:
+        t_items.append(Item("NCCL buffers (trainer communicators)", nccl, note=nccl_how))
     P = trainable_params(cfg, method)
     notes = [(offload_note(P, ranks, method.keep_units_gathered) if coloc else host_optimizer_note(P, ranks))
              ] if opt_dev == "cpu" else []
@@ -256,10 +272,10 @@ def plan_memory(job, facts: TargetFacts, *, max_length: int | None = None, batch
     if hw.device != "cuda":
         g = GpuBudget(-1, "trainer rank (host memory, not checked)", 0, t_items)
         return MemoryPlan(facts, cfg, [g], kv_tokens, tokens_per_step, None, None,
-                          length_problems(facts, L), notes, method=method)
+                          length_problems(facts, L), notes, method=method, kv_page_size=page)
 
     problems = _layout_problems(hw, facts, layout, opt_dev)
-    target_items = _target_items(hw, facts, batch_tokens, kv_tokens, ctx, num_aux)
+    target_items = _target_items(hw, facts, batch_tokens, kv_tokens, ctx, num_aux, page)
     carried = B * trainer_seq_len(hw, L, depth)  # context parallelism: each rank's window rows only
     ring = Item("stream ring slots (aux + final)", tr.stream_slots * carried * (num_aux + 1) * facts.hidden_size * elem,
                 owner="stream", note=f"{tr.stream_slots} x {carried} tokens x {num_aux + 1}Ht x {elem} B")
@@ -295,12 +311,14 @@ def plan_memory(job, facts: TargetFacts, *, max_length: int | None = None, batch
     problems += length_problems(facts, L)
     notes.append(activation_note(cfg, B, trainer_seq_len(hw, L, depth), depth, bf16, tr.activation_checkpointing,
                                  method))
-    notes += kernel_notes(hw, facts)
+    notes += kernel_notes(hw, facts) + engine_notes(hw, facts, batch_tokens, page)
+    if ranks > 1:
+        notes.append(nccl_note(hw))
     if not coloc and (ranks > 1 or hw.target_replicas > 1):
         notes.append(f"data-parallel: launch with torchrun --nproc-per-node {hw.target_replicas} (one trainer rank "
                      f"per replica)")
     return MemoryPlan(facts, cfg, budgets, kv_tokens, tokens_per_step, frac, frac_min, problems, notes, capacity_ok,
-                      free_before_load, method)
+                      free_before_load, method, kv_page_size=page)
 
 
 def length_problems(facts: TargetFacts, max_length: int) -> list[str]:
@@ -346,24 +364,29 @@ def _layout_problems(hw, facts: TargetFacts, layout: NodeLayout, opt_dev) -> lis
     return problems
 
 
+ENGINE_ACTIVATIONS = "SGLang activations of one extend"
 STATIC_ITEMS = ("target weights (TP shard + replicated)", "KV cache pool", "SGLang multimodal reservation")
 
 
-def _target_items(hw, facts: TargetFacts, batch_tokens: int, kv_tokens: int, ctx: int, num_aux: int) -> list[Item]:
+def _target_items(hw, facts: TargetFacts, batch_tokens: int, kv_tokens: int, ctx: int, num_aux: int,
+                  page: int = 1) -> list[Item]:
     """One SGLang TP rank's items on its GPU (num_aux: the captured states, besides the final one)."""
     items = [
         Item("CUDA context (SGLang TP rank)", ctx, owner="target"),
         Item("target weights (TP shard + replicated)", facts.weight_bytes_per_gpu(hw.target_tp), owner="target",
              note=f"({gib(facts.weight_bytes)} - {gib(facts.replicated_weight_bytes())}) / {hw.target_tp} + replicated"),
         Item("KV cache pool", kv_tokens * facts.kv_bytes_per_token(hw.target_tp), owner="target",
-             note=f"{kv_tokens} tokens x {facts.kv_bytes_per_token(hw.target_tp)} B"),
+             note=f"{kv_tokens} tokens" + (f" = {kv_tokens // page} pages of {page}" if page > 1 else "")
+                  + f" x {facts.kv_bytes_per_token(hw.target_tp)} B"),
         Item("SGLang multimodal reservation", 100 * MiB if facts.multimodal else 0, owner="target"),  # SGLANG_VLM_CACHE_SIZE_MB
-        Item("SGLang runtime (activations, workspaces)",
+        Item("SGLang runtime (workspaces, captured states)",
              int(hw.target_runtime_gib * GiB) + batch_tokens * (num_aux + 1) * facts.hidden_size * 2, owner="target",
-             note="estimate: hw.target_runtime_gib + captured states"),
+             note="hw.target_runtime_gib + the batch's captured states (aux + final, bf16)"),
     ]
+    forward = extend_tokens(hw, batch_tokens)  # chunked prefill: one chunk
+    items.append(Item(ENGINE_ACTIVATIONS, extend_activation_bytes(hw, facts, forward), owner="target",
+                      note=f"{forward} tokens: residual stream + the larger of MLA attention and MoE (plan/engine.py)"))
     if int4_moe_backend(hw, facts) == MARLIN:  # grows with one forward's tokens, unlike hw.target_runtime_gib
-        forward = min(batch_tokens, hw.target_prefill_chunk or batch_tokens)  # chunked prefill: one chunk
         scratch = marlin_scratch_bytes(facts, forward, hw.target_tp)
         items.append(Item("SGLang Marlin MoE scratch (INT4 experts)", scratch, owner="target",
                           note=f"{forward} tokens x top-{facts.num_experts_per_tok} x (max(2N, H) + N) x 2 B, "

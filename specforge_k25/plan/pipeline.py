@@ -45,7 +45,8 @@ import math
 from dataclasses import dataclass, field
 from typing import Optional
 
-from .budget import GpuBudget, length_problems
+from .budget import ENGINE_ACTIVATIONS, GpuBudget, length_problems
+from .engine import extend_activation_bytes, extend_tokens, trainer_nccl_bytes
 from .facts import GiB, MiB, PlanError, TargetFacts, draft_of, run_capture_points, trainable_params
 from .fit import largest_fitting
 from .kernels import MARLIN, int4_moe_backend, marlin_scratch_bytes
@@ -325,7 +326,7 @@ def pipeline_memory(job, facts: TargetFacts, pp: int, tp: int = 1, replicas: int
     capacity = hw.gpu_memory_mib * MiB
     micro = B * L * tp
     kv_tokens = max(hw.max_total_tokens, pp * micro)  # pp micro-batches in flight (SGLang's event_loop_pp)
-    forward = min(micro, hw.target_prefill_chunk or micro)
+    forward = extend_tokens(hw, micro)  # one chunk of the prefill (plan/engine.py)
     weights = stage_weight_bytes(facts, split, tp)
     kv_layer = kv_bytes_per_token_per_layer(facts, tp)
     points = run_capture_points(job, facts.num_layers)
@@ -334,6 +335,9 @@ def pipeline_memory(job, facts: TargetFacts, pp: int, tp: int = 1, replicas: int
                             teacher_chunk=tr.teacher_chunk, bf16=hw.autocast == "bf16", data_parallel=True,
                             context_bytes=ctx, frozen_bytes=elem, checkpoint=tr.activation_checkpointing,
                             shards=N, method=method)
+    nccl, nccl_how = trainer_nccl_bytes(hw, N, 1)
+    if nccl:
+        t_items.append(Item("NCCL buffers (trainer communicators)", nccl, note=nccl_how))
     ring = Item("stream ring slots (aux + final)", tr.stream_slots * B * L * (num_aux + 1) * facts.hidden_size * elem,
                 owner="stream", note=f"{tr.stream_slots} x {B * L} tokens x {num_aux + 1}Ht x {elem} B")
     budgets, problems, frac = [], [], 0.0
@@ -352,6 +356,8 @@ def pipeline_memory(job, facts: TargetFacts, pp: int, tp: int = 1, replicas: int
                  owner="target", note="hw.target_runtime_gib + its captured states + one proxy in and one out "
                                       "(2Ht each), one micro-batch"),
         ]
+        items.append(Item(ENGINE_ACTIVATIONS, extend_activation_bytes(hw, facts, forward), owner="target",
+                          note=f"{forward} tokens (plan/engine.py)"))
         if int4_moe_backend(hw, facts) == MARLIN and any(i >= facts.num_layers - facts.num_moe_layers
                                                          for i in range(lo, hi)):
             items.append(Item("SGLang Marlin MoE scratch (INT4 experts)", marlin_scratch_bytes(facts, forward, tp),

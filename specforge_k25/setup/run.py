@@ -20,6 +20,7 @@ from ..plan import check_fits, facts_from_folder, resolve_draft, with_hw_overrid
 from ..plan.facts import run_capture_points
 from ..plan.pipeline import check_pipeline_fits
 from ..plan.budget import kv_pool_tokens
+from ..plan.engine import prefill_chunk, run_page_size
 from ..stream.ring import SeqWindow
 from ..stream.target_stream import TargetStream
 from ..target_engine.base import TargetInfo
@@ -247,12 +248,12 @@ def target_spec(job: JobConfig, engine: str = "sglang", tokenizer=None) -> Targe
     spec = TargetSpec(engine=engine, model_path=model_path, architecture=info.architecture,
                       capture_points=capture_points(job, info),
                       device=hw.device, dtype=hw.target_dtype, tp_size=hw.target_tp, pp_size=hw.target_pp, gpu_id=hw.target_gpu,
-                      max_total_tokens=kv_pool_tokens(hw, job.train.batch_size, job.data.max_length), mem_fraction_static=hw.mem_fraction_static,
+                      max_total_tokens=kv_pool_tokens(hw, job.train.batch_size, job.data.max_length, run_page_size(hw, model_path)), mem_fraction_static=hw.mem_fraction_static,
                       attention_backend=hw.target_attention_backend, num_threads=hw.target_threads, trust_remote_code=job.target.trust_remote_code,
                       nnodes=hw.target_nnodes, node_rank=hw.target_node_rank, dist_init_addr=hw.target_dist_init_addr,
                       dist_timeout=round(hw.target_dist_timeout_s if hw.target_dist_timeout_s is not None
                                          else job.train.dist_timeout_s),
-                      load_threads=hw.target_load_threads, prefill_chunk=hw.target_prefill_chunk)
+                      load_threads=hw.target_load_threads, prefill_chunk=prefill_chunk(hw))
     if job.data.regenerate:
         if tokenizer is None:
             from ..data.kimi_tiktoken import load_tokenizer

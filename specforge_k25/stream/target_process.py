@@ -23,6 +23,7 @@ import psutil
 import torch
 
 from ..target_engine.factory import TargetSpec, build_target
+from ..target_engine.pages import batch_slots, pool_floor, whole_pages
 from ..target_engine.sampling import generation_slots, kv_slots
 from .pipeline_shares import StageShares
 from .progress import BatchProgress
@@ -102,10 +103,12 @@ def run_producer(spec: TargetSpec, tokens: torch.Tensor, offsets: torch.Tensor, 
         broadcasts = spec.pp_size == 1 and spec.tp_size > 1  # TP rank 0 leads the other TP ranks (run_tp_rank)
         route = StageShares(target, rank, ring, routes, tp_size=spec.tp_size, pp_size=spec.pp_size) if routes else None
         pool = target.max_total_tokens  # SGLang sizes its KV pool from free memory at start
-        largest = max((sum(sequence_room(spec, int(offsets[i + 1] - offsets[i])) for i in b) for b in batches), default=0)
+        page = getattr(target, "kv_page_size", 1)
+        largest = max((batch_slots([sequence_room(spec, int(offsets[i + 1] - offsets[i])) for i in b], page)
+                       for b in batches), default=0)
         if pool is not None and largest > pool:
-            raise ValueError(f"the largest batch has {largest} tokens but the engine's KV pool holds {pool}: "
-                             f"lower train.batch_size or data.max_length, or raise hw.mem_fraction_static")
+            raise ValueError(f"the largest batch needs {largest} KV slots (whole pages of {page} tokens per sequence) "
+                             f"but the engine's KV pool holds {pool}: {pool_advice(pool, spec.max_total_tokens, largest, page)}")
         ahead = None
         if spec.regeneration is not None:
             stage = "regeneration groups"
@@ -154,6 +157,17 @@ def run_producer(spec: TargetSpec, tokens: torch.Tensor, offsets: torch.Tensor, 
 def sequence_room(spec: TargetSpec, length: int) -> int:
     """Tokens a sequence of `length` occupies in the engine and the ring (its answer included)."""
     return length + (spec.regeneration.budget(length) if spec.regeneration is not None else 0)
+
+
+def pool_advice(pool: int, requested: int, need: int, page: int) -> str:
+    """What raises the engine's KV pool to `need` slots. SGLang's pool is the smaller of what its
+    static memory holds and the requested cap (hw.max_total_tokens as the plan raises it), floored to
+    whole pages (target_engine/pages.py): at the cap, only a larger cap helps; below it, memory."""
+    if pool >= pool_floor(requested, page):
+        return (f"the pool is at its cap (hw.max_total_tokens, {requested} requested): set "
+                f"hw.max_total_tokens={whole_pages(need, page)}, or lower train.batch_size or data.max_length")
+    return (f"SGLang's static memory holds only {pool} of the {requested} requested: raise hw.mem_fraction_static "
+            f"(`python -m specforge_k25.plan` derives it), or lower train.batch_size or data.max_length")
 
 
 # what TP rank 0 broadcasts ahead of the sequences, so the other ranks take the same step
@@ -209,7 +223,7 @@ class Regenerated:
                     for group in self.groups), default=0)
         if pool is not None and need > pool:
             raise ValueError(f"a regeneration group needs {need} KV slots but the engine's pool holds {pool}: "
-                             f"lower data.regen_group or hw.max_total_tokens, or raise hw.mem_fraction_static")
+                             f"lower data.regen_group, or {pool_advice(pool, spec.max_total_tokens, need, page)}")
         self.ready: dict[int, torch.Tensor] = {}  # sample -> its conversation (int32), until its last use
         self.uses: dict[int, int] = {}  # sample -> how many items still use it
         for item in range(start, len(batches)):

@@ -11,6 +11,8 @@ from dataclasses import dataclass, field
 
 import torch
 
+from .pages import whole_pages
+
 
 @dataclass(frozen=True)
 class Regeneration:
@@ -81,8 +83,7 @@ def kv_slots(prompt_len: int, budget: int, page_size: int = 1) -> int:
     """KV slots one request of `generate_with` holds at its end (the most it ever holds): its
     prompt and every answer token fed back, i.e. all but the last (a finished request leaves the
     batch, so it stops taking a slot per step); SGLang allocates whole pages per request."""
-    held = prompt_len + max(budget - 1, 0)
-    return -(-held // page_size) * page_size
+    return whole_pages(prompt_len + max(budget - 1, 0), page_size)
 
 
 def generation_slots(prompt_lengths: list[int], budgets: list[int], page_size: int = 1) -> int:

@@ -36,6 +36,7 @@ import torch
 
 from .base import CPU_MEM_FRACTION_STATIC, TargetOutput
 from .layers import layer_id_rule, sglang_layer_ids
+from .pages import batch_slots, chunk_end
 from .sampling import Regeneration, generate_with, generation_slots
 from .sglang_cpu_compat import SGLANG_VERSION
 
@@ -177,28 +178,33 @@ def packed_aux(aux_hidden, final_hidden: torch.Tensor, num_aux: int) -> torch.Te
     return aux_hidden
 
 
-def prefill_rounds(lengths: list[int], chunk: int | None) -> list[list[tuple[int, int, int]]]:
+def prefill_rounds(lengths: list[int], chunk: int | None, page_size: int = 1) -> list[list[tuple[int, int, int]]]:
     """The target forwards that prefill a batch of sequences of `lengths`: each forward a list of
     (sequence, start, end) token spans, at most `chunk` tokens in all (None: one forward of the
     whole batch). The batch is walked in order and a sequence is cut where a forward's budget runs
     out, its rest going to the next forwards: concatenated forward after forward the spans are the
     batch's tokens in order (what the trainer receives), and each later span of a sequence extends
     the KV its earlier spans wrote. One token budget per forward, as SGLang's chunked_prefill_size:
-    it bounds the activations of one forward (a 32k-token MoE forward) whatever the batch size."""
+    it bounds the activations of one forward (a 32k-token MoE forward) whatever the batch size.
+    A cut falls on a page boundary of the KV pool (`page_size`, target_engine/pages.py), as SGLang's
+    scheduler cuts: the room a forward has left below one page goes unused."""
     if chunk is None:
         return [[(i, 0, n) for i, n in enumerate(lengths)]]
-    if chunk < 1:
-        raise ValueError(f"prefill chunk of {chunk} tokens: must be >= 1 (or null for one forward per batch)")
+    if chunk < max(1, page_size):
+        raise ValueError(f"prefill chunk of {chunk} tokens: must be >= 1 and at least one KV page ({page_size} "
+                         f"tokens), or null")
     rounds, current, room = [], [], chunk
     for i, n in enumerate(lengths):
         start = 0
         while start < n:
-            end = min(n, start + room)
-            current.append((i, start, end))
-            room -= end - start
-            start = end
-            if room == 0:
-                rounds.append(current)
+            end = chunk_end(start, room, n, page_size)
+            if end > start:
+                current.append((i, start, end))
+                room -= end - start
+                start = end
+            if end < n or room == 0:  # cut here (or full): the rest goes to the next forward
+                if current:
+                    rounds.append(current)
                 current, room = [], chunk
     if current:
         rounds.append(current)
@@ -325,10 +331,12 @@ class SGLangTarget:
     @torch.no_grad()
     def forward(self, sequences: list[torch.Tensor]) -> TargetOutput:
         total = sum(len(s) for s in sequences)
-        if total > self.max_total_tokens:
-            raise ValueError(f"batch of {total} tokens exceeds the engine's KV pool ({self.max_total_tokens})")
+        slots = batch_slots([len(s) for s in sequences], self.kv_page_size)
+        if slots > self.max_total_tokens:
+            raise ValueError(f"batch of {total} tokens ({slots} KV slots in pages of {self.kv_page_size}) exceeds the "
+                             f"engine's KV pool ({self.max_total_tokens})")
         reqs = self._requests(sequences)
-        rounds = prefill_rounds([len(s) for s in sequences], self.prefill_chunk)
+        rounds = prefill_rounds([len(s) for s in sequences], self.prefill_chunk, self.kv_page_size)
         aux = final = None
         done = 0
         try:
@@ -402,7 +410,7 @@ class SGLangTarget:
         reqs = self._requests(prompts, budgets)
         if self.prefill_chunk is None or sum(len(p) for p in prompts) <= self.prefill_chunk:
             return reqs
-        for spans in prefill_rounds([len(p) - 1 for p in prompts], self.prefill_chunk):
+        for spans in prefill_rounds([len(p) - 1 for p in prompts], self.prefill_chunk, self.kv_page_size):
             for i, start, end in spans:
                 reqs[i].prefix_len, reqs[i].extend_end = start, end  # as in forward
             self._runner.extend([reqs[i] for i, _, _ in spans])

@@ -50,6 +50,7 @@ import torch
 
 from .base import CPU_MEM_FRACTION_STATIC, TargetOutput
 from .layers import capture_points_of_sglang_ids, layer_id_rule, sglang_layer_ids
+from .pages import batch_slots
 from .sglang_engine import (
     _text_model,
     broadcast_batch,
@@ -170,11 +171,13 @@ class SGLangPipelineStage:
         """This stage's part of the prefill of `sequences` (every rank calls it with the same batch).
         The last stage returns the batch's states; the other stages None."""
         total = sum(len(s) for s in sequences)
-        if total > self.max_total_tokens:
-            raise ValueError(f"batch of {total} tokens exceeds the engine's KV pool ({self.max_total_tokens})")
+        slots = batch_slots([len(s) for s in sequences], self.kv_page_size)
+        if slots > self.max_total_tokens:
+            raise ValueError(f"batch of {total} tokens ({slots} KV slots in pages of {self.kv_page_size}) exceeds the "
+                             f"engine's KV pool ({self.max_total_tokens})")
         reqs = make_requests(sequences, self._next_rid)
         self._next_rid += len(reqs)
-        rounds = prefill_rounds([len(s) for s in sequences], self.prefill_chunk)
+        rounds = prefill_rounds([len(s) for s in sequences], self.prefill_chunk, self.kv_page_size)
         aux = final = None
         done = 0
         try:

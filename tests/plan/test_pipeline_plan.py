@@ -126,7 +126,7 @@ def test_a_pipeline_run_is_checked_against_the_per_stage_plan():
     with pytest.raises(PlanError, match=f"set hw.mem_fraction_static={math.ceil(frac * 100) / 100}"):
         check_pipeline_fits(low, facts)
     long = compose_job(base + ["hw.mem_fraction_static=0.9", "data.max_length=8192"])
-    with pytest.raises(PlanError, match=r"stage \d \(GPU \d\) needs .*longest data.max_length that fits is 3328"):
+    with pytest.raises(PlanError, match=r"stage \d \(GPU \d\) needs .*longest data.max_length that fits is 3072"):
         check_pipeline_fits(long, facts)
     with pytest.raises(PlanError, match="hw.trainer_layout=colocated"):
         check_pipeline_fits(compose_job(base + ["hw.trainer_layout=dedicated"]), facts)
