@@ -17,7 +17,8 @@ from __future__ import annotations
 import dataclasses
 import datetime
 import os
-from contextlib import contextmanager
+import sys
+from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -26,6 +27,7 @@ import torch.distributed as dist
 
 from ..plan.budget import node_layout
 from ..setup.layout import World
+from .heartbeat import start_heartbeat
 
 
 class RankFailed(RuntimeError):
@@ -55,7 +57,8 @@ class Ranks:
     """This process's place among the trainer ranks and the collectives over them.
 
     With one rank every method is the identity; with several, a failed or timed-out collective
-    raises RankFailed.
+    raises RankFailed, and `heartbeat` (train/heartbeat.py; on NCCL by default) ends the run when a
+    rank dies or hangs where a collective raises nothing.
     """
 
     rank: int = 0
@@ -65,6 +68,34 @@ class Ranks:
     colocated: bool = False  # hw.trainer_layout=colocated: the draft state sharded over the ranks (FSDP2)
     cp: int = 1  # hw.context_parallel: consecutive ranks of a replica that split each sequence's positions
     cp_group: Any = field(default=None, compare=False, repr=False)  # their process group
+    heartbeat: Any = field(default=None, compare=False, repr=False)  # train/heartbeat.Heartbeat, or None
+
+    def mark(self, item: int, phase: str) -> None:
+        """The schedule item and phase this rank is in ("target": waiting for its batch, "train",
+        "eval", "checkpoint", "end", "stopping"): what the heartbeat bounds and names."""
+        if self.heartbeat is not None:
+            self.heartbeat.mark(item, phase)
+
+    def phase(self, phase: str, run_dir=None) -> None:
+        """The phase only (the item stays); `run_dir`: where the heartbeat finds the newest checkpoint."""
+        if self.heartbeat is not None:
+            self.heartbeat.phase(phase)
+            if run_dir is not None:
+                self.heartbeat.run_dir = run_dir
+
+    def marked(self, batches, start: int, kind_of, run_dir=None):
+        """`batches` (one per schedule item from `start`), marking each item's phases: "target"
+        while its batch is awaited, then its kind ("train" / "eval") until the next; "end" after
+        the last."""
+        self.phase("target", run_dir)
+        for index, got in enumerate(batches, start):
+            self.mark(index, kind_of(index))
+            yield got
+            self.mark(index + 1, "target")
+        self.phase("end")
+
+    def _waiting(self, what: str):
+        return self.heartbeat.waiting(what) if self.heartbeat is not None else nullcontext()
 
     @property
     def cp_rank(self) -> int:
@@ -122,7 +153,8 @@ class Ranks:
     def _reduce(self, t: torch.Tensor, op) -> torch.Tensor:
         if self.world > 1:
             try:
-                dist.all_reduce(t, op=op)
+                with self._waiting(f"an all_reduce ({op})"):
+                    dist.all_reduce(t, op=op)
             except RuntimeError as err:  # gloo: peer closed / timeout; nccl: timeout
                 raise RankFailed(f"trainer rank {self.rank}: a collective with the other ranks failed "
                                  f"(another rank died or hung): {err}") from None
@@ -151,7 +183,8 @@ class Ranks:
         return self._reduce(t, dist.ReduceOp.SUM)
 
     def sum_ints(self, values: list[int], device) -> list[int]:
-        return [int(v) for v in self.sum(torch.tensor(values, dtype=torch.int64, device=device)).tolist()]
+        with self._waiting("a sum of counts"):  # NCCL: the host waits in .tolist(), not in all_reduce
+            return [int(v) for v in self.sum(torch.tensor(values, dtype=torch.int64, device=device)).tolist()]
 
     def check_same(self, value: int, what: str, device) -> None:
         """Raise (on every rank) unless all ranks hold the same integer."""
@@ -183,7 +216,8 @@ class Ranks:
             return [obj]
         out = [None] * self.world
         try:
-            dist.all_gather_object(out, obj)
+            with self._waiting("all_gather_object"):
+                dist.all_gather_object(out, obj)
         except RuntimeError as err:
             raise RankFailed(f"trainer rank {self.rank}: gathering from the other ranks failed: {err}") from None
         return out
@@ -194,7 +228,8 @@ class Ranks:
             return obj
         box = [obj]
         try:
-            dist.broadcast_object_list(box, src=0)
+            with self._waiting("broadcast_object_list from rank 0"):
+                dist.broadcast_object_list(box, src=0)
         except RuntimeError as err:
             raise RankFailed(f"trainer rank {self.rank}: broadcast from rank 0 failed: {err}") from None
         return box[0]
@@ -239,8 +274,10 @@ def start_ranks(job, world: World | None = None):
             group = dist.new_group(list(range(first, first + cp)), timeout=timeout)
             if first <= dist.get_rank() < first + cp:
                 cp_group = group
+    heartbeat = start_heartbeat(job, dist.get_rank(), dist.get_world_size(), nccl=job.hw.device == "cuda")
     return job, Ranks(rank=dist.get_rank(), world=dist.get_world_size(), local_rank=world.local_rank,
-                      per_replica=layout.per_replica, colocated=layout.colocated, cp=cp, cp_group=cp_group)
+                      per_replica=layout.per_replica, colocated=layout.colocated, cp=cp, cp_group=cp_group,
+                      heartbeat=heartbeat)
 
 
 # What torchrun puts in a rank's environment (TORCHELASTIC_* too).
@@ -261,6 +298,12 @@ def launcher_env_hidden():
         os.environ.update(hidden)
 
 
-def stop_ranks() -> None:
+def stop_ranks(ranks: Ranks | None = None) -> None:
+    """End the process group; first the heartbeat, leaving "done" or, called while an error
+    propagates (a `finally`), its first line: the other ranks then end at once, naming it."""
+    if ranks is not None and ranks.heartbeat is not None:
+        err = sys.exc_info()[1]
+        ranks.heartbeat.stop("done" if err is None else
+                             f"ended with {type(err).__name__}: {str(err).splitlines()[0] if str(err) else ''}")
     if dist.is_available() and dist.is_initialized():
         dist.destroy_process_group()

@@ -211,6 +211,7 @@ class Trainer:
         t = self.learner
         if not (self.ranks.main or t.sharded) or (self.saved.step == 0 and not done):
             return None  # step 0: nothing a fresh start lacks (and no AdamW state for FSDP2 to gather)
+        self.ranks.phase("checkpoint")
         tensors, optim = t.state_dicts()
         if not self.ranks.main:
             return None
@@ -293,7 +294,8 @@ class Trainer:
                        for s in share] for i, share in enumerate(shares, start) if share])
         batches = take_batches(self.stream, shares, self.samples,
                                lambda *args: self.learner.make_batch(*args, seeds=next(seeds)), rebuild)
-        for index, (share, batch, regenerated) in enumerate(batches, start):
+        marked = self.ranks.marked(batches, start, lambda i: self.schedule[i].kind, self.run_dir)  # the heartbeat's phases
+        for index, (share, batch, regenerated) in enumerate(marked, start):
             item = self.schedule[index]
             tokens = self._item_tokens(item, batch, share, regenerated)
             self._tokens_streamed += tokens
@@ -317,6 +319,7 @@ class Trainer:
         """Stop the target, save the last boundary, and the error to raise (naming the checkpoint).
         Sharded ranks can gather their state only when every rank stopped together (an agreed
         stop); after a failure the newest periodic checkpoint is the saved progress."""
+        self.ranks.phase("stopping")
         self.bar.close()
         self.stream.close()
         if self.learner.sharded and isinstance(err, StreamInterrupted):  # before any optimizer step
@@ -430,6 +433,7 @@ def run_training(job: JobConfig, run_dir: str | Path, engine: str = "sglang") ->
     (train/distributed.py); only rank 0 prints, logs, checkpoints and exports, and a rank that
     sees another one fail raises RankFailed (rank 0 after saving).
     """
+    ranks = None
     try:
         Path(run_dir).mkdir(parents=True, exist_ok=True)
         t_start = time.perf_counter()
@@ -446,4 +450,4 @@ def run_training(job: JobConfig, run_dir: str | Path, engine: str = "sglang") ->
         trainer = Trainer(job, setup, run_dir, ranks, partial(make_target_stream, engine=engine), t_start)
         return trainer.run()
     finally:
-        stop_ranks()
+        stop_ranks(ranks)  # with the heartbeat: "done", or the error the other ranks then end with

@@ -201,10 +201,11 @@ def test_start_ranks_takes_the_node_layout(monkeypatch, layout, ranks_per_node, 
     monkeypatch.setattr(distributed.dist, "init_process_group", lambda backend, **kw: calls.append(backend))
     monkeypatch.setattr(distributed.dist, "get_rank", lambda: world.rank)
     monkeypatch.setattr(distributed.dist, "get_world_size", lambda: world.size)
+    monkeypatch.setattr(distributed, "start_heartbeat", lambda job, rank, world, nccl: calls.append(("heartbeat", nccl)))
     job = compose_job(["+hw=b300x8", f"hw.trainer_layout={layout}"])
     job, ranks = distributed.start_ranks(job, world)
     assert (job.hw.trainer_gpu, job.hw.target_gpu) == gpus
-    assert calls == [("set_device", gpus[0]), "nccl"]
+    assert calls == [("set_device", gpus[0]), "nccl", ("heartbeat", True)]  # NCCL: the heartbeat by default
     assert ranks == Ranks(rank=local_rank, world=ranks_per_node, local_rank=local_rank, per_replica=per_replica,
                           colocated=layout == "colocated")
     assert ranks.replica == local_rank // per_replica
@@ -264,7 +265,8 @@ def dp_runs(tiny_deepseek_path, tmp_path_factory):
     root = tmp_path_factory.mktemp("dp")
     one, two = root / "one", root / "two"
     logs = run_side_by_side([[sys.executable, WORKER, str(one), *COMMON, "train.batch_size=4"],
-                             _torchrun(2, WORKER, str(two), *TWO_RANKS)], timeout=600)
+                             _torchrun(2, WORKER, str(two), *TWO_RANKS, "train.heartbeat_timeout_s=30")],
+                            timeout=600)  # with the heartbeat (NCCL's default): no effect on a healthy run
     return one, two, logs
 
 
