@@ -134,6 +134,8 @@ class TrainConfig:
     stream_timeout_s: float = doc(600.0, "fail if the target produces no batch for this long (after the first)", above=0)
     engine_start_timeout_s: float = doc(3600.0, "fail if the engine's first batch takes longer (load + warm-up)", above=0)
     dist_timeout_s: float = doc(1800.0, "trainer ranks (and the target TP group unless hw.target_dist_timeout_s is set): fail a collective that waits longer (a dead or hung rank); must exceed the spread of engine start times", above=0)
+    heartbeat_timeout_s: Optional[float] = doc(None, "several trainer ranks: each publishes a heartbeat on the run's store (torchrun's) and watches the others' (train/heartbeat.py); a rank silent this long (died, killed, aborted by NCCL's watchdog) or one stuck past train.step_timeout_s ends every rank within seconds, naming it (the newest complete checkpoint is the progress). null: 60 on NCCL, off on gloo (its collectives raise by themselves); 0: off", at_least=0)
+    step_timeout_s: float = doc(600.0, "with the heartbeat: the longest a rank may spend in one schedule item (forward, backward, optimizer step and their collectives) before the run ends, naming it; engine start, the wait for the target's batch, checkpoints and the export are bounded by train.dist_timeout_s instead", above=0)
     log_every: int = doc(10, "optimizer steps between metric logs", at_least=1)
     eval_every: Optional[int] = doc(None, "optimizer steps between held-out evaluations (null: start and end only)", at_least=1)
     checkpoint_every: Optional[int] = doc(None, "optimizer steps between checkpoints (null or 0: end only)", at_least=0)
