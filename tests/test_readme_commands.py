@@ -165,6 +165,12 @@ COMMANDS: dict[str, Case] = {
     "python -m specforge_k25.train.tp_node ... hw.target_tp=16 hw.target_nnodes=2 hw.target_node_rank=1 "
     "hw.target_dist_init_addr=10.0.0.1:29600":
         Case(OUTPUT, after=DRY_RUN_TP16),
+    # MPS on a co-located node: NVIDIA's daemon, on GPUs only
+    "export CUDA_MPS_PIPE_DIRECTORY=/tmp/nvidia-mps CUDA_MPS_LOG_DIRECTORY=/tmp/nvidia-mps-log":
+        Case(SKIP, why="MPS: a GPU node's daemon"),
+    "nvidia-cuda-mps-control -d": Case(SKIP, why="MPS: a GPU node's daemon"),
+    "torchrun ... -m specforge_k25.train ...": Case(SKIP, why="the launch between MPS on and off (elided)"),
+    "echo quit | nvidia-cuda-mps-control": Case(SKIP, why="MPS: a GPU node's daemon"),
 }
 
 
