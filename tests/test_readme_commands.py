@@ -138,7 +138,7 @@ COMMANDS: dict[str, Case] = {
     "train.out_dir=runs/mla": FITS,
     "python -m specforge_k25.train +hw=rtxpro6000x8 target=kimi_k25 target.path=/models/Kimi-K2.5 draft=kimi_dflash "
     "target.aux_layers=[2,13,25,36,48,59] train.optimizer_device=cpu hw.target_prefill_chunk=8192 "
-    "data.max_length=5120 data.regenerate=true": FITS,
+    "data.max_length=4864 data.regenerate=true": FITS,
     "python -m specforge_k25.train +hw=b300x8 target=kimi_k25 target.path=/models/Kimi-K2.5 draft=kimi_dflash "
     "target.aux_layers=[2,13,25,36,48,59] data.max_length=65536 hw.mem_fraction_static=0.66 "
     "data.regenerate=true": FITS,
