@@ -131,7 +131,6 @@ class TrainConfig:
     activation_checkpointing: bool = doc(False, "recompute each TTT step in backward instead of keeping its activations (~1 more forward; the memory plan shows the saving)")
     optimizer_device: Optional[str] = doc(None, "where AdamW's fp32 master weights and m/v live: null = the trainer's device | cpu (host memory; co-located ranks: FSDP2's CPU offload of their weight, grad and AdamW shards) | cuda:N (another GPU; dedicated layout only)")
     stream_slots: int = doc(3, "shared-memory slots between target and trainer (backpressure bound)", at_least=1)
-    routing_capture: bool = doc(True, "MoE targets: count the experts each window of consecutive prefilled tokens routes to (routing.pt / routing.json in the run folder, the summary, wandb) for `python -m specforge_k25.serving`; reads the routing, never changes it; dense targets record nothing")
     stream_timeout_s: float = doc(600.0, "fail if the target produces no batch for this long (after the first)", above=0)
     engine_start_timeout_s: float = doc(3600.0, "fail if the engine's first batch takes longer (load + warm-up)", above=0)
     dist_timeout_s: float = doc(1800.0, "trainer ranks (and the target TP group unless hw.target_dist_timeout_s is set): fail a collective that waits longer (a dead or hung rank); must exceed the spread of engine start times", above=0)
@@ -240,12 +239,105 @@ MOVED_KEYS = {
 }
 
 
-def check_moved_keys(overrides: list[str]) -> None:
-    """ValueError naming the new key when an override sets a key of MOVED_KEYS."""
+def config_keys(schema=None) -> dict[str, bool]:
+    """Every field's dotted key of `schema` (JobConfig or EvalJobConfig, the default) and of every
+    draft method's config: True for a dict field, whose own keys are free (`+eval.heads.NAME=FOLDER`)."""
+    import dataclasses
+
+    keys: dict[str, bool] = {}
+
+    def walk(cls, prefix: str) -> None:
+        for f in dataclasses.fields(cls):
+            if prefix == "" and f.name == "draft":
+                continue
+            default = f.default_factory() if callable(f.default_factory) else f.default  # type: ignore[misc]
+            if dataclasses.is_dataclass(default):
+                walk(type(default), f"{prefix}{f.name}.")
+            else:
+                keys[prefix + f.name] = isinstance(default, dict)
+
+    walk(schema or EvalJobConfig, "")
+    for method in METHODS.values():
+        walk(method.spec_class, "draft.")
+    return keys
+
+
+def check_moved_keys(overrides: list[str], schema=None) -> None:
+    """ValueError, one line, for an override of a key that is not a config field (`+key=value`
+    included, which Hydra would add unread): naming the new key for a key of MOVED_KEYS, else the
+    closest field (`schema`: JobConfig for train, EvalJobConfig, the default). Group choices (`target=...`, `+hw=...`) and `hydra.*` are Hydra's own."""
+    import difflib
+
+    keys = None
     for override in overrides:
+        if override.startswith("-"):
+            continue
         key = override.split("=", 1)[0].lstrip("+~")
         if key in MOVED_KEYS:
             raise ValueError(f"{key} is no longer a config key; use {MOVED_KEYS[key]}")
+        if "." not in key or key.startswith("hydra."):
+            continue
+        keys = keys if keys is not None else config_keys(schema)
+        parts = key.split(".")
+        if key in keys or any(keys.get(".".join(parts[:n])) for n in range(1, len(parts))):
+            continue
+        close = difflib.get_close_matches(key, list(keys), n=1, cutoff=0.5)
+        group = [k for k in keys if k.startswith(parts[0] + ".")]
+        hint = f"did you mean {close[0]}?" if close else (f"the {parts[0]}.* fields: {', '.join(group[:8])} ..."
+                                                          if group else "no config group of that name")
+        raise ValueError(f"{override.split('=', 1)[0]} is not a config field ({hint}); --help lists every field")
+
+
+def check_composed(cfg) -> None:
+    """ValueError naming a key of the composed config (a DictConfig) that its schema lacks: a
+    `+draft.KEY` of another draft method than the one composed, which Hydra adds and nothing reads."""
+    import dataclasses
+    import difflib
+
+    from omegaconf import DictConfig, OmegaConf
+
+    def walk(node, prefix: str) -> None:
+        cls = OmegaConf.get_type(node)
+        if not dataclasses.is_dataclass(cls):
+            return
+        names = {f.name for f in dataclasses.fields(cls)}
+        for key in node.keys():
+            if key not in names:
+                close = difflib.get_close_matches(str(key), sorted(names), n=1, cutoff=0.5)
+                hint = f"did you mean {prefix}{close[0]}?" if close else f"{cls.__name__} has no such field"
+                raise ValueError(f"{prefix}{key} is not a config field of this run ({hint}); --help lists every field")
+            child = node._get_node(key)
+            if isinstance(child, DictConfig) and not child._is_missing() and not child._is_none():
+                walk(child, f"{prefix}{key}.")
+
+    walk(cfg, "")
+
+
+def one_line(err: BaseException) -> str:
+    """A Hydra or OmegaConf error as one line: its first line and its cause's."""
+    text = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+    cause = err.__cause__
+    if cause is not None and str(cause).strip():
+        text += f" ({str(cause).strip().splitlines()[0]})"
+    return text
+
+
+def run_hydra_main(main) -> None:
+    """Call a `@hydra.main` function with Hydra's and OmegaConf's errors (an unknown group option,
+    a value of the wrong type, an override that does not parse) raised to here instead of printed
+    at length by Hydra, and reported as one line, exit code 2, as the project's own config errors."""
+    import os
+    import sys
+
+    from hydra.errors import HydraException
+    from omegaconf.errors import OmegaConfBaseException
+
+    os.environ["HYDRA_FULL_ERROR"] = "1"  # Hydra raises instead of printing a traceback and exiting 1
+    try:
+        main()
+    except (HydraException, OmegaConfBaseException) as err:
+        print(f"\nerror: {one_line(err)}", file=sys.stderr)
+        sys.exit(2)
 
 
 def compose_job(overrides: list[str], config_name: str = "config"):
@@ -254,10 +346,18 @@ def compose_job(overrides: list[str], config_name: str = "config"):
     from hydra import compose, initialize_config_dir
     from omegaconf import OmegaConf
 
-    check_moved_keys(overrides)
+    from hydra.errors import HydraException
+    from omegaconf.errors import OmegaConfBaseException
+
+    check_moved_keys(overrides, EvalJobConfig if config_name == "eval" else JobConfig)
     register_schemas()
-    with initialize_config_dir(config_dir=CONF_DIR, version_base="1.3"):
-        return OmegaConf.to_object(compose(config_name=config_name, overrides=overrides))
+    try:
+        with initialize_config_dir(config_dir=CONF_DIR, version_base="1.3"):
+            cfg = compose(config_name=config_name, overrides=overrides)
+        check_composed(cfg)
+        return OmegaConf.to_object(cfg)
+    except (HydraException, OmegaConfBaseException) as err:  # one line, as the project's own errors
+        raise ValueError(one_line(err)) from None
 
 
 def register_schemas() -> None:

@@ -23,9 +23,10 @@ from ..data.regenerate import regeneration_prompt
 from ..export.serving import export_draft
 from ..setup.run import RunSetup, make_target_stream, prepare, regeneration_note
 from ..stream.target_stream import StreamError, StreamInterrupted, TargetStream
-from ..target_engine.routing import load_counts
-from .checkpoint import (check_draft_keys, list_checkpoints, optimizer_state_for, read_checkpoint, read_state,
-                         save_checkpoint)
+from .checkpoint import (WriteFailed, check_draft_keys, last_good_checkpoint, list_checkpoints, optimizer_state_for,
+                         pick_checkpoint, read_checkpoint, read_state, save_checkpoint)
+from .finite import NonFiniteError, diverged, diverged_message, nonfinite_weights
+from .run_lock import RunFolderLocked, RunLock
 from .distributed import RankFailed, Ranks, launcher_env_hidden, start_ranks, stop_ranks
 from .fingerprint import (RESHARDABLE, check_fingerprint, fingerprint_defaults, run_fingerprint, unrecorded,
                           with_recorded_optimizer)
@@ -52,18 +53,6 @@ class Progress:
 
 
 # ------------------------------------------------------------------------------- builders
-def find_resume_checkpoint(resume: str, run_dir: Path) -> Path | None:
-    if resume in ("none", "", None):
-        return None
-    if resume == "auto":
-        found = list_checkpoints(run_dir)
-        return found[-1] if found else None
-    path = Path(resume)
-    if not (path / "state.json").is_file():
-        raise FileNotFoundError(f"train.resume={resume}: not a checkpoint folder (no state.json)")
-    return path
-
-
 def allocated_bytes(path: Path) -> int:
     """Bytes a folder occupies on disk (allocated blocks of its files and directories): what a
     process's write_bytes counter charges for writing it, page rounding included."""
@@ -117,7 +106,7 @@ class Trainer:
     # ------------------------------------------------------------------------------ steps
     def resume(self) -> None:
         """Weights, Adam, LR, RNG, vocab maps and the data cursor from the newest checkpoint (train.resume)."""
-        path = find_resume_checkpoint(self.job.train.resume, self.run_dir)
+        path = self._resume_checkpoint()
         if path is not None:
             state = read_state(path)
             saved = fingerprint_defaults(with_recorded_optimizer(state.get("fingerprint", {}), state))
@@ -134,7 +123,7 @@ class Trainer:
             if self.ranks.main:
                 print(f"resuming from {path} at optimizer step {self.saved.step} "
                       f"(schedule item {self.saved.schedule_item})")
-                if unrecorded(saved):
+                if unrecorded(saved, self.fingerprint):
                     print(f"  note: this checkpoint predates recording {', '.join(unrecorded(saved))}: not "
                           f"compared, the current values apply")
                 if any(saved[k] != self.fingerprint[k] for k in RESHARDABLE):
@@ -142,6 +131,24 @@ class Trainer:
                           f"{saved['batch_size']}, resumed on {self.ranks.world} {self.job.hw.trainer_layout} x batch "
                           f"{self.job.train.batch_size}: the same global batches")
         self.ranks.check_same(self.saved.schedule_item, "the schedule item to resume from", self.device)
+
+    def _resume_checkpoint(self) -> Path | None:
+        """train.resume's checkpoint, verified by rank 0 (its manifest: `pick_checkpoint`) and the
+        choice, or the refusal, handed to every rank."""
+        picked = None
+        if self.ranks.main:
+            try:
+                path, notes = pick_checkpoint(self.job.train.resume, self.run_dir)
+                picked = (str(path) if path else None, notes, None)
+            except (ValueError, FileNotFoundError) as err:
+                picked = (None, [], str(err))
+        path, notes, refusal = self.ranks.from_main(picked)
+        if refusal:
+            raise ValueError(refusal)
+        if self.ranks.main:
+            for note in notes:
+                print(f"resume: {note}", flush=True)
+        return Path(path) if path else None
 
     def train_micro_batch(self, index: int, item: BatchItem, batch, tokens: int) -> None:
         """Forward + backward of this rank's share of a training item (`tokens`: the whole item's);
@@ -170,6 +177,9 @@ class Trainer:
         self.saved = dataclasses.replace(p)
         elapsed = time.perf_counter() - self._t_train
         loss = self.learner.loss_value(last)
+        reason = diverged(p.step, loss, grad_norm)  # the same numbers on every rank: all stop here
+        if reason:
+            raise NonFiniteError(reason)
         log_now = p.step % tr.log_every == 0 or p.step == self.steps
         if log_now:
             self.learner.sum_stats(self._train_stats)
@@ -184,6 +194,7 @@ class Trainer:
                              "stream/wait_frac": self.stream.wait_s / elapsed}, p.step)
             self._train_stats = LossStats()
         if tr.checkpoint_every and p.step % tr.checkpoint_every == 0 and p.step < self.steps:
+            self._check_weights(f"the weights after optimizer step {p.step}")
             self.save()
 
     def evaluate(self, item: BatchItem, batch) -> None:
@@ -219,13 +230,43 @@ class Trainer:
         extra = {**dataclasses.asdict(self.saved), "evals": self.evals, "fingerprint": self.fingerprint}
         if done:
             extra["schedule_item"] = len(self.schedule)
-        self.checkpoint = save_checkpoint(self.run_dir, self.saved.step, tensors, optim, t.scheduler.state_dict(),
-                                          extra, self.job.train.keep_checkpoints)
+        try:
+            self.checkpoint = save_checkpoint(self.run_dir, self.saved.step, tensors, optim, t.scheduler.state_dict(),
+                                              extra, self.job.train.keep_checkpoints)
+        except OSError as err:  # a full disk, a permission, a vanished folder: the partial folder is gone
+            raise WriteFailed(f"the checkpoint of optimizer step {self.saved.step} was not written: {err}") from None
         self.artifact_bytes += allocated_bytes(self.checkpoint)
         return self.checkpoint
 
+    def _check_weights(self, what: str) -> None:
+        """NonFiniteError on every rank when any rank's weights (its shards) hold NaN or inf: a
+        collective with several ranks, made where every rank is (an optimizer step, the end)."""
+        bad = nonfinite_weights(self.learner.draft)
+        if self.ranks.distributed:
+            bad = self.ranks.sum_ints([bad], self.device)[0]
+        if bad:
+            raise NonFiniteError(f"training diverged: {what} hold NaN or inf ({bad} tensors)")
+
     # -------------------------------------------------------------------------------- run
     def run(self) -> dict:
+        """`_run` holding the run folder's lock (rank 0; every rank refuses when it is taken)."""
+        lock, refusal = RunLock(self.run_dir), None
+        if self.ranks.main:
+            try:
+                lock.acquire()
+            except RunFolderLocked as err:
+                refusal = str(err)
+        refusal = self.ranks.from_main(refusal)
+        if refusal:
+            raise RunFolderLocked(refusal)
+        try:
+            if lock.takeover_note():
+                print(lock.takeover_note(), flush=True)
+            return self._run()
+        finally:
+            lock.release()
+
+    def _run(self) -> dict:
         """Train over the schedule and export. Returns the summary (also written to summary.json).
 
         Raises TrainingInterrupted (after saving) on SIGTERM/SIGINT, and StreamError / RankFailed
@@ -260,8 +301,6 @@ class Trainer:
                 stream_args["routes"] = [self.ranks.replica_shares(b, sizes) for b in batches if b]
             self.stream = self.stream_factory(self.job, self.setup, self.samples, [b for b in batches if b],
                                               keep=[k for b, k in zip(batches, keep) if b], ranks=self.ranks, **stream_args)
-        if self.ranks.main and tr.routing_capture and getattr(self.stream, "spec", None) is not None:
-            self.stream.spec.routing_dir = str(self.run_dir)  # MoE routing counts for serving/ (target_engine/routing.py)
         # Sharded ranks keep waiting for their batch after a stop signal (once there is progress to
         # save): they stop together at the next schedule item, where they can gather their state.
         self.stream.should_stop = lambda: self.stop.requested() and not (self.learner.sharded and self.saved.step)
@@ -274,14 +313,18 @@ class Trainer:
                 self._walk(start, shares)
                 trainer_written = io().write_bytes - written_before
             self.bar.close()
+            self._check_weights("the trained weights")
             self.save(done=True)
             draft = self.learner.plain_draft() if (self.ranks.main or self.learner.sharded) else None
-            export = (export_draft(draft, self.run_dir / "export", self.setup.sglang_capture_ids,
-                                   self.setup.info.bos_token_id, self.setup.info.eos_token_id,
-                                   capture_points=self.setup.capture_points, end_of_turn_id=self.setup.end_of_turn_id)
-                      if self.ranks.main else None)
+            export = self._export(draft) if self.ranks.main else None
         except (TrainingInterrupted, StreamInterrupted, StreamError, RankFailed) as err:
             raise self._saved_on_failure(err) from None
+        except NonFiniteError as err:
+            raise self._failed(err, NonFiniteError, diverged_message) from None
+        except WriteFailed as err:
+            raise self._failed(err, WriteFailed, lambda e, path, run: (
+                f"{e}\nprogress saved: {path or 'no checkpoint yet'} (resume with train.resume=auto "
+                f"train.out_dir={run})")) from None
         finally:
             self.bar.close()
             self.stream.close()
@@ -318,6 +361,32 @@ class Trainer:
             return self.stop.requested()
         return bool(self.ranks.sum_ints([int(self.stop.requested())], self.device)[0])
 
+    def _export(self, draft) -> Path:
+        try:
+            return export_draft(draft, self.run_dir / "export", self.setup.sglang_capture_ids,
+                                self.setup.info.bos_token_id, self.setup.info.eos_token_id,
+                                capture_points=self.setup.capture_points, end_of_turn_id=self.setup.end_of_turn_id)
+        except OSError as err:  # the export's partial folder is removed (publish_folder)
+            raise WriteFailed(f"the export {self.run_dir / 'export'} was not written: {err}") from None
+
+    def _failed(self, err: Exception, kind: type, message) -> Exception:
+        """A run that cannot save its progress now (it diverged; a write failed): the target
+        stopped, the newest intact checkpoint named, summary.json saying it failed."""
+        self.ranks.phase("stopping")
+        self.bar.close()
+        self.stream.close()
+        self.logger.close()
+        path = last_good_checkpoint(self.run_dir) if self.ranks.main else None
+        text = message(err, path, self.run_dir)
+        if self.ranks.main:
+            try:
+                (self.run_dir / "summary.json").write_text(json.dumps(
+                    {"status": "failed", "error": str(err), "steps": self.progress.step,
+                     "last_good_checkpoint": str(path) if path else None, "export": None}, indent=1))
+            except OSError:
+                pass  # the disk that failed the save: the error says it all
+        return kind(text)
+
     def _saved_on_failure(self, err: Exception) -> Exception:
         """Stop the target, save the last boundary, and the error to raise (naming the checkpoint).
         Sharded ranks can gather their state only when every rank stopped together (an agreed
@@ -335,7 +404,11 @@ class Trainer:
             saved = (f"progress saved: {path} (sharded state: saved every train.checkpoint_every steps and on "
                      f"SIGTERM)" if path else "no checkpoint yet (sharded state: saved every train.checkpoint_every steps)")
             return type(err)(f"{err}\n{saved} (resume with train.resume=auto train.out_dir={self.run_dir})")
-        path = self.save()
+        try:
+            path = self.save()
+        except (NonFiniteError, WriteFailed) as failed:  # the newest intact checkpoint is the progress
+            print(f"{failed}", flush=True)
+            path = last_good_checkpoint(self.run_dir) if self.ranks.main else None
         self.logger.close()
         if isinstance(err, (TrainingInterrupted, StreamInterrupted)):
             return TrainingInterrupted(self.stop.signum or signal.SIGTERM, path)
@@ -420,15 +493,9 @@ class Trainer:
         if self.setup.regeneration is not None:  # every rank's samples, counted on every rank
             summary["regeneration"] = self.regenerated.summary()
             self.logger.table("regenerated", COLUMNS, self.regenerated.rows)
-        routing = load_counts(self.run_dir) if self.ranks.main else None  # written by the target process at its end
-        if routing is not None:
-            summary["routing"] = routing.summary()
         if self.ranks.main:
             (self.run_dir / "summary.json").write_text(json.dumps(summary, indent=1))
         self.logger.summary({"tokens_per_s": summary["tokens_per_s"], "padding_share": summary["padding_share"],
-                             **({f"routing/distinct_experts_window{m}_c{c}": v
-                                 for m, per_c in summary["routing"]["distinct_per_layer"].items() for c, v in per_c.items()}
-                                if routing is not None else {}),
                              **{f"final/{k}": v for k, v in self.evals.get("end", {}).items()}})
         self.logger.close()
         return summary

@@ -594,6 +594,20 @@ def test_build_dataset_errors(tok, eot, tmp_path):
         build_dataset(tok, source="jsonl", path=str(one), **kw)
 
 
+def test_a_source_too_short_for_any_held_out_row_is_refused_unless_none_is_asked(tok, eot, tmp_path):
+    """3 usable rows: a fifth of them is no held-out row. A run asked to evaluate is refused (it
+    would end without its held-out numbers); data.heldout_samples=0 trains on all three."""
+    three = tmp_path / "three.jsonl"
+    three.write_text("".join(json.dumps(_good(i)) + "\n" for i in range(3)), encoding="utf-8")
+    kw = dict(source="jsonl", path=str(three), max_length=MAX_LEN, num_samples=10, end_of_turn_id=eot,
+              show_progress=False)
+    with pytest.raises(ValueError, match=r"none of the data.heldout_samples=2; add rows, or set "
+                                         r"data.heldout_samples=0 to train on all 3 without a held-out evaluation"):
+        build_dataset(tok, heldout_samples=2, **kw)
+    data = build_dataset(tok, heldout_samples=0, **kw)
+    assert len(data.train) == 3 and data.heldout == []
+
+
 # ----------------------------------------------------------------------------------------------
 # Hugging Face `datasets` on a local folder (offline)
 # ----------------------------------------------------------------------------------------------

@@ -266,3 +266,14 @@ def test_the_eagle3_objective_is_recorded_and_an_older_dflash_checkpoint_still_r
     now = _fingerprint(folder, method="dflash")
     assert "ttt_length" not in now and "loss_decay" not in now
     check_fingerprint({**now, "ttt_length": 7, "loss_decay": 0.8}, now, Path("ckpt"))
+
+
+def test_a_dflash_checkpoint_of_this_code_has_nothing_unrecorded_and_an_older_one_only_what_dflash_records(tmp_path):
+    """`loss_decay` is EAGLE-3's: the resume note lists only keys the resuming run records itself
+    (every DFlash resume used to say its checkpoint predated recording loss_decay)."""
+    folder = _target(tmp_path / "t")
+    now = _fingerprint(folder, method="dflash")
+    assert unrecorded(now, now) == []
+    older = {k: v for k, v in now.items() if k not in ("heldout_data_sha1", "grad_clip")}
+    assert unrecorded(older, now) == ["heldout_data_sha1", "grad_clip"]
+    assert "loss_decay" in unrecorded(older, _fingerprint(folder))  # an EAGLE-3 run records it
