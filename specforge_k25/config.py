@@ -131,6 +131,7 @@ class TrainConfig:
     activation_checkpointing: bool = doc(False, "recompute each TTT step in backward instead of keeping its activations (~1 more forward; the memory plan shows the saving)")
     optimizer_device: Optional[str] = doc(None, "where AdamW's fp32 master weights and m/v live: null = the trainer's device | cpu (host memory; co-located ranks: FSDP2's CPU offload of their weight, grad and AdamW shards) | cuda:N (another GPU; dedicated layout only)")
     stream_slots: int = doc(3, "shared-memory slots between target and trainer (backpressure bound)", at_least=1)
+    routing_capture: bool = doc(True, "MoE targets: count the experts each window of consecutive prefilled tokens routes to (routing.pt / routing.json in the run folder, the summary, wandb) for `python -m specforge_k25.serving`; reads the routing, never changes it; dense targets record nothing")
     stream_timeout_s: float = doc(600.0, "fail if the target produces no batch for this long (after the first)", above=0)
     engine_start_timeout_s: float = doc(3600.0, "fail if the engine's first batch takes longer (load + warm-up)", above=0)
     dist_timeout_s: float = doc(1800.0, "trainer ranks (and the target TP group unless hw.target_dist_timeout_s is set): fail a collective that waits longer (a dead or hung rank); must exceed the spread of engine start times", above=0)

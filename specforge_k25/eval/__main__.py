@@ -37,6 +37,10 @@ def main(cfg) -> None:
     (out_dir / "eval.md").write_text(markdown_table(results))
     plot(results, out_dir / "eval.png")
     print(f"eval: results in {out_dir}/eval.json, eval.md, eval.png")
+    from ..serving.at_end import short_form
+
+    if any(r.get("method") == "trained" and r.get("acc") for r in results["rows"]):  # a head was replayed
+        print("\n".join(short_form(job, out_dir)), flush=True)
 
 
 if __name__ == "__main__":

@@ -35,6 +35,7 @@ class TargetSpec:
     load_threads: int = 8  # shards SGLang's multithreaded loader reads at a time
     prefill_chunk: int | None = None  # tokens per target forward; a longer batch is prefilled in chunks (None: one forward)
     regeneration: Regeneration | None = None  # data.regenerate: answer each prompt, then prefill prompt + answer
+    routing_dir: str | None = None  # MoE routing counts written here by TP rank 0 at the end (target_engine/routing.py)
 
     @property
     def num_aux(self) -> int:
@@ -106,6 +107,7 @@ def build_target(spec: TargetSpec, tp_rank: int = 0, pp_rank: int = 0) -> Target
             attention_backend=spec.attention_backend, num_threads=spec.num_threads, trust_remote_code=spec.trust_remote_code,
             nnodes=spec.nnodes, node_rank=spec.node_rank, dist_init_addr=spec.dist_init_addr,
             dist_timeout=spec.dist_timeout, load_threads=spec.load_threads, prefill_chunk=spec.prefill_chunk,
+            routing_dir=spec.routing_dir if tp_rank == 0 else None,
         )
     if spec.engine == "hf":
         from .hf_reference import HFTarget

@@ -135,9 +135,9 @@ def moe_layout(config: dict) -> tuple[list[int], int, int] | None:
 
 
 class RoutingRecorder:
-    """Fills `counts` from SGLang's select_experts calls of the forwards run inside `batch()`.
+    """Fills `counts` from SGLang's select_experts calls of the forwards between `start()` and `finish()`.
 
-    Installed in SGLang's expert-distribution recorder slot; outside `batch()` (decode steps of the
+    Installed in SGLang's expert-distribution recorder slot; outside them (decode steps of the
     regeneration, warm-up) it records nothing. Every id tensor is copied as handed over (.clone()),
     never written to."""
 
@@ -169,18 +169,28 @@ class RoutingRecorder:
 
         set_global_expert_distribution_recorder(self.slot)
 
-    @contextmanager
-    def batch(self, lengths: list[int]):
-        """Record the forwards inside (one batch of sequences of `lengths`, its tokens in order over
-        the forwards, as a chunked prefill runs them), then count it."""
+    def start(self) -> None:
+        """Record the forwards from here on: one batch, its tokens in order over the forwards (a
+        chunked prefill's too). A batch that failed is dropped by the next start."""
         self._ids = {}
-        try:
-            yield
-            ids, self._ids = self._ids, None
-            missing = [layer for layer in self.counts.layers if layer not in ids]
-            if missing:
-                raise RuntimeError(f"routing capture: SGLang reported no expert choice for MoE layers {missing}")
-            self.counts.add({layer: torch.cat(ids[layer])[:, :self.counts.top_k] for layer in self.counts.layers},
-                            lengths)
-        finally:
-            self._ids = None
+
+    def finish(self, lengths: list[int]) -> None:
+        """Count the batch recorded since `start` (sequences of `lengths`) and stop recording."""
+        ids, self._ids = self._ids, None
+        if ids is None:
+            return
+        missing = [layer for layer in self.counts.layers if layer not in ids]
+        if missing:
+            raise RuntimeError(f"routing capture: SGLang reported no expert choice for MoE layers {missing}")
+        self.counts.add({layer: torch.cat(ids[layer])[:, :self.counts.top_k] for layer in self.counts.layers}, lengths)
+
+
+def recorder_for(model_path: str, max_window: int = 16) -> RoutingRecorder | None:
+    """A recorder installed in this process's SGLang for the target at `model_path`; None for a
+    dense target (nothing recorded, nothing installed)."""
+    layout = moe_layout(json.loads((Path(model_path) / "config.json").read_text()))
+    if layout is None:
+        return None
+    recorder = RoutingRecorder(RoutingCounts(*layout, max_window=max_window))
+    recorder.install()
+    return recorder

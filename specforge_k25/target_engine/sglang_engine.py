@@ -36,6 +36,7 @@ import torch
 
 from .base import CPU_MEM_FRACTION_STATIC, TargetOutput
 from .layers import layer_id_rule, sglang_layer_ids
+from .routing import recorder_for
 from .pages import batch_slots, chunk_end
 from .sampling import Regeneration, generate_with, generation_slots
 from .sglang_cpu_compat import SGLANG_VERSION
@@ -283,6 +284,7 @@ class SGLangTarget:
         dist_timeout: int | None = None,
         load_threads: int = 8,
         prefill_chunk: int | None = None,
+        routing_dir: str | None = None,
     ):
         prefill_rounds([1], prefill_chunk)  # refuse a bad chunk before SGLang's (slow) import and load
         self.tp_size, self.tp_rank = tp_size, tp_rank
@@ -300,6 +302,8 @@ class SGLangTarget:
         self._captured: tuple | None = None
         _text_model(self.model).register_forward_hook(self._capture)
         self._next_rid = 0
+        # MoE routing counts of the prefilled batches, written to routing_dir at close (target_engine/routing.py)
+        self.routing_dir, self.routing = routing_dir, (recorder_for(model_path) if routing_dir else None)
 
     def share_batch(self, sequences: list[torch.Tensor] | None) -> list[torch.Tensor] | None:
         """TP > 1: TP rank 0 passes its next batch (None = no more batches) and every other rank
@@ -339,6 +343,8 @@ class SGLangTarget:
         rounds = prefill_rounds([len(s) for s in sequences], self.prefill_chunk, self.kv_page_size)
         aux = final = None
         done = 0
+        if self.routing:
+            self.routing.start()
         try:
             for spans in rounds:
                 batch = []
@@ -371,6 +377,8 @@ class SGLangTarget:
                 done += n
         finally:
             self._runner.clear()  # free the KV cache: every batch is a fresh prefill
+        if self.routing:
+            self.routing.finish([len(s) for s in sequences])
         return TargetOutput(aux, final, [len(s) for s in sequences])
 
     @torch.no_grad()
@@ -432,8 +440,10 @@ class SGLangTarget:
         """Two small forwards (a static then a dynamic shape), so that SGLang's torch.compile'd
         pieces (DeepSeek's MoE gating) compile now, writing their cache (~/.cache/sglang/inductor),
         rather than during the first real batches."""
+        routing, self.routing = self.routing, None  # not counted
         for n in (8, 24):
             self.forward([torch.arange(1, n + 1, dtype=torch.int64)])
+        self.routing = routing
 
     def close(self) -> None:
         """Free the KV pool and, with TP > 1, tear down SGLang's process groups as its own one_batch
@@ -442,6 +452,8 @@ class SGLangTarget:
         trainer stops this process, instead of by the tracker with a "leaked shared_memory
         objects" warning. Every TP rank calls it after the last batch."""
         self._runner.clear()
+        if self.routing:
+            self.routing.counts.save(self.routing_dir)
         if self.tp_size > 1:
             from sglang.srt.distributed.parallel_state import destroy_distributed_environment, destroy_model_parallel
 

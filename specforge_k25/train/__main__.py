@@ -136,6 +136,9 @@ def main(cfg) -> None:
         leave(2)
     if World.from_env().rank == 0:
         print_summary(summary, job.target)
+        from ..serving.at_end import short_form
+
+        print("\n".join(short_form(job, run_dir)), flush=True)
     leave(0)
 
 

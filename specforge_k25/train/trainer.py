@@ -23,6 +23,7 @@ from ..data.regenerate import regeneration_prompt
 from ..export.serving import export_draft
 from ..setup.run import RunSetup, make_target_stream, prepare, regeneration_note
 from ..stream.target_stream import StreamError, StreamInterrupted, TargetStream
+from ..target_engine.routing import load_counts
 from .checkpoint import (WriteFailed, check_draft_keys, last_good_checkpoint, list_checkpoints, optimizer_state_for,
                          pick_checkpoint, read_checkpoint, read_state, save_checkpoint)
 from .finite import NonFiniteError, diverged, diverged_message, nonfinite_weights
@@ -301,6 +302,8 @@ class Trainer:
                 stream_args["routes"] = [self.ranks.replica_shares(b, sizes) for b in batches if b]
             self.stream = self.stream_factory(self.job, self.setup, self.samples, [b for b in batches if b],
                                               keep=[k for b, k in zip(batches, keep) if b], ranks=self.ranks, **stream_args)
+        if self.ranks.main and tr.routing_capture and getattr(self.stream, "spec", None) is not None:
+            self.stream.spec.routing_dir = str(self.run_dir)  # MoE routing counts for serving/ (target_engine/routing.py)
         # Sharded ranks keep waiting for their batch after a stop signal (once there is progress to
         # save): they stop together at the next schedule item, where they can gather their state.
         self.stream.should_stop = lambda: self.stop.requested() and not (self.learner.sharded and self.saved.step)
@@ -493,9 +496,15 @@ class Trainer:
         if self.setup.regeneration is not None:  # every rank's samples, counted on every rank
             summary["regeneration"] = self.regenerated.summary()
             self.logger.table("regenerated", COLUMNS, self.regenerated.rows)
+        routing = load_counts(self.run_dir) if self.ranks.main else None  # written by the target process at its end
+        if routing is not None:
+            summary["routing"] = routing.summary()
         if self.ranks.main:
             (self.run_dir / "summary.json").write_text(json.dumps(summary, indent=1))
         self.logger.summary({"tokens_per_s": summary["tokens_per_s"], "padding_share": summary["padding_share"],
+                             **({f"routing/distinct_experts_window{m}_c{c}": v
+                                 for m, per_c in summary["routing"]["distinct_per_layer"].items() for c, v in per_c.items()}
+                                if routing is not None else {}),
                              **{f"final/{k}": v for k, v in self.evals.get("end", {}).items()}})
         self.logger.close()
         return summary

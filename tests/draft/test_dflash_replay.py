@@ -22,8 +22,13 @@ def test_block_proposals_equal_one_block_per_root():
         got = block_proposals(draft, aux, ids, block, queries_per_chunk=chunk)
         draft.cfg.block_size = block
         with torch.no_grad():
-            want = torch.stack([draft.logits(draft.draft_block(aux[:r], ids[r])[1:]).argmax(-1) for r in range(1, 11)], 1)
-        assert got.shape == (block - 1, 11) and torch.equal(got[:, :10], want) and (got[:, 10] == -1).all()
+            logits = torch.stack([draft.logits(draft.draft_block(aux[:r], ids[r])[1:]) for r in range(1, 11)], 1)
+        # the batch and the single roots are GEMMs of other shapes (fp32 rounding ~1e-6): an argmax
+        # is compared where its lead is above 1e-4
+        top = logits.topk(2, -1).values
+        clear = top[..., 0] - top[..., 1] > 1e-4
+        assert got.shape == (block - 1, 11) and (got[:, 10] == -1).all() and clear.float().mean() > 0.9
+        assert torch.equal(got[:, :10][clear], logits.argmax(-1)[clear])
     # a root sees only the context before it: later states do not change its block
     changed = aux.clone()
     changed[6:] = torch.randn(5, 64)

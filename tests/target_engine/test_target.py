@@ -33,6 +33,7 @@ CAPTURES = {"smollm2": [2, 8, 15, 22, 27], "tiny_deepseek": [3, 6]}
 # chunked states are checked against the same engine's one-forward states at one engine start.
 _CAPTURE_PROBE = """
     import json, sys, torch
+    from pathlib import Path
     from specforge_k25.target_engine.base import CPU_MEM_FRACTION_STATIC
     from specforge_k25.target_engine.hf_config import read_target_info
     from specforge_k25.target_engine.sampling import Regeneration
@@ -43,7 +44,7 @@ _CAPTURE_PROBE = """
         job = torch.load(io)
         job["regen"] = job["regen"] and Regeneration(**job["regen"])
         target = SGLangTarget(path, read_target_info(path).architecture, points, num_threads=2,
-                              mem_fraction_static=CPU_MEM_FRACTION_STATIC)
+                              mem_fraction_static=CPU_MEM_FRACTION_STATIC, routing_dir=str(Path(io).parent))
         forwards = []  # tokens of each SGLang forward
         extend = target._runner.extend
         target._runner.extend = lambda reqs: forwards.append(sum(r.extend_len for r in reqs)) or extend(reqs)
@@ -58,6 +59,7 @@ _CAPTURE_PROBE = """
         out["chunked"] = (res.lengths, res.aux_hidden, res.final_hidden)
         if job["regen"]:
             out["chunked_answers"] = target.generate(job["chunked"], job["budgets"], job["regen"])
+        target.close()  # writes the MoE routing counts beside `io`
         torch.save(out, io)
 """
 
@@ -142,6 +144,36 @@ def test_sglang_hidden_states_equal_hf(target, request, tmp_path):
         block = aux[:23, k * H:(k + 1) * H]
         assert torch.allclose(block, hs[p][0], atol=1e-3, rtol=1e-4), f"{target}: block {k} is not point {p}"
         assert not torch.allclose(block, hs[p + 1][0], atol=1e-3, rtol=1e-4), f"{target}: block {k} is point {p + 1}"
+    # MoE routing counted online (target_engine/routing.py) over the prefilled batches only (the
+    # decode steps not): == the windows of HF's own router, enumerated by brute force
+    from specforge_k25.target_engine.routing import load_counts
+
+    counts = load_counts(tmp_path)
+    assert (counts is None) == (target == "smollm2")
+    if counts is not None:
+        _routing_equals_hf_brute_force(counts, hf.model, [seqs[0], seqs[1], seqs[2], seqs[2], seqs[0]])
+
+
+def _routing_equals_hf_brute_force(counts, model, seqs):
+    import itertools
+
+    ids = {layer: [] for layer in counts.layers}
+    hooks = [model.model.layers[layer].mlp.gate.register_forward_hook(
+        lambda mod, args, out, layer=layer: ids[layer].append([set(t) for t in out[2].tolist()])) for layer in counts.layers]
+    with torch.no_grad():
+        for s in seqs:
+            model.model(s[None])
+    for h in hooks:
+        h.remove()
+    assert counts.tokens == sum(len(s) for s in seqs)
+    for li, layer in enumerate(counts.layers):
+        for m in range(1, counts.max_window + 1):
+            windows = [set().union(*s[i:i + m]) for s in ids[layer] for i in range(len(s) - m + 1)]
+            assert counts.expected_distinct(m, 1)[li].item() == pytest.approx(sum(map(len, windows)) / len(windows))
+            if m in (1, 4):
+                pairs = list(itertools.product(windows, repeat=2))
+                assert counts.expected_distinct(m, 2)[li].item() == pytest.approx(
+                    sum(len(a | b) for a, b in pairs) / len(pairs))
 
 
 @pytest.mark.engine
