@@ -2,7 +2,7 @@
 served architecture. Adding a method: a folder under draft/ with a `DraftMethod` subclass, and one
 entry here (or `register` it from outside the package, as tests/fixtures/mtp_method.py does;
 docs/NEW_METHOD.md). `register` refuses a method that misses a member of the contract
-(draft/method.py `method_problems`), naming each."""
+(draft/contract.py `method_problems`), naming each."""
 from __future__ import annotations
 
 import json
@@ -13,7 +13,8 @@ import torch.nn as nn
 from .dflash.method import DFlashMethod
 from .eagle3.method import Eagle3Method
 from .eagle3_mla.method import Eagle3MLAMethod
-from .method import DraftMethod, method_problems
+from .contract import method_problems
+from .method import DraftMethod
 
 METHODS: dict[str, DraftMethod] = {}
 FIRST_METHOD = Eagle3Method.name  # what runs that predate draft methods trained (their checkpoints name none)

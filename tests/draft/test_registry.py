@@ -1,4 +1,4 @@
-"""The registry takes a method only when it meets the contract (draft/method.py `method_problems`):
+"""The registry takes a method only when it meets the contract (draft/contract.py `method_problems`):
 the core, what shared code reads of its config and model, and each capability it opts into."""
 from __future__ import annotations
 
@@ -11,7 +11,8 @@ import torch.nn as nn
 
 from mtp_method import MTPConfig, MTPHead, MTPMethod, MTPPlan  # tests/fixtures: a complete plug-in method
 from specforge_k25.draft.eagle3.method import Eagle3Method
-from specforge_k25.draft.method import CORE, DraftMethod, capabilities, method_problems
+from specforge_k25.draft.contract import CORE, capabilities, method_problems
+from specforge_k25.draft.method import DraftMethod
 from specforge_k25.draft.registry import METHODS, register
 
 
