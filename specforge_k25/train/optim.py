@@ -24,6 +24,16 @@ def host_threads(setting: int | None, device: str = "cuda", local_ranks: int | N
     return max(1, len(os.sched_getaffinity(0)) // max(1, local))
 
 
+def rank_threads(device: str, trainer_threads: int, host_threads_per_rank: int | None,
+                 optimizer_device: str | None) -> int | None:
+    """The intra-op threads a trainer rank's process runs on (None: leave them): a CPU run's
+    hw.trainer_threads; on a GPU with train.optimizer_device=cpu the host AdamW's (`host_threads`),
+    so the clipping over the host grads beside it runs on them too."""
+    if device == "cpu":
+        return trainer_threads
+    return host_threads(host_threads_per_rank, device) if optimizer_device == "cpu" else None
+
+
 @contextmanager
 def _threads(n: int | None):
     """torch's intra-op threads at `n` inside (None: unchanged), the process's own count after."""

@@ -38,6 +38,7 @@ from .answer_store import AnswerStore, answer_provenance, known_conversations, r
 from .overview import eval_line, print_overview
 from .schedule import BatchItem, build_schedule
 from .learner import build_learner
+from .optim import rank_threads
 from .step import batch_seed
 from .stop import StopOnSignal, TrainingInterrupted
 
@@ -523,8 +524,10 @@ def run_training(job: JobConfig, run_dir: str | Path, engine: str = "sglang") ->
         Path(run_dir).mkdir(parents=True, exist_ok=True)
         t_start = time.perf_counter()
         torch.manual_seed(job.train.seed)
-        if job.hw.device == "cpu":
-            torch.set_num_threads(job.hw.trainer_threads)
+        threads = rank_threads(job.hw.device, job.hw.trainer_threads, job.hw.host_threads_per_rank,
+                               job.train.optimizer_device)
+        if threads:  # torchrun leaves a rank OMP_NUM_THREADS=1
+            torch.set_num_threads(threads)
         setup = prepare(job)
         job, ranks = start_ranks(job)  # torchrun: this rank's trainer GPU and target replica, the process group
         ranks.check_same_data(setup.data.sha1())

@@ -177,3 +177,16 @@ def test_host_threads_default_to_the_cores_per_local_rank(monkeypatch):
     assert optim.host_threads(None, "cuda") == 1
     with pytest.raises(ValueError, match="host memory"):
         build_optimizer([torch.nn.Parameter(torch.zeros(2, device="meta"))], 1e-3, (0.9, 0.95), 0.0, offloaded=True)
+
+
+def test_a_gpu_rank_with_the_optimizer_on_the_host_runs_on_its_host_threads(monkeypatch):
+    """trainer.py sets these at start: a CPU run keeps hw.trainer_threads; a GPU rank with
+    train.optimizer_device=cpu gets the host AdamW's threads for all its host work (the clipping
+    over the host grads too); other GPU ranks stay as torchrun left them."""
+    from specforge_k25.train import optim
+
+    monkeypatch.setattr(optim.os, "sched_getaffinity", lambda pid: set(range(32)))
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "8")
+    assert optim.rank_threads("cpu", 2, 7, "cpu") == 2 and optim.rank_threads("cpu", 2, None, None) == 2
+    assert optim.rank_threads("cuda", 1, None, "cpu") == 4 and optim.rank_threads("cuda", 1, 6, "cpu") == 6
+    assert optim.rank_threads("cuda", 1, 6, None) is None and optim.rank_threads("cuda", 1, None, "cuda:1") is None
