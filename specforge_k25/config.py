@@ -83,7 +83,7 @@ class TargetConfig:
     name: str = doc("smollm2", "target name (for logs and checks)")
     builtin: str = doc("smollm2", "embedded target built locally when path is unset: smollm2 | tiny_deepseek | tiny_kimi | none")
     path: Optional[str] = doc(None, "HF-format model folder; overrides `builtin`")
-    aux_layers: Optional[list] = doc(None, "capture points = inputs of these decoder layers (the EAGLE-3 draft takes 3); null = [2, L//2, L-3]; [] = none (a method that reads only the final hidden state)")
+    aux_layers: Optional[list] = doc(None, "capture points = inputs of these decoder layers (the EAGLE-3 draft takes 3); null = the draft method's default (the built-in methods' [2, L//2, L-3]; none for a method that reads only the final hidden state); [] = none")
     end_of_turn_token: Optional[str] = doc(None, "token closing an assistant turn; null = tokenizer eos")
     trust_remote_code: bool = doc(False, "pass trust_remote_code to tokenizer and engine (Kimi needs it)")
     chat_format: str = doc("template", "data/chat_formats.py: template (the tokenizer's chat template) | kimi (Kimi-K2.5 format, thinking/tools; options target.kimi.*)")
