@@ -103,6 +103,10 @@ def test_sglang_dflash_draft_equals_ours(sglang_runs, behind):
         assert torch.equal(record["positions"][i], torch.arange(a.shape[0], a.shape[0] + cfg.block_size))
         assert _rel(_ours(draft, a, t), theirs) < 1e-5
         logits, their_logits = draft.logits(_ours(draft, a, t)), draft.logits(theirs)
-        assert _rel(logits, their_logits) < 1e-5 and torch.equal(logits.argmax(-1), their_logits.argmax(-1))
+        # two implementations agree to ~1e-5: an argmax is compared where SGLang's lead is above 1e-3
+        top = their_logits.topk(2, -1).values
+        clear = top[:, 0] - top[:, 1] > 1e-3
+        assert _rel(logits, their_logits) < 1e-5 and clear.any()
+        assert torch.equal(logits.argmax(-1)[clear], their_logits.argmax(-1)[clear])
         for bug in ("context_one_short", "positions_from_zero", "anchor_in_context"):
             assert _rel(_ours(draft, a, t, **{bug: True}), theirs) > 1e-3, bug
