@@ -19,8 +19,9 @@ calls (`waiting`), reads every other rank's, and ends the run when:
   torchrun agent is gone);
 - a rank ended with an error (it published why before it left) while this one still runs;
 - a rank stays in one schedule item longer than its phase allows (`bound`: train.step_timeout_s
-  for a training or evaluation item; train.dist_timeout_s for start-up, the wait for the target's
-  batch, a checkpoint and the export) while no rank is in a long phase within its bound (the
+  for a training or evaluation item; train.dist_timeout_s for start-up, a checkpoint and the
+  export; the wait for the target's batch also up to train.engine_start_timeout_s, the stream's
+  own bound on the first batch) while no rank is in a long phase within its bound (the
   others may be waiting for that one): named are the overdue ranks not waiting in a collective
   the trainer calls (those in a long phase first: the others likely wait for them), or every
   rank when all wait. On NCCL a rank waiting for a peer inside the step (a host sync) is not
@@ -53,10 +54,19 @@ FAILED = "failed"  # the key of the reason the run ends
 class Bounds:
     beat_s: float  # train.heartbeat_timeout_s: silence that makes a rank dead
     step_s: float  # train.step_timeout_s: one training or evaluation item
-    long_s: float  # train.dist_timeout_s: start-up, the target's batch, a checkpoint, the export
+    long_s: float  # train.dist_timeout_s: start-up, a checkpoint, the export
+    target_s: float = 0.0  # the target's batch: the first may take train.engine_start_timeout_s (the stream's own bound)
 
     def of(self, phase: str) -> float:
+        if phase == "target":
+            return max(self.long_s, self.target_s)
         return self.long_s if phase in LONG_PHASES else self.step_s
+
+    def name(self, phase: str) -> str:
+        """The field that bounds `phase`."""
+        if phase == "target" and self.target_s > self.long_s:
+            return "train.engine_start_timeout_s"
+        return "train.dist_timeout_s" if phase in LONG_PHASES else "train.step_timeout_s"
 
 
 @dataclass
@@ -201,7 +211,7 @@ class Heartbeat:
         if not hung:
             return None  # the overdue ones wait in collectives for ranks still moving
         r = hung[0]
-        bound = "train.dist_timeout_s" if live[r].state["phase"] in LONG_PHASES else "train.step_timeout_s"
+        bound = self.bounds.name(live[r].state["phase"])
         others = "; ".join(f"rank {q}: {self._where(q)}" for q in sorted(live) if q not in hung)
         who = ", ".join(self._name(q) for q in hung)
         verb = "have" if len(hung) > 1 else "has"
@@ -265,4 +275,5 @@ def start_heartbeat(job, rank: int, world: int, nccl: bool) -> Optional[Heartbea
                            timeout=datetime.timedelta(seconds=max(beat_s, 30)))
     prefix = f"specforge_k25/heartbeat/{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}/"
     return Heartbeat(dist.PrefixStore(prefix, client), rank, world,
-                     Bounds(beat_s=beat_s, step_s=tr.step_timeout_s, long_s=tr.dist_timeout_s)).start()
+                     Bounds(beat_s=beat_s, step_s=tr.step_timeout_s, long_s=tr.dist_timeout_s,
+                            target_s=tr.engine_start_timeout_s)).start()

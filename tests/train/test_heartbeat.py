@@ -19,9 +19,9 @@ import torch.distributed as dist
 from specforge_k25.train.heartbeat import Bounds, Heartbeat
 
 
-def _pair(beat_s=2.0, step_s=10.0, long_s=100.0):
+def _pair(beat_s=2.0, step_s=10.0, long_s=100.0, target_s=0.0):
     store = dist.HashStore()
-    bounds = Bounds(beat_s=beat_s, step_s=step_s, long_s=long_s)
+    bounds = Bounds(beat_s=beat_s, step_s=step_s, long_s=long_s, target_s=target_s)
     return [Heartbeat(store, r, 2, bounds, clock=lambda: 0.0) for r in range(2)]
 
 
@@ -80,6 +80,13 @@ def test_a_long_phase_is_bounded_by_the_dist_timeout_and_shelters_those_waiting_
     message = h1.poll(101)
     assert message.startswith("trainer rank 0 (host") and "made no progress for 101 s in schedule item 7 " \
         "(checkpoint) (train.dist_timeout_s=100): hung; rank 1: schedule item 8 (train)" in message, message
+    # the wait for the target's batch: up to the engine's start bound, when that is the larger
+    g0, g1 = _pair(step_s=10.0, long_s=100.0, target_s=300.0)
+    g0.mark(0, "target")  # its engine still loading
+    g1.mark(0, "train")
+    for t in range(0, 301, 50):
+        assert _round([g0, g1], t) == [None, None], t
+    assert "(target) (train.engine_start_timeout_s=300): hung" in g1.poll(301)
 
 
 def test_a_rank_that_ended_with_an_error_ends_the_others_and_done_does_not():
