@@ -153,6 +153,11 @@ COMMANDS: dict[str, Case] = {
     "python -m specforge_k25.eval export_dir=... eval.num_prompts=20 eval.chains=[[3,1,4]]":
         Case(RUN, "acceptance length", SHORT_EVAL, after=EVAL),
     "python -m specforge_k25.eval --help": Case(RUN, "eval.num_prompts"),
+    # Will this head pay on my node? (the run's own folder stands in for outputs/<run>)
+    "python -m specforge_k25.serving +hw=rtxpro6000x8 serving.run=outputs/<run>":
+        Case(RUN, "predicted decode speedup", {"serving.run": "runs/a"}, after=CHECKPOINTED),
+    "python -m specforge_k25.serving +hw=b300x8 serving.acceptance=[0.8,0.7,0.6] serving.method=eagle3 "
+    "serving.out=p.json": Case(RUN, "num_speculative_tokens_per_batch_size"),
     # Multi-node
     DRY_RUN_DP: Case(RUN, "# node 1 of 2"),
     "torchrun --nnodes 2 --node-rank 0 --nproc-per-node 8 --rdzv-backend static --rdzv-endpoint 10.0.0.1:29500 -m "

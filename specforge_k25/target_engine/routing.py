@@ -20,6 +20,7 @@ the recorder is replaced through `set_global_expert_distribution_recorder`
 from __future__ import annotations
 
 import json
+import time
 from contextlib import contextmanager
 from pathlib import Path
 
@@ -27,6 +28,7 @@ import torch
 
 ROUTING_FILE = "routing.pt"  # in the run folder: the counts (torch.save of RoutingCounts.state())
 ROUTING_SUMMARY = "routing.json"  # beside it: the expected distinct experts the serving model reads
+WINDOW_STARTS_PER_PASS = 1024  # Kimi (384 experts, windows up to 16): ~25 MB of temporaries per pass
 
 
 class RoutingCounts:
@@ -39,10 +41,12 @@ class RoutingCounts:
         self.windows = torch.zeros(max_window, dtype=torch.int64)  # [m-1]: windows of m tokens seen
         self.hits = torch.zeros(max_window, len(self.layers), num_experts, dtype=torch.int64)  # [m-1, layer, expert]
         self.tokens = 0
+        self.seconds = 0.0  # spent counting and copying ids in the target process (what the capture costs)
 
     def add(self, topk_ids: dict[int, torch.Tensor], lengths: list[int]) -> None:
         """One batch: `topk_ids[layer]` [sum(lengths), top_k] expert ids of its tokens in order,
         `lengths` the sequences they are cut into (a window never spans two sequences)."""
+        t0 = time.perf_counter()
         total = sum(lengths)
         hits = None  # on the ids' device, copied to the host once per batch
         for li, layer in enumerate(self.layers):
@@ -57,12 +61,16 @@ class RoutingCounts:
             for n in lengths:
                 cum = torch.zeros(n + 1, self.num_experts, dtype=torch.int32, device=ids.device)
                 torch.cumsum(onehot[start:start + n], 0, out=cum[1:])
-                for m in range(1, min(n, self.max_window) + 1):
-                    present = (cum[m:] - cum[:-m]) > 0  # [n-m+1, E]: expert e in window [s, s+m)
-                    hits[m - 1, li] += present.sum(0)
+                w = min(n, self.max_window)
+                for s0 in range(0, n, WINDOW_STARTS_PER_PASS):  # bounds the [w, starts, E] temporary
+                    first = torch.arange(s0, min(n, s0 + WINDOW_STARTS_PER_PASS), device=ids.device)
+                    end = first[None, :] + torch.arange(1, w + 1, device=ids.device)[:, None]  # window [s, s+m)
+                    present = (cum[end.clamp(max=n)] - cum[first][None]) > 0  # [w, starts, E]: expert e in it
+                    hits[:w, li] += (present & (end <= n)[..., None]).sum(1)  # windows running past the end: none
                 start += n
         if hits is not None:
             self.hits += hits.cpu()
+        self.seconds += time.perf_counter() - t0
         for n in lengths:
             for m in range(1, min(n, self.max_window) + 1):
                 self.windows[m - 1] += n - m + 1
@@ -80,12 +88,14 @@ class RoutingCounts:
 
     def state(self) -> dict:
         return {"layers": self.layers, "num_experts": self.num_experts, "top_k": self.top_k,
-                "max_window": self.max_window, "windows": self.windows, "hits": self.hits, "tokens": self.tokens}
+                "max_window": self.max_window, "windows": self.windows, "hits": self.hits, "tokens": self.tokens,
+                "seconds": self.seconds}
 
     @classmethod
     def from_state(cls, state: dict) -> "RoutingCounts":
         out = cls(state["layers"], state["num_experts"], state["top_k"], state["max_window"])
         out.windows, out.hits, out.tokens = state["windows"].clone(), state["hits"].clone(), int(state["tokens"])
+        out.seconds = float(state.get("seconds", 0.0))
         return out
 
     def merge(self, other: "RoutingCounts") -> None:
@@ -99,7 +109,8 @@ class RoutingCounts:
     def summary(self, concurrencies=(1, 8, 64, 256)) -> dict:
         """What the run folder, wandb and the run summary keep: per window size, the expected distinct
         experts per MoE layer summed over layers (mean per layer beside it) for each concurrency."""
-        out = {"tokens": self.tokens, "moe_layers": len(self.layers), "num_experts": self.num_experts,
+        out = {"tokens": self.tokens, "capture_s": round(self.seconds, 3), "moe_layers": len(self.layers),
+               "num_experts": self.num_experts,
                "top_k": self.top_k, "distinct_per_layer": {}}
         for m in range(1, self.max_window + 1):
             if int(self.windows[m - 1]) == 0:
@@ -158,7 +169,9 @@ class RoutingRecorder:
 
             def on_select_experts(slot, topk_ids):
                 if self._ids is not None and slot.layer is not None:
+                    t0 = time.perf_counter()
                     self._ids.setdefault(slot.layer, []).append(topk_ids.detach().clone())
+                    self.counts.seconds += time.perf_counter() - t0
 
         self.counts = counts
         self._ids: dict[int, list[torch.Tensor]] | None = None

@@ -57,6 +57,14 @@ def test_concurrent_windows_equal_enumeration_of_independent_draws(concurrency):
             assert counts.expected_distinct(m, concurrency)[li].item() == pytest.approx(want, abs=1e-12)
 
 
+def test_long_sequences_counted_in_several_passes(monkeypatch):
+    from specforge_k25.target_engine import routing
+
+    whole = _counts(HAND)
+    monkeypatch.setattr(routing, "WINDOW_STARTS_PER_PASS", 2)  # window starts 0-1, 2-3 of each sequence
+    assert torch.equal(_counts(HAND).hits, whole.hits)
+
+
 def test_state_round_trip_and_merge(tmp_path):
     counts = _counts(HAND)
     counts.save(tmp_path)
