@@ -165,3 +165,23 @@ def test_acceptance_from_run_and_eval_folders(tmp_path):
         {"method": "ngram", "chain": "3/1/4", "prompt_set": "all", "al_replay": 1.2}]}))
     got = acceptance_of_folder(ev)
     assert got.rates == [0.6, 0.3, 0.1] and got.method == "dflash"
+
+
+def test_routing_measured_only_for_the_predicted_target(tmp_path):
+    import torch
+
+    from specforge_k25.serving.cost import ServingError
+    from specforge_k25.serving.sources import Acceptance, routing_for
+    from specforge_k25.target_engine.routing import RoutingCounts
+
+    counts = RoutingCounts([1, 2], num_experts=4, top_k=1, max_window=3)
+    counts.add({1: torch.tensor([[0], [1], [1], [2]]), 2: torch.tensor([[3], [3], [3], [0]])}, [4])
+    counts.save(tmp_path)
+    acc = Acceptance([0.5], None, "test", target="tiny_deepseek", folder=tmp_path)
+    measured, note = routing_for("auto", KIMI_K25, acc, "tiny_deepseek")
+    assert "measured" in note and measured(2, 3) == pytest.approx(float(counts.expected_distinct(2, 3).sum()))
+    with pytest.raises(ServingError, match="up to 3 tokens"):
+        measured(4, 1)
+    uniform, note = routing_for("auto", KIMI_K25, acc, "kimi_k25")
+    assert "uniform" in note and "tiny_deepseek" in note and uniform(2, 3) == uniform_distinct(KIMI_K25, 2, 3)
+    assert "uniform" in routing_for("uniform", KIMI_K25, acc, "tiny_deepseek")[1]
