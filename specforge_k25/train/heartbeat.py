@@ -97,11 +97,13 @@ class Heartbeat:
 
     # ---------------------------------------------------------------------- the main thread
     def mark(self, item: int, phase: str) -> None:
-        """The schedule item and phase the main thread is in (a change is progress)."""
-        self._item, self._phase = item, phase
+        """The schedule item and phase the main thread is in (a change is progress). "stopping"
+        stays: the save on the way out (its "checkpoint") must not let another rank's end stop it."""
+        if self._phase != "stopping":
+            self._item, self._phase = item, phase
 
     def phase(self, phase: str) -> None:
-        self._phase = phase
+        self.mark(self._item, phase)
 
     @contextmanager
     def waiting(self, what: str):

@@ -105,8 +105,11 @@ def test_a_rank_that_ended_with_an_error_ends_the_others_and_done_does_not():
     k0, k1 = _pair()
     _round([k0, k1], 0)
     k0.phase("stopping")
+    k0.phase("checkpoint")  # the save on its way out (Trainer.save marks it): still stopping
     k1.store.compare_set("failed", "", "trainer rank 1 found a reason")
     assert k0.poll(1) is None and k1.poll(1) == "trainer rank 1 found a reason"
+    k1.stop("ended with TrainingInterrupted: stopped by SIGTERM")  # its part of an agreed stop done first
+    assert k0.poll(2) is None  # rank 0 still writing the checkpoint is not ended midway
 
 
 def test_stop_ranks_during_an_error_leaves_its_first_line_for_the_others():
