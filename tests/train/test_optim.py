@@ -148,9 +148,11 @@ def test_offloaded_shards_step_with_fused_host_adamw_on_the_configured_threads(m
         dist.destroy_process_group()
 
 
-def test_host_adamw_is_not_bitwise_the_loop():
-    """Why the default path keeps torch's per-tensor AdamW: the fused kernel rounds m/v/weights
-    differently in the last bit (a run's numbers would change), though within float32 rounding."""
+def test_host_adamw_equals_the_loop_to_float32_rounding():
+    """The fused kernel rounds m/v/weights its own way: within float32 rounding of torch's
+    per-tensor AdamW, not bit for bit (the default path keeps the latter, so a run's numbers do
+    not change). Whether the last bits differ depends on the data and the CPU path (on this
+    machine: they do with MKL's AVX-512 branch, not with its AVX2 one), so only the bound is asserted."""
     a, b = _model(), _model()
     kw = dict(lr=3e-3, betas=(0.9, 0.95), weight_decay=0.01, eps=1e-8)
     oa, ob = torch.optim.AdamW(a.parameters(), **kw), build_optimizer(b.parameters(), 3e-3, kw["betas"], 0.01,
@@ -162,7 +164,6 @@ def test_host_adamw_is_not_bitwise_the_loop():
             o.step()
             o.zero_grad()
     _assert_same(a, b, 1e-6)
-    assert not all(torch.equal(p, q) for p, q in zip(a.parameters(), b.parameters()))
 
 
 def test_host_threads_default_to_the_cores_per_local_rank(monkeypatch):
