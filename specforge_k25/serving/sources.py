@@ -103,6 +103,8 @@ def routing_for(choice: str, facts: TargetFacts, acceptance: Acceptance | None, 
     if choice not in ("auto", "uniform"):
         raise ServingError(f"serving.routing={choice!r}: expected auto | uniform")
     counts = load_counts(acceptance.folder) if (choice == "auto" and acceptance and acceptance.folder) else None
+    if counts is not None and counts.tokens == 0:
+        counts = None  # a run whose routing SGLang never reported (routing.json: skipped_batches)
     if counts is not None and acceptance.target == target_name:
         return measured(counts, facts), f"measured in {acceptance.folder} ({counts.tokens} tokens)"
     why = ""

@@ -20,6 +20,7 @@ the recorder is replaced through `set_global_expert_distribution_recorder`
 from __future__ import annotations
 
 import json
+import sys
 import time
 from contextlib import contextmanager
 from pathlib import Path
@@ -42,6 +43,7 @@ class RoutingCounts:
         self.hits = torch.zeros(max_window, len(self.layers), num_experts, dtype=torch.int64)  # [m-1, layer, expert]
         self.tokens = 0
         self.seconds = 0.0  # spent counting and copying ids in the target process (what the capture costs)
+        self.skipped_batches = 0  # batches whose routing SGLang did not report (not counted)
 
     def add(self, topk_ids: dict[int, torch.Tensor], lengths: list[int]) -> None:
         """One batch: `topk_ids[layer]` [sum(lengths), top_k] expert ids of its tokens in order,
@@ -89,13 +91,14 @@ class RoutingCounts:
     def state(self) -> dict:
         return {"layers": self.layers, "num_experts": self.num_experts, "top_k": self.top_k,
                 "max_window": self.max_window, "windows": self.windows, "hits": self.hits, "tokens": self.tokens,
-                "seconds": self.seconds}
+                "seconds": self.seconds, "skipped_batches": self.skipped_batches}
 
     @classmethod
     def from_state(cls, state: dict) -> "RoutingCounts":
         out = cls(state["layers"], state["num_experts"], state["top_k"], state["max_window"])
         out.windows, out.hits, out.tokens = state["windows"].clone(), state["hits"].clone(), int(state["tokens"])
         out.seconds = float(state.get("seconds", 0.0))
+        out.skipped_batches = int(state.get("skipped_batches", 0))
         return out
 
     def merge(self, other: "RoutingCounts") -> None:
@@ -107,9 +110,10 @@ class RoutingCounts:
         self.tokens += other.tokens
 
     def summary(self, concurrencies=(1, 8, 64, 256)) -> dict:
-        """What the run folder, wandb and the run summary keep: per window size, the expected distinct
-        experts per MoE layer summed over layers (mean per layer beside it) for each concurrency."""
-        out = {"tokens": self.tokens, "capture_s": round(self.seconds, 3), "moe_layers": len(self.layers),
+        """What the run folder, wandb and the run summary keep: per window size and concurrency, the
+        expected distinct experts of a MoE layer (the mean over the layers)."""
+        out = {"tokens": self.tokens, "capture_s": round(self.seconds, 3), "skipped_batches": self.skipped_batches,
+               "moe_layers": len(self.layers),
                "num_experts": self.num_experts,
                "top_k": self.top_k, "distinct_per_layer": {}}
         for m in range(1, self.max_window + 1):
@@ -193,8 +197,12 @@ class RoutingRecorder:
         if ids is None:
             return
         missing = [layer for layer in self.counts.layers if layer not in ids]
-        if missing:
-            raise RuntimeError(f"routing capture: SGLang reported no expert choice for MoE layers {missing}")
+        if missing:  # a MoE kernel that routes inside itself (e.g. FlashInfer's trtllm bypass) reports no ids:
+            self.counts.skipped_batches += 1  # the run goes on, the summary says how many batches were not counted
+            if self.counts.skipped_batches == 1:
+                print(f"routing capture: SGLang reported no expert choice for MoE layers {missing}; such batches "
+                      f"are not counted", file=sys.stderr, flush=True)
+            return
         self.counts.add({layer: torch.cat(ids[layer])[:, :self.counts.top_k] for layer in self.counts.layers}, lengths)
 
 

@@ -114,3 +114,25 @@ def test_hf_reference_router_counts_equal_brute_force(tiny_deepseek_path):
             assert counts.expected_distinct(m, 2)[li].item() == pytest.approx(
                 sum(len(a | b) for a, b in pairs) / len(pairs))
     assert len(layers) >= 1 and experts > top_k
+
+
+def test_recorder_counts_a_batch_and_skips_one_sglang_did_not_report(capsys):
+    """`finish` stitches a batch's forwards (a chunked prefill) in order; a batch with a MoE layer
+    SGLang reported nothing for (a kernel that routes inside itself) is skipped and counted as such,
+    the run going on. (SGLang's own calls into the recorder: tests/target_engine/test_target.py.)"""
+    from specforge_k25.target_engine.routing import RoutingRecorder
+
+    rec = object.__new__(RoutingRecorder)  # without SGLang's recorder slot: start/finish only
+    rec.counts, rec._ids = RoutingCounts([0, 1], num_experts=6, top_k=2, max_window=4), None
+    rec.finish([3])  # nothing recorded since no start: nothing counted
+    rec.start()
+    for layer, seqs in HAND.items():  # two forwards per layer, as a chunked prefill of the batch
+        flat = torch.tensor([t for s in seqs for t in s])
+        rec._ids.setdefault(layer, []).extend([flat[:5], flat[5:]])
+    rec.finish([len(s) for s in HAND[0]])
+    assert torch.equal(rec.counts.hits, _counts(HAND).hits) and rec._ids is None
+    rec.start()
+    rec._ids[0] = [torch.tensor([[0, 1]])]
+    rec.finish([1])
+    assert rec.counts.skipped_batches == 1 and rec.counts.tokens == 7
+    assert "no expert choice for MoE layers [1]" in capsys.readouterr().err
