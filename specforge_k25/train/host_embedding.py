@@ -20,8 +20,8 @@ class HostEmbedding(nn.Embedding):
     the ids' device."""
 
     @classmethod
-    def of(cls, embedding: nn.Embedding) -> "HostEmbedding":
-        table = embedding.weight.detach().cpu()
+    def of(cls, embedding: nn.Embedding, dtype: torch.dtype | None = None) -> "HostEmbedding":
+        table = embedding.weight.detach().to("cpu", dtype)
         host = cls(table.shape[0], table.shape[1], _weight=table, _freeze=True, device="cpu", dtype=table.dtype)
         return host
 
@@ -32,7 +32,8 @@ class HostEmbedding(nn.Embedding):
         return F.embedding(ids.cpu(), self.weight).to(ids.device)
 
 
-def keep_embedding_on_host(draft: nn.Module) -> nn.Module:
-    """In place: the draft's frozen `embed_tokens` becomes a HostEmbedding (same table, same dtype)."""
-    draft.embed_tokens = HostEmbedding.of(draft.embed_tokens)
+def keep_embedding_on_host(draft: nn.Module, dtype: torch.dtype | None = None) -> nn.Module:
+    """In place: the draft's frozen `embed_tokens` becomes a HostEmbedding (same table, in `dtype`,
+    default its own)."""
+    draft.embed_tokens = HostEmbedding.of(draft.embed_tokens, dtype)
     return draft

@@ -75,21 +75,27 @@ def data_parallel_mesh(device_type: str, world: int | None = None, local: int | 
 
 
 def shard_draft(draft: nn.Module, units: list[str], bf16: bool = False, keep_gathered: bool = True,
-                offload: bool = False, mesh: DeviceMesh | None = None) -> nn.Module:
+                offload: bool = False, mesh: DeviceMesh | None = None,
+                device: torch.device | str | None = None) -> nn.Module:
     """In place: shard the draft's trainable units over the default process group, or on `mesh`
     (default `data_parallel_mesh`: HSDP across nodes).
     bf16: gather the weights in bf16 (what autocast computes with anyway), reduce in fp32;
     keep_gathered: DraftMethod.keep_units_gathered (module doc); offload: the shards, their grads
-    and the optimizer on the host (train.optimizer_device=cpu)."""
+    and the optimizer on the host (train.optimizer_device=cpu); device: where the shards live
+    (None: where the weights are). No unit's weight reaches `device` whole: the units are sharded
+    on the meta device and each rank's rows copied in from the host (`_materialise`)."""
     mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if bf16 else MixedPrecisionPolicy()
     # pinned host shards copy to and from the GPU asynchronously; on a CPU run there is no device to pin for
     where = CPUOffloadPolicy(pin_memory=torch.cuda.is_available()) if offload else OffloadPolicy()
     trainable = {n for n, p in draft.named_parameters() if p.requires_grad}
-    if mesh is None:  # the weights' device before sharding (the offloaded shards go to the host after)
-        mesh = data_parallel_mesh(next(p for p in draft.parameters() if p.requires_grad).device.type)
+    if device is None:  # the weights' device
+        device = next(p for p in draft.parameters() if p.requires_grad).device
+    if mesh is None:  # the shards' device (the offloaded shards go to the host after)
+        mesh = data_parallel_mesh(torch.device(device).type)
     covered = {n for n in trainable if any(n.startswith(unit + ".") for unit in units)}
     if covered != trainable:  # an unsharded trainable weight would get no gradient sum over ranks
         raise ValueError(f"trainable weights outside the FSDP units {units}: {sorted(trainable - covered)}")
+    values = _to_meta(draft, trainable)
     for name in units:
         unit = fully_shard(draft.get_submodule(name), mesh=mesh, reshard_after_forward=not keep_gathered, mp_policy=mp,
                            offload_policy=where)
@@ -100,7 +106,65 @@ def shard_draft(draft: nn.Module, units: list[str], bf16: bool = False, keep_gat
     if not keep_gathered:  # the root over the units; its inputs keep their dtype (no param_dtype of its own)
         frozen = {p for p in draft.parameters() if not p.requires_grad}
         fully_shard(draft, mesh=mesh, reshard_after_forward=True, offload_policy=where, ignored_params=frozen)
+    _materialise(draft, values, torch.device("cpu") if offload else torch.device(device))
     return draft
+
+
+def _to_meta(draft: nn.Module, names: set[str]) -> dict[str, torch.Tensor]:
+    """In place: the parameters `names` replaced by storage-less ones on the meta device (FSDP2
+    shards those where they are: `_fsdp_init.py` `_move_states_to_device` keeps meta tensors);
+    returns their values, by name, where they were."""
+    values, swapped = {}, {}
+    for prefix, module in draft.named_modules(remove_duplicate=False):
+        for key, p in list(module._parameters.items()):
+            name = f"{prefix}.{key}" if prefix else key
+            if p is None or (name not in names and id(p) not in swapped):
+                continue
+            if id(p) not in swapped:  # a tied parameter stays one parameter
+                swapped[id(p)] = nn.Parameter(torch.empty_like(p, device="meta"), requires_grad=p.requires_grad)
+                values[name] = p.detach()
+            module._parameters[key] = swapped[id(p)]
+    return values
+
+
+@torch.no_grad()
+def _materialise(draft: nn.Module, values: dict[str, torch.Tensor], device: torch.device) -> None:
+    """Each sharded parameter's local rows, cut from its value on the host and copied to `device`:
+    the rows its placements give this rank (`_local_rows`). Assigned through load_state_dict,
+    after which FSDP2 pads and registers the new local shard (`_fsdp_param.py`
+    `reset_sharded_param`)."""
+    from torch.distributed.tensor import DTensor
+
+    params = dict(draft.named_parameters(remove_duplicate=False))
+    by_module: dict[str, dict] = {}
+    for name, value in values.items():
+        p = params[name]
+        # a copy even on the value's own device: a view would keep the whole parameter alive
+        rows = _local_rows(value, p.device_mesh, p.placements).to(device, copy=True).contiguous()
+        # as FSDP2 wraps its own shards (`_fsdp_common.py` `_from_local_no_grad`): the rows stay where
+        # they are (DTensor.from_local would move host rows to the mesh's device)
+        local = DTensor(rows, p._spec, requires_grad=False)
+        prefix, _, key = name.rpartition(".")
+        by_module.setdefault(prefix, {})[key] = nn.Parameter(local, requires_grad=p.requires_grad)
+    for prefix, state in by_module.items():
+        unexpected = draft.get_submodule(prefix).load_state_dict(state, strict=False, assign=True).unexpected_keys
+        if unexpected:
+            raise RuntimeError(f"sharding: {prefix or 'the draft'} has no parameters {unexpected}")
+
+
+def _local_rows(value: torch.Tensor, mesh: DeviceMesh, placements) -> torch.Tensor:
+    """This rank's part of `value` under `placements` on `mesh`: along each mesh dimension that
+    shards dim d, chunk r of torch.chunk (ceil(n / size) each, the last ones shorter or empty),
+    as FSDP2 (`_fsdp_param.py` `_init_sharded_param`, `_chunk_with_empty`) and DTensor cut it."""
+    from torch.distributed.tensor import Shard
+
+    for i, placement in enumerate(placements):
+        if isinstance(placement, Shard):
+            n, size, rank = value.shape[placement.dim], mesh.size(i), mesh.get_local_rank(i)
+            per = -(-n // size)
+            start = min(rank * per, n)
+            value = value.narrow(placement.dim, start, min(per, n - start))
+    return value
 
 
 def reshard(draft: nn.Module, units: list[str]) -> None:

@@ -37,7 +37,7 @@ from .regenerated import COLUMNS, RegenerationLog
 from .answer_store import AnswerStore, answer_provenance, known_conversations, read_store, store_path
 from .overview import eval_line, print_overview
 from .schedule import BatchItem, build_schedule
-from .learner import build_learner
+from .learner import build_learner, release_cached_memory
 from .optim import rank_threads
 from .step import batch_seed
 from .stop import StopOnSignal, TrainingInterrupted
@@ -311,6 +311,7 @@ class Trainer:
         self.bar = tqdm(total=self.steps, initial=self.saved.step, desc="train", unit="step",
                         disable=not (tr.progress and self.ranks.main), dynamic_ncols=True)
         io = psutil.Process().io_counters
+        release_cached_memory(self.device)  # before the target measures the GPU's free memory (train/learner.py)
         try:
             with self.stop, launcher_env_hidden(), self.stream:  # the target must not inherit torchrun's variables
                 written_before = io().write_bytes

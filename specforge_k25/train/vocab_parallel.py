@@ -43,12 +43,15 @@ class VocabShard:
     group: Any = None  # the process group (None: the default one)
 
     @classmethod
-    def of(cls, lm_head: torch.Tensor, world: int, rank: int, group=None) -> "VocabShard":
-        """Rank `rank`'s rows of `lm_head` [V, Ht]: ceil(V / world) rows each, the last ranks fewer."""
+    def of(cls, lm_head: torch.Tensor, world: int, rank: int, group=None, device=None) -> "VocabShard":
+        """Rank `rank`'s rows of `lm_head` [V, Ht]: ceil(V / world) rows each, the last ranks fewer;
+        copied to `device` (default: the head's), so only they reach it."""
         V = lm_head.shape[0]
         per = -(-V // world)
         start = min(rank * per, V)
-        return cls(lm_head[start:start + per].detach().clone(), start, V, world, rank, group)
+        rows = lm_head.narrow(0, start, min(per, V - start)).detach()  # narrow: what a fake-device trace can run
+        rows = rows.clone() if device is None or torch.device(device) == rows.device else rows.to(device)
+        return cls(rows, start, V, world, rank, group)
 
     def token_losses(self, h: torch.Tensor, labels: torch.Tensor, teacher: torch.Tensor | None, distill: float,
                      chunk: int) -> tuple[torch.Tensor, torch.Tensor]:
