@@ -34,6 +34,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 ROOT = Path(__file__).resolve().parents[1]
 HERE = Path(__file__).resolve().parent
 MAX_FILES = 8  # what the device tool brings back from $OUT
+# the device tool's 15 minutes hold a machine start of up to 4, the command, and a rerun of what failed
+# (`--rerun-failed --budget-s 180` on the still-warm machine)
+DEVICE_BUDGET_S, MACHINE_START_S, DEFAULT_BUDGET_S, RERUN_BUDGET_S = 900, 240, 390, 180
 
 
 @dataclass
@@ -46,9 +49,15 @@ class Step:
     outputs: list[str] = field(default_factory=list)  # files under out it writes
 
 
+SKIP_EXIT = 3  # a step that exits with this skipped itself; its last "SKIP ..." line says why
+
+
 def steps_for(device: str, small: bool, out: Path, deadline: float, compile_on_cpu: bool = True) -> list[Step]:
-    """The checks in priority order: what nothing else covers first, what an earlier lent run already
-    measured (docs/PERFORMANCE.md section 3) last."""
+    """The checks in priority order, by what a minute of device time tells: the real command and the
+    online memory first (nothing else measures them), SGLang's kernels and speculative decoding next,
+    what an earlier lent run already measured (docs/PERFORMANCE.md section 3) last. On a CPU the
+    throughput step b is left out: its CPU path is tests/benchmarks/test_benchmarks.py's
+    test_gpu_e2e_cpu_mode, and b measures nothing on a CPU that the device run needs."""
     py = [str(HERE / "gpu_preflight.py"), "--device", device, "--out", str(out)] + ([] if compile_on_cpu else
                                                                                      ["--no-compile"])
     e2e = [str(HERE / "gpu_e2e.py"), "--device", device, "--out", str(out / "gpu_e2e.json"), "--merge",
@@ -56,20 +65,37 @@ def steps_for(device: str, small: bool, out: Path, deadline: float, compile_on_c
     kimi = [str(HERE / "gpu_kimi_shapes.py"), "--device", device, "--out", str(out / "gpu_kimi_shapes.json"),
             "--no-plot"] + (["--small", "--seq-lens", "32,64"] if small else ["--seq-lens", "2048,4096", "--iters", "3"])
     checks = [str(HERE / "gpu_trainer_checks.py"), "--out", str(out)] + (["--small"] if small else [])
+    cli = [str(HERE / "gpu_cli.py"), "--device", device, "--out", str(out)] + (["--small"] if small else [])
     cuda = device == "cuda"
+    # on a CPU the two optimizer placements are one code path: the Kimi-shaped target is run and
+    # resumed, the Llama run once
+    llama = ["--variants", "gpu,cpu"] if cuda else ["--variants", "cpu", "--no-resume"]
     return [
-        Step("preflight", py, 200 if cuda else 300, 30, "CUDA toolkit, Rust radix extension, SGLang JIT builds",
+        Step("cli_llama", cli + ["--target", "llama", *llama], 200 if cuda else 600, 60,
+             "python -m specforge_k25.train co-located, resumed, exported; memory at stream start vs plan",
+             ["gpu_cli_llama.json"]),
+        Step("cli_deepseek", cli + ["--target", "deepseek", "--variants", "gpu,cpu" if cuda else "gpu"],
+             200 if cuda else 600, 60, "the same on the tiny DeepSeek-V3 (MLA + MoE, Kimi's code path)",
+             ["gpu_cli_deepseek.json"]),
+        *([Step("b", e2e + ["--checks", "b"], 150, 60, "online memory vs plan per owner, throughput (>= 200 batches)",
+                ["gpu_e2e.json"])] if cuda else []),
+        Step("preflight", py, 120 if cuda else 300, 30, "CUDA toolkit, Rust radix extension, SGLang JIT builds",
              ["gpu_preflight.json"]),
-        Step("c", e2e + ["--checks", "c"], 150 if cuda else 300, 60, "slot hand-off (+ planted no-sync), a) fp32",
+        Step("c", e2e + ["--checks", "c"], 120 if cuda else 300, 60, "slot hand-off (+ planted no-sync), a) fp32",
              ["gpu_e2e.json"]),
-        Step("d", e2e + ["--checks", "d"], 200 if cuda else 300, 60, "EAGLE-3 in SGLang, graphs off and on"),
-        Step("e", e2e + ["--checks", "e"], 150 if cuda else 300, 60, "DFlash and MLA EAGLE-3 in SGLang"),
+        Step("d", e2e + ["--checks", "d"], 150 if cuda else 300, 60, "EAGLE-3 in SGLang, graphs off and on"),
+        Step("e", e2e + ["--checks", "e"], 120 if cuda else 300, 60, "DFlash and MLA EAGLE-3 in SGLang"),
+        Step("mps", [str(HERE / "gpu_mps.py")], 60, 5, "co-located step time with and without MPS (several GPUs)"),
         Step("kimi_steps", kimi + ["--methods", "dflash,eagle3"], 120, 40,
              "one DFlash layer and the EAGLE-3 draft at Kimi shapes: time, peak vs plan", ["gpu_kimi_shapes.json"]),
-        Step("b", e2e + ["--checks", "b"], 180 if cuda else 300, 60, "throughput (>= 200 batches), memory vs plan"),
         Step("trainer_checks", checks, 90 if cuda else 120, 30, "TTT numerics, SDPA kernel, host AdamW",
              ["gpu_trainer_checks.json"]),
     ]
+
+
+def to_rerun(previous: dict) -> list[str]:
+    """The steps of a previous summary that did not pass (a step that skipped itself stays skipped)."""
+    return [r["step"] for r in previous.get("steps", []) if r["status"] != "pass" and not r.get("self_skipped")]
 
 
 class Check:
@@ -81,6 +107,7 @@ class Check:
         out.mkdir(parents=True, exist_ok=True)
         self.log = open(out / "gpu_check.log", "a", buffering=1)
         self.summary = {"benchmark": "gpu_check", "budget_s": budget_s, "started": self.t0, "steps": []}
+        self._last: dict[str, str] = {}  # per step, its last SKIP line
 
     def say(self, line: str) -> None:
         print(line, flush=True)
@@ -89,7 +116,7 @@ class Check:
     def save(self) -> None:
         self.summary["wall_s"] = time.time() - self.t0
         steps = self.summary["steps"]
-        self.summary["ok"] = all(s["status"] == "pass" for s in steps)
+        self.summary["ok"] = all(s["status"] == "pass" or s.get("self_skipped") for s in steps)
         self.summary["files"] = sorted(p.name for p in self.out.iterdir() if p.is_file())
         tmp = self.out / "gpu_check.json.tmp"
         tmp.write_text(json.dumps(self.summary, indent=1, default=str))
@@ -105,18 +132,21 @@ class Check:
         timeout = min(step.timeout_s, left)
         self.say(f"STEP {step.name} ({step.what}): timeout {timeout:.0f} s, {left:.0f} s left")
         t0 = time.time()
+        self._last[step.name] = ""
         proc = subprocess.Popen([sys.executable, *step.argv], cwd=ROOT, env=self.env, stdout=subprocess.PIPE,
                                 stderr=subprocess.STDOUT, text=True, start_new_session=True)
         reader = threading.Thread(target=self._pump, args=(proc, step.name), daemon=True)
         reader.start()
         try:
             rc = proc.wait(timeout=timeout)
-            status = "pass" if rc == 0 else "fail"
+            status = {0: "pass", SKIP_EXIT: "skipped"}.get(rc, "fail")
         except subprocess.TimeoutExpired:
             self._kill(proc)
             rc, status = None, "timeout"
         reader.join(timeout=10)
         row.update(status=status, exit=rc, wall_s=round(time.time() - t0, 1), timeout_s=round(timeout, 1))
+        if status == "skipped":
+            row.update(self_skipped=True, reason=self._last[step.name] or "the step skipped itself")
         if status == "timeout":
             row["reason"] = f"killed after its {timeout:.0f} s (its results so far are in its files)"
         self.say(f"END step {step.name}: {status.upper()} in {row['wall_s']:.0f} s"
@@ -131,6 +161,8 @@ class Check:
     def _pump(self, proc, name: str) -> None:
         for line in proc.stdout:
             self.say(f"[{name}] {line.rstrip()}")
+            if line.startswith("SKIP"):
+                self._last[name] = line.strip()
 
     @staticmethod
     def _kill(proc) -> None:
@@ -146,12 +178,18 @@ def main(argv=None) -> dict:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--device", choices=["cuda", "cpu"], default="cuda")
     p.add_argument("--small", action="store_true", help="tiny shapes (the CPU mode)")
-    p.add_argument("--budget-s", type=float, default=480.0, help="global deadline, seconds from the start")
+    p.add_argument("--budget-s", type=float, default=float(DEFAULT_BUDGET_S),
+                   help="global deadline, seconds from the start")
     p.add_argument("--out", type=Path, default=None, help="result folder (default: $OUT, else "
                                                           "benchmarks/results/gpu_check_<device>)")
     p.add_argument("--no-compile", action="store_true", help="cpu: the preflight does not compile SGLang's JIT "
                                                                    "kernels with this machine's nvcc")
     p.add_argument("--only", default=None, help="comma-separated step names (default: all, in priority order)")
+    p.add_argument("--rerun-failed", action="store_true", help="only the steps that did not pass in --previous; "
+                                                               "its rows kept in the summary")
+    p.add_argument("--previous", type=Path, default=None, help="the first run's gpu_check.json (default: the one "
+                                                               "under --out; the device's $OUT starts empty, so "
+                                                               "there: docs/gpu_h200/gpu_check.json)")
     args = p.parse_args(argv)
     out = args.out or (Path(os.environ["OUT"]) if os.environ.get("OUT") else
                        HERE / "results" / f"gpu_check_{args.device}")
@@ -159,6 +197,12 @@ def main(argv=None) -> dict:
     env["PYTHONPATH"] = os.pathsep.join([str(ROOT)] + [q for q in env.get("PYTHONPATH", "").split(os.pathsep) if q])
     from gpu_preflight import prepare_env
 
+    previous = None
+    if args.rerun_failed:
+        try:
+            previous = json.loads((args.previous or out / "gpu_check.json").read_text())
+        except (OSError, ValueError) as err:
+            raise SystemExit(f"--rerun-failed: no previous {args.previous or out / 'gpu_check.json'} ({err})")
     check = Check(out, args.budget_s, env)
     check.summary["prepared"] = prepare_env(env, Path(tempfile.mkdtemp(prefix="specforge-cuda-home-")),
                                             cuda=args.device == "cuda")
@@ -167,8 +211,13 @@ def main(argv=None) -> dict:
               f"CUDA_HOME for SGLang's JIT: {kit['cuda_home']}")
     check.save()
     steps = steps_for(args.device, args.small, out, check.deadline, not args.no_compile)
-    if args.only:
-        names = args.only.split(",")
+    names = args.only.split(",") if args.only else None
+    if previous is not None:
+        names = to_rerun(previous)
+        check.summary["previous"] = [dict(r, rerun=r["step"] in names) for r in previous["steps"]]
+        check.say(f"INFO rerun of {names or 'nothing'}; kept from the previous run: "
+                  f"{[r['step'] for r in previous['steps'] if r['step'] not in names]}")
+    if names is not None:
         unknown = set(names) - {s.name for s in steps}
         if unknown:
             raise SystemExit(f"--only: no step {sorted(unknown)}; steps: {[s.name for s in steps]}")

@@ -48,6 +48,7 @@ import stream as stream_bench
 from _common import GiB, MiB, RESULTS, machine_info, set_threads, write_json
 from _gpu_device import MemorySampler, memory_vs_plan
 from gpu_handoff import check_slots, schedule
+from gpu_targets import SMALL, SMOLLM2
 from gpu_preflight import prepare_env
 from stream import PhaseClock, phase_online, phase_trainer_only
 from specforge_k25.config import JobConfig
@@ -64,13 +65,6 @@ from specforge_k25.train.trainer import build_learner
 
 ROOT = Path(__file__).resolve().parents[1]
 GPU_OUT = ROOT / "docs" / "gpu_h200" / "gpu_e2e.json"
-# SmolLM2-135M's config.json (the packaged model, converted by specforge_k25/target_engine/models.py)
-SMOLLM2 = dict(hidden_size=576, intermediate_size=1536, num_hidden_layers=30, num_attention_heads=9,
-               num_key_value_heads=3, head_dim=64, vocab_size=49152, max_position_embeddings=8192,
-               rms_norm_eps=1e-5, rope_parameters={"rope_type": "default", "rope_theta": 100000.0},
-               tie_word_embeddings=True, bos_token_id=1, eos_token_id=2, pad_token_id=2)
-SMALL = dict(SMOLLM2, hidden_size=64, intermediate_size=128, num_hidden_layers=8, num_attention_heads=4,
-             num_key_value_heads=2, head_dim=16, vocab_size=1024, max_position_embeddings=2048)
 # sizes per mode: samples, tokens per sample (min, max), batch size, draft vocab, TTT steps, stress batches
 # gpu: 800 samples at batch 4 = 200 batches per phase, each timed (medians over >= 200 items)
 SIZES = {"gpu": dict(samples=800, lengths=(128, 640), batch=4, draft_vocab=32000, ttt=7, stress=120, sleep=0.01,
@@ -280,7 +274,7 @@ def check_stream(job, setup, device: torch.device, hf_batches: int) -> tuple[dic
     if device.type == "cuda":
         trainers.clear()
         gc.collect()  # the trainer-only phase's learner and tensors are garbage only once collected
-        torch.cuda.empty_cache()
+        # no empty_cache here: what the allocator still caches is what a real run's target sees as used
         torch.cuda.reset_peak_memory_stats()
         with MemorySampler() as sampler:
             online = phase_online(job, factory, setup, plan)

@@ -208,9 +208,8 @@ def main(argv=None) -> dict:
           + f"; the check's engines use {RADIX_ENV}={os.environ.get(RADIX_ENV)}", flush=True)
     ok = True
     if args.device == "cuda":
-        from gpu_e2e import SMOLLM2
-
         from _gpu_device import jit_preflight
+        from gpu_targets import SMOLLM2
 
         row = SMOLLM2["num_key_value_heads"] * SMOLLM2["head_dim"]
         res["jit"] = jit = jit_preflight([2 * row, 4 * row], tree=True, timeout_s=args.build_timeout)
@@ -228,9 +227,8 @@ def main(argv=None) -> dict:
     else:  # what the device builds, built here for an H200 with this machine's nvcc and the prepared CUDA_HOME
         import tempfile
 
-        from gpu_e2e import SMOLLM2
-
         from _gpu_device import jit_compile_on_cpu
+        from gpu_targets import SMOLLM2
 
         row = SMOLLM2["num_key_value_heads"] * SMOLLM2["head_dim"]
         with tempfile.TemporaryDirectory(prefix="specforge-jit-") as cache:

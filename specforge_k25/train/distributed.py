@@ -69,6 +69,7 @@ class Ranks:
     cp: int = 1  # hw.context_parallel: consecutive ranks of a replica that split each sequence's positions
     cp_group: Any = field(default=None, compare=False, repr=False)  # their process group
     heartbeat: Any = field(default=None, compare=False, repr=False)  # train/heartbeat.Heartbeat, or None
+    grouped: bool = False  # one rank in a process group of its own (ONE_RANK_GROUP): sharded as several are
 
     def mark(self, item: int, phase: str) -> None:
         """The schedule item and phase this rank is in ("target": waiting for its batch, "train",
@@ -114,7 +115,7 @@ class Ranks:
 
     @property
     def distributed(self) -> bool:
-        return self.world > 1
+        return self.world > 1 or self.grouped
 
     @property
     def replica(self) -> int:
@@ -247,13 +248,19 @@ def balanced_shares(sizes: list[int], parts: int) -> list[list[int]]:
     return [sorted(share) for share in shares]
 
 
+# A co-located run of one rank under torchrun with this set to 1 builds its process group and shards
+# its draft (FSDP2 over one rank, the vocab-split head) as a node's ranks do: the GPU check runs the
+# node's code path on one GPU (benchmarks/gpu_cli.py)
+ONE_RANK_GROUP = "SPECFORGE_ONE_RANK_GROUP"
+
+
 def start_ranks(job, world: World | None = None):
     """This process's job (its trainer GPU, its replica's first GPU) and its `Ranks`; with several
     ranks also the process group (gloo on CPU, nccl on CUDA, and gloo for host tensors when the
     co-located shards live on the host; collectives time out after
     train.dist_timeout_s). Returns (job, ranks)."""
     world = world or World.from_env()
-    if world.size == 1:
+    if world.size == 1 and not (os.environ.get(ONE_RANK_GROUP) == "1" and node_layout(job.hw).colocated):
         return job, Ranks()
     layout = node_layout(job.hw)
     timeout = datetime.timedelta(seconds=job.train.dist_timeout_s)
@@ -277,7 +284,7 @@ def start_ranks(job, world: World | None = None):
     heartbeat = start_heartbeat(job, dist.get_rank(), dist.get_world_size(), nccl=job.hw.device == "cuda")
     return job, Ranks(rank=dist.get_rank(), world=dist.get_world_size(), local_rank=world.local_rank,
                       per_replica=layout.per_replica, colocated=layout.colocated, cp=cp, cp_group=cp_group,
-                      heartbeat=heartbeat)
+                      heartbeat=heartbeat, grouped=world.size == 1)
 
 
 # What torchrun puts in a rank's environment (TORCHELASTIC_* too).

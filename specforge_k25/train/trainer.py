@@ -22,6 +22,7 @@ from ..config import JobConfig
 from ..data.regenerate import regeneration_prompt
 from ..export.serving import export_draft
 from ..setup.run import RunSetup, make_target_stream, prepare, regeneration_note
+from . import memory_report
 from ..stream.target_stream import StreamError, StreamInterrupted, TargetStream
 from ..target_engine.routing import load_counts
 from .checkpoint import (WriteFailed, check_draft_keys, last_good_checkpoint, list_checkpoints, optimizer_state_for,
@@ -157,6 +158,7 @@ class Trainer:
         an optimizer step at every train.grad_accum-th one."""
         if self._t_train is None:
             self._t_train, self._wait_at_train_start = time.perf_counter(), self.stream.wait_s
+            memory_report.at_stream_start(self)  # the target has started: its memory beside the plan's
         res = self.learner.train_micro(batch)  # None: no share of this micro-batch (it still joins the counts)
         if batch is not None:
             self._positions[0] += int(batch.lengths.sum())

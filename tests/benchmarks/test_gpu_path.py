@@ -257,3 +257,35 @@ def test_gpu_e2e_preflight_builds_what_the_engines_compile_and_shows_a_failed_bu
     assert not failed["built"] and "ninja: build stopped" in failed["log"], failed
     built = _gpu_device._build("pass\n", 120)
     assert built["built"] and built["seconds"] is not None, built
+
+
+# ---------------------------------------------------------- one co-located rank in its own group
+def test_one_rank_group_switch_builds_a_group_and_shards_only_co_located(monkeypatch):
+    """SPECFORGE_ONE_RANK_GROUP=1 (benchmarks/gpu_cli.py's launch): one co-located rank gets a process
+    group (gloo here, NCCL on CUDA) and counts as distributed, so the learner shards its draft as a
+    node's ranks do; without the switch, or dedicated, one rank stays the plain single process."""
+    import torch.distributed as dist
+
+    from specforge_k25.config import JobConfig
+    from specforge_k25.setup.layout import World
+    from specforge_k25.train.distributed import ONE_RANK_GROUP, start_ranks, stop_ranks
+
+    job = JobConfig()
+    job.hw.trainer_layout = "colocated"
+    job.train.dist_timeout_s = 60
+    for k, v in {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(29500 + os.getpid() % 1000), "RANK": "0",
+                 "WORLD_SIZE": "1", "LOCAL_RANK": "0"}.items():
+        monkeypatch.setenv(k, v)
+    _, plain = start_ranks(job, World())
+    assert not plain.distributed and not dist.is_initialized()
+    monkeypatch.setenv(ONE_RANK_GROUP, "1")
+    dedicated = JobConfig()
+    _, alone = start_ranks(dedicated, World())
+    assert not alone.distributed and not dist.is_initialized()
+    _, ranks = start_ranks(job, World())
+    try:
+        assert ranks.distributed and ranks.colocated and ranks.world == 1 and dist.is_initialized()
+        assert dist.get_backend() == "gloo"
+    finally:
+        stop_ranks(ranks)
+    assert not dist.is_initialized()
