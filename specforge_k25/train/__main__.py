@@ -109,9 +109,13 @@ def main(cfg) -> None:
     except ValueError as err:  # a field out of range; hw.trainer_layout not dedicated | colocated
         print(f"\nerror: {err}", file=sys.stderr)
         sys.exit(2)
-    run_dir = job.train.out_dir or HydraConfig.get().runtime.output_dir
+    run_dir, lock = job.train.out_dir or HydraConfig.get().runtime.output_dir, None
+    if not job.train.out_dir and World.from_env().rank == 0:  # Hydra's folder, a timestamp to the second
+        from .run_lock import lock_default_folder
+
+        lock, run_dir = lock_default_folder(run_dir)
     try:
-        summary = run_training(job, run_dir)
+        summary = run_training(job, run_dir, lock=lock)
     except TrainingInterrupted as stop:
         if World.from_env().rank == 0:  # the rank that saved
             print(f"\n{stop}\nresume with: python -m specforge_k25.train train.resume=auto train.out_dir={run_dir} "

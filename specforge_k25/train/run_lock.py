@@ -65,6 +65,17 @@ class RunLock:
         self.release()
 
 
+def lock_default_folder(folder: str | Path) -> tuple[RunLock, str]:
+    """The lock on Hydra's default run folder (outputs/<date>/<time>, to the second), taken before
+    the run prepares: a second run started in the same second did not choose that folder, so it
+    runs in `<folder>-<pid>` instead of being refused."""
+    try:
+        return RunLock(Path(folder)).acquire(), str(folder)
+    except RunFolderLocked:
+        other = f"{folder}-{os.getpid()}"
+        return RunLock(Path(other)).acquire(), other
+
+
 def _read(fd: int) -> dict:
     try:
         return json.loads(os.pread(fd, 4096, 0).decode() or "{}")

@@ -90,6 +90,7 @@ class Trainer:
         self.evals: dict[str, dict] = {}
         self.resumed_from: Path | None = None
         self.checkpoint: Path | None = None
+        self.held_lock: RunLock | None = None  # the run folder's lock, taken already (train/__main__.py)
         self.artifact_bytes = 0  # bytes of checkpoints and export this rank wrote (to separate them from anything else)
         self.stop = StopOnSignal()
         self.logger = NullLogger()
@@ -254,8 +255,8 @@ class Trainer:
     # -------------------------------------------------------------------------------- run
     def run(self) -> dict:
         """`_run` holding the run folder's lock (rank 0; every rank refuses when it is taken)."""
-        lock, refusal = RunLock(self.run_dir), None
-        if self.ranks.main:
+        lock, refusal = self.held_lock or RunLock(self.run_dir), None
+        if self.ranks.main and self.held_lock is None:
             try:
                 lock.acquire()
             except RunFolderLocked as err:
@@ -514,7 +515,7 @@ class Trainer:
         return summary
 
 
-def run_training(job: JobConfig, run_dir: str | Path, engine: str = "sglang") -> dict:
+def run_training(job: JobConfig, run_dir: str | Path, engine: str = "sglang", lock: RunLock | None = None) -> dict:
     """Train a draft online and export it. Returns the summary (also written to summary.json).
 
     Raises TrainingInterrupted (after saving) on SIGTERM/SIGINT, and StreamError (after saving)
@@ -539,6 +540,7 @@ def run_training(job: JobConfig, run_dir: str | Path, engine: str = "sglang") ->
             print(note, flush=True)
         run_dir = Path(ranks.from_main(str(run_dir)))  # Hydra's default folder is a timestamp: take rank 0's
         trainer = Trainer(job, setup, run_dir, ranks, partial(make_target_stream, engine=engine), t_start)
+        trainer.held_lock = lock  # `lock`: rank 0's, on run_dir, taken by the caller
         return trainer.run()
     finally:
         stop_ranks(ranks)  # with the heartbeat: "done", or the error the other ranks then end with

@@ -22,7 +22,7 @@ from specforge_k25.train.checkpoint import WriteFailed, list_checkpoints
 from specforge_k25.train.distributed import Ranks
 from specforge_k25.train.finite import NonFiniteError
 from specforge_k25.train.manifest import manifest_problems
-from specforge_k25.train.run_lock import RunFolderLocked, RunLock
+from specforge_k25.train.run_lock import RunFolderLocked, RunLock, lock_default_folder
 from specforge_k25.train.trainer import Trainer
 from test_trainer import FakeStream, _job, _run, tiny_setup  # noqa: F401 (tiny_setup: the module's fixture)
 
@@ -124,6 +124,19 @@ def test_a_lock_left_by_a_killed_run_is_taken_over_and_a_live_one_refuses(tmp_pa
         lock.release()
     with RunLock(tmp_path) as again:  # a lock released cleanly leaves nothing to take over
         assert again.takeover_note() is None
+
+
+def test_a_run_into_hydras_default_folder_held_by_another_gets_a_folder_of_its_own(tmp_path):
+    """Hydra's default folder is a timestamp to the second: a run started in the same second as
+    another did not choose it, so it runs beside it instead of being refused."""
+    folder = tmp_path / "outputs" / "12-00-00"
+    with RunLock(folder):
+        lock, got = lock_default_folder(folder)
+        lock.release()
+    assert got == f"{folder}-{os.getpid()}"
+    lock, got = lock_default_folder(folder)
+    lock.release()
+    assert got == str(folder)
 
 
 # ------------------------------------------------------------------------------ 3. manifests
