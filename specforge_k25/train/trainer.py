@@ -544,3 +544,5 @@ def run_training(job: JobConfig, run_dir: str | Path, engine: str = "sglang", lo
         return trainer.run()
     finally:
         stop_ranks(ranks)  # with the heartbeat: "done", or the error the other ranks then end with
+        if lock is not None:  # released cleanly also when the run failed before training
+            lock.release()
