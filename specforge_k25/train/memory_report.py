@@ -41,8 +41,13 @@ def trainer_figures(device: torch.device) -> dict:
 
 
 def plan_figures(job, model_path: str) -> dict:
-    """The plan's figures for this run (plan/budget.py plan_memory)."""
-    plan = plan_memory(job, facts_from_folder(model_path))
+    """The plan's figures for this run (plan/budget.py plan_memory); a run the plan cannot describe
+    (a test's target smaller than the draft's default vocabulary) is reported with the plan's reason,
+    never stopped by it: this is a report."""
+    try:
+        plan = plan_memory(job, facts_from_folder(model_path))
+    except ValueError as err:  # PlanError is a ValueError
+        return {"error": str(err)}
     trainer = [g for g in plan.gpus if "trainer" in g.role]
     return {"free_before_load": plan.free_before_load, "kv_pool_tokens": plan.kv_pool_tokens,
             "mem_fraction_static": plan.mem_fraction_static,
