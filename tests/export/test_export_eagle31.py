@@ -23,14 +23,17 @@ def _one_thread(one_torch_thread):
     yield
 
 
-def _linspace_draft(**options) -> Eagle3Draft:
-    """A draft whose every value is fixed without any RNG, so its export's bytes can be pinned."""
+def _exact_draft(**options) -> Eagle3Draft:
+    """A draft whose every value is fixed without any RNG or kernel choice, so its export's bytes can
+    be pinned: dyadic steps (exact) divided by 7 (an IEEE division: the same bits on every CPU;
+    torch.linspace's values depend on ATEN_CPU_CAPABILITY)."""
     cfg = DraftConfig(hidden_size=H, intermediate_size=I, num_attention_heads=NH, num_key_value_heads=NKV, head_dim=HD,
                       vocab_size=V, draft_vocab_size=VD, target_hidden_size=H, **options)
     draft = Eagle3Draft(cfg)
     with torch.no_grad():
         for i, (_, p) in enumerate(draft.named_parameters()):
-            p.copy_(torch.linspace(-1, 1, p.numel()).view(p.shape) * (i + 1) / 7)
+            n = p.numel()
+            p.copy_(((torch.arange(n) - n // 2).float() / 2 ** (n.bit_length() - 1)).view(p.shape) * (i + 1) / 7)
         used = torch.arange(VD) * 5
         draft.d2t.copy_(used - torch.arange(VD))
         draft.t2d.zero_()
@@ -38,12 +41,13 @@ def _linspace_draft(**options) -> Eagle3Draft:
     return draft
 
 
-# sha256 of the files the export wrote for `_linspace_draft()` before the EAGLE-3.1 options existed
+# sha256 of the files the export wrote for `_exact_draft()` before the EAGLE-3.1 options existed
+# (the parent of commit 95857b8 writes these, under ATEN_CPU_CAPABILITY=default and avx512 alike)
 PLAIN_EXPORT_SHA256 = {
     torch.float32: {"config.json": "a051c930090128cba9e8e92a0a7a6c0a6807b285ec57ed27e0fe3e1ef4ee659e",
-                    "model.safetensors": "6712df369206d4f83fa56dd5fe19b2c5ea52e7050ac171f00eb936728b77295f"},
+                    "model.safetensors": "fb6f45c6c1c54e17a9ee7413a833bea0cee7f4ff48dc2f53524ab81dd99f6967"},
     torch.bfloat16: {"config.json": "017384d528e57fa8f9d0bf5b2ddfd3b5d0365ea0de8d09eeb3523a402ca33c1a",
-                     "model.safetensors": "b86f43a4cb5adc110cfb856912b9bb708a259816a91983bfe64aab80f3bc90d6"},
+                     "model.safetensors": "39b7f69db11f71dd73a93c9f1f21684085a5bceb23775c8780af14b6e500517f"},
 }
 
 
@@ -51,7 +55,7 @@ PLAIN_EXPORT_SHA256 = {
 def test_options_off_export_is_byte_identical(tmp_path, dtype):
     import hashlib
 
-    out = export_draft(_linspace_draft(fc_norm=False, norm_output=False), tmp_path / "export", LAYER_IDS, BOS, EOS,
+    out = export_draft(_exact_draft(fc_norm=False, norm_output=False), tmp_path / "export", LAYER_IDS, BOS, EOS,
                        dtype, capture_points=POINTS)
     assert {f.name: hashlib.sha256(f.read_bytes()).hexdigest() for f in out.iterdir()} == PLAIN_EXPORT_SHA256[dtype]
 
