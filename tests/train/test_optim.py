@@ -93,16 +93,13 @@ def test_build_optimizer_offloads_only_to_another_device():
     assert isinstance(build_optimizer(model.parameters(), 1e-3, [0.9, 0.95], 0.0, device="meta"), OffloadedAdamW)
 
 
-def _offloaded_shards(port: int):
+def _offloaded_shards():
     """A 1-rank gloo group and the model sharded by FSDP2 with its CPU offload (the co-located
     layout's train.optimizer_device=cpu); the caller destroys the group."""
-    import os
-
     import torch.distributed as dist
     from torch.distributed.fsdp import CPUOffloadPolicy, fully_shard
 
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    dist.init_process_group("gloo", rank=0, world_size=1)
+    dist.init_process_group("gloo", rank=0, world_size=1, store=dist.HashStore())  # no port: tests run side by side
     model = _model()
     fully_shard(model, offload_policy=CPUOffloadPolicy(pin_memory=False))
     return model
@@ -122,7 +119,7 @@ def test_offloaded_shards_step_with_fused_host_adamw_on_the_configured_threads(m
     monkeypatch.setattr(torch, "_fused_adamw_", lambda *a, **k: (seen.append(torch.get_num_threads()), fused(*a, **k))[1])
     kw = dict(lr=3e-3, betas=[0.9, 0.95], weight_decay=0.01)
     before = torch.get_num_threads()
-    model = _offloaded_shards(29517)
+    model = _offloaded_shards()
     try:
         assert all(isinstance(p, DTensor) and p.device.type == "cpu" for p in model.parameters())
         opt = build_optimizer(model.parameters(), device=None, offloaded=True, threads=before + 2, **kw)

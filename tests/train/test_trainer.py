@@ -567,19 +567,16 @@ def test_every_rank_walks_the_same_schedule_and_the_ranks_cover_each_batch_once(
 
 # ------------------------------------ 6. co-located shards on the host: fused AdamW, its threads
 @pytest.mark.parametrize("optimizer_device", ["cpu", None])
-def test_colocated_host_shards_get_the_fused_adamw_on_the_configured_threads(tiny_setup, tmp_path, monkeypatch,
-                                                                              optimizer_device):
+def test_colocated_host_shards_get_the_fused_adamw_on_the_configured_threads(tiny_setup, tmp_path, optimizer_device):
     """build_learner for a co-located rank (FSDP2 in a 1-rank gloo group standing in for the
     ranks): train.optimizer_device=cpu gives HostAdamW over the host shards with
     hw.host_threads_per_rank; without it torch's default AdamW, as before."""
     import torch.distributed as dist
     from specforge_k25.train.optim import HostAdamW
 
-    monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
-    monkeypatch.setenv("MASTER_PORT", "29518")
     job = _job(tmp_path, optimizer_device=optimizer_device)
     job = dataclasses.replace(job, hw=dataclasses.replace(job.hw, trainer_layout="colocated", host_threads_per_rank=3))
-    dist.init_process_group("gloo", rank=0, world_size=1)
+    dist.init_process_group("gloo", rank=0, world_size=1, store=dist.HashStore())  # no port: tests run side by side
     try:
         learner = build_learner(job, tiny_setup, steps=1, device=torch.device("cpu"),
                                 ranks=Ranks(world=2, per_replica=2, colocated=True))
