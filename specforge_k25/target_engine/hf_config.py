@@ -38,26 +38,41 @@ def quantization_config(config: dict) -> dict | None:
 
 
 def _find_tensor(path: Path, names: list[str]) -> torch.Tensor | None:
-    """The first of `names` in the folder's safetensors. With a `model.safetensors.index.json` only
+    """The first of `names` in the folder's weights. With a `model.safetensors.index.json` only
     the shard its weight map names is opened (a name it lacks is not in the checkpoint: Kimi-K2.5's
     64 shards are 595 GB, and the plain names are looked up before the `language_model.` ones);
-    without one, every file is searched."""
-    index = path / "model.safetensors.index.json"
-    weight_map = json.loads(index.read_text())["weight_map"] if index.is_file() else None
-    for name in names:
-        if weight_map is not None:
-            candidates = [path / weight_map[name]] if name in weight_map else []
-        else:
-            candidates = sorted(path.glob("*.safetensors"))
-        for file in candidates:
-            with safe_open(file, framework="pt") as f:
-                if name in f.keys():
-                    return f.get_tensor(name)
+    without one, every file is searched. A folder without safetensors is read from the pickled
+    formats SGLang also loads (`pytorch_model*.bin` with its index, `*.pt`), memory-mapped."""
+    for index_name, pattern, read in (("model.safetensors.index.json", "*.safetensors", _read_safetensors),
+                                      ("pytorch_model.bin.index.json", "*.bin", _read_pickled),
+                                      (None, "*.pt", _read_pickled)):
+        index = path / index_name if index_name else None
+        weight_map = json.loads(index.read_text())["weight_map"] if index is not None and index.is_file() else None
+        files = sorted(path.glob(pattern))
+        if weight_map is None and not files:
+            continue
+        for name in names:
+            candidates = ([path / weight_map[name]] if name in weight_map else []) if weight_map is not None else files
+            for file in candidates:
+                tensor = read(file, name)
+                if tensor is not None:
+                    return tensor
+        return None  # the folder's weights are in this format: the name is not among them
     return None
 
 
+def _read_safetensors(file: Path, name: str) -> torch.Tensor | None:
+    with safe_open(file, framework="pt") as f:
+        return f.get_tensor(name) if name in f.keys() else None
+
+
+def _read_pickled(file: Path, name: str) -> torch.Tensor | None:
+    state = torch.load(file, map_location="cpu", weights_only=True, mmap=True)
+    return state.get(name)
+
+
 def load_embedding_and_head(model_path: str | Path) -> tuple[torch.Tensor, torch.Tensor]:
-    """(embed_tokens [V, Ht], lm_head [V, Ht]) read tensor-by-tensor from the safetensors shards.
+    """(embed_tokens [V, Ht], lm_head [V, Ht]) read tensor-by-tensor from the weight shards.
 
     Handles the multimodal `language_model.` prefix (Kimi-K2.5) and tied embeddings.
     """
@@ -65,7 +80,7 @@ def load_embedding_and_head(model_path: str | Path) -> tuple[torch.Tensor, torch
     prefixes = ["", "language_model."]
     embed = _find_tensor(path, [p + "model.embed_tokens.weight" for p in prefixes])
     if embed is None:
-        raise KeyError(f"{model_path}: no model.embed_tokens.weight in the safetensors files")
+        raise KeyError(f"{model_path}: no model.embed_tokens.weight in its weight files")
     head = _find_tensor(path, [p + "lm_head.weight" for p in prefixes])
     if head is None:
         config = json.loads((path / "config.json").read_text())

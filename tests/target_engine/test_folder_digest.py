@@ -57,3 +57,20 @@ def test_one_shard_changed_or_its_index_edited_changes_the_digest(tmp_path, weig
     index = folder / f"{weights}.index.json"
     index.write_text(index.read_text().replace("lm_head.weight", "lm_head.weight.moved"))
     assert target_digest(folder) != after_shard
+
+
+@pytest.mark.parametrize("weights", ["model.safetensors", "pytorch_model.bin", "model.pt"])
+def test_the_frozen_embedding_and_head_are_read_from_every_weight_format(tmp_path, weights):
+    """A target SGLang loads is one our trainer reads: the embedding and lm_head rows come out of
+    the `.bin` / `.pt` shards as they do out of safetensors (target_engine/hf_config.py)."""
+    from specforge_k25.target_engine.hf_config import load_embedding_and_head
+
+    folder = _folder(tmp_path / "t", weights, seed=3)
+    g = torch.Generator().manual_seed(3)
+    want_embed, want_head = torch.randn(32, 8, generator=g), torch.randn(32, 8, generator=g)
+    (folder / f"{weights}.index.json").unlink()  # every file searched
+    embed, head = load_embedding_and_head(folder)
+    assert torch.equal(embed, want_embed) and torch.equal(head, want_head)
+    _folder(tmp_path / "i", weights, seed=3)  # with the index: only the named shard is opened
+    embed, head = load_embedding_and_head(tmp_path / "i")
+    assert torch.equal(embed, want_embed) and torch.equal(head, want_head)
