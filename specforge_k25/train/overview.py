@@ -6,6 +6,7 @@ from pathlib import Path
 from ..config import JobConfig
 from ..plan import PlanError, TargetFacts, facts_from_folder, predict, with_hw_overrides
 from ..plan.budget import node_layout, trainer_seq_len
+from ..plan.engine import prefill_chunk
 from ..plan.pipeline import env_partition, predict_pipeline
 from ..setup.run import RunSetup
 from .schedule import BatchItem, padding_share
@@ -63,11 +64,12 @@ def print_overview(job: JobConfig, setup: RunSetup, schedule: list[BatchItem], s
     H = setup.info.hidden_size
     padding = padding_share(schedule, [len(s.input_ids) for s in setup.data.train], job.train.batch_size)
     depth = setup.method.depth(job.draft, setup.draft_cfg)
+    chunk = prefill_chunk(job.hw)  # what the engine runs (setup/run.py): SGLang's own on cuda when null
     lines = [
         "== specforge_k25 run plan ==",
         f"target      {job.target.name}: {setup.info.architecture}, {setup.info.num_layers} layers, hidden {H}, "
         f"vocab {setup.info.vocab_size} ({setup.model_path})",
-        f"engine      SGLang in its own process, device {job.hw.device}, TP {job.hw.target_tp}{f' x {job.hw.target_pp} pipeline stages' if job.hw.target_pp > 1 else ''}, {job.hw.target_dtype}, prefill {f'in chunks of {job.hw.target_prefill_chunk} tokens' if job.hw.target_prefill_chunk else 'one forward per batch'}",
+        f"engine      SGLang in its own process, device {job.hw.device}, TP {job.hw.target_tp}{f' x {job.hw.target_pp} pipeline stages' if job.hw.target_pp > 1 else ''}, {job.hw.target_dtype}, prefill {f'in chunks of {chunk} tokens' if chunk else 'one forward per batch'}",
         f"aux layers  inputs of layers {setup.capture_points} (SGLang's ids {setup.sglang_capture_ids})",
         f"draft       {setup.method.name}: {setup.method.describe(setup.draft_cfg)}; {_fmt_params(trainable)} "
         f"trainable (+{_fmt_params(draft.embed_tokens.weight.numel())} frozen embedding)",
