@@ -67,16 +67,17 @@ def steps_for(device: str, small: bool, out: Path, deadline: float, compile_on_c
     checks = [str(HERE / "gpu_trainer_checks.py"), "--out", str(out)] + (["--small"] if small else [])
     cli = [str(HERE / "gpu_cli.py"), "--device", device, "--out", str(out)] + (["--small"] if small else [])
     cuda = device == "cuda"
-    # on a CPU the two optimizer placements are one code path: the Kimi-shaped target is run and
-    # resumed, the Llama run once
-    llama = ["--variants", "gpu,cpu"] if cuda else ["--variants", "cpu", "--no-resume"]
+    # the device: the Kimi-shaped target's EAGLE-3 (run, resumed) and DFlash, then the Llama with
+    # AdamW offloaded; a CPU (the suite's time): one run each, the DeepSeek's EAGLE-3, the Llama's
+    # DFlash (a resume at world size 1 is bit-identical there: measured once, PERFORMANCE section 7)
+    deepseek = ["--variants", "gpu,dflash"] if cuda else ["--variants", "gpu", "--no-resume"]
+    llama = ["--variants", "cpu" if cuda else "dflash", "--no-resume"]
     return [
-        Step("cli_llama", cli + ["--target", "llama", *llama], 200 if cuda else 600, 60,
-             "python -m specforge_k25.train co-located, resumed, exported; memory at stream start vs plan",
-             ["gpu_cli_llama.json"]),
-        Step("cli_deepseek", cli + ["--target", "deepseek", "--variants", "gpu,cpu" if cuda else "gpu"],
-             200 if cuda else 600, 60, "the same on the tiny DeepSeek-V3 (MLA + MoE, Kimi's code path)",
-             ["gpu_cli_deepseek.json"]),
+        Step("cli_deepseek", cli + ["--target", "deepseek", *deepseek], 240 if cuda else 600, 60,
+             "python -m specforge_k25.train co-located on the tiny DeepSeek-V3 (MLA + MoE, Kimi's code path), "
+             "resumed, exported; memory at stream start vs plan", ["gpu_cli_deepseek.json"]),
+        Step("cli_llama", cli + ["--target", "llama", *llama], 120 if cuda else 600, 40,
+             "the same on a random Llama", ["gpu_cli_llama.json"]),
         *([Step("b", e2e + ["--checks", "b"], 150, 60, "online memory vs plan per owner, throughput (>= 200 batches)",
                 ["gpu_e2e.json"])] if cuda else []),
         Step("preflight", py, 120 if cuda else 300, 30, "CUDA toolkit, Rust radix extension, SGLang JIT builds",

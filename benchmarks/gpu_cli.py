@@ -6,7 +6,9 @@
 A random target is built in a temp folder: `llama` (SmolLM2-135M's shape, benchmarks/gpu_targets.py)
 or `deepseek` (the tiny DeepSeek-V3 of `target=tiny_deepseek`: MLA + MoE, Kimi-K2.5's code path),
 both with a word-level tokenizer and a chat template, and random conversations as a JSONL file: the
-lent machine has no packaged model or data set. Per variant (train.optimizer_device = the GPU / cpu):
+lent machine has no packaged model or data set. Per variant (gpu: EAGLE-3 with AdamW on the trainer's
+device; cpu: train.optimizer_device=cpu; dflash: DFlash, whose co-located rank holds a slice of the
+target's lm_head):
   run     the CLI under torchrun as one co-located rank in a process group of its own (NCCL on CUDA,
           gloo on a CPU; SPECFORGE_ONE_RANK_GROUP=1, train/distributed.py): the draft sharded with
           FSDP2 (with cpu: FSDP2's CPU offload) as on a node, ~20 optimizer steps on CUDA (4 in
@@ -19,8 +21,9 @@ lent machine has no packaged model or data set. Per variant (train.optimizer_dev
           cached-but-unused memory beyond --max-cached-gib, on SGLang measuring less free memory or
           allocating a smaller KV pool than the plan counted. On CUDA the engine's figures must be
           in the log.
-A step that fails on a kernel the image lacks says which and is SKIP, not FAIL. One JSON
-(--out/gpu_cli.json), rewritten after every run.
+On CUDA a run that fails on a kernel the image lacks says which and is SKIP, not FAIL (all
+skipped: exit 3, gpu_check.py's SKIP_EXIT). One JSON, --out/gpu_cli_<target>.json, rewritten after
+every run.
 """
 from __future__ import annotations
 
@@ -28,6 +31,7 @@ import argparse
 import json
 import os
 import random
+import re
 import shutil
 import subprocess
 import sys
@@ -43,9 +47,11 @@ ROOT = Path(__file__).resolve().parents[1]
 USER, ASSISTANT, END = "t3", "t4", "t5"  # role and end-of-turn words of the word-level template
 TEMPLATE = ("{% for m in messages %}{{ '" + USER + " ' if m['role'] == 'user' else '" + ASSISTANT + " ' }}"
             "{{ m['content'] }} " + END + " {% endfor %}{% if add_generation_prompt %}" + ASSISTANT + " {% endif %}")
-# what the image may lack, as it shows in a traceback: the step is skipped, naming it
-MISSING_KERNEL = ("sgl_kernel", "flashinfer", "deep_gemm", "No module named", "no kernel image is available",
-                  "not implemented for", "NotImplementedError")
+# kernel packages the H200 image lacks (PERFORMANCE section 7), as a traceback names them, and a
+# kernel not built for the GPU: the run is skipped naming it. Any other failure, a missing Python
+# module of the wheel list included, is a FAIL.
+MISSING_KERNEL = re.compile(r"No module named '(sgl_kernel|flashinfer|deep_gemm|flash_mla|cutlass)|"
+                            r"no kernel image is available for execution")
 
 
 def build_targets(work: Path, kind: str, small: bool, seed: int = 0) -> str:
@@ -77,24 +83,37 @@ def write_data(path: Path, rows: int, vocab: int, seed: int = 0) -> Path:
     return path
 
 
-def overrides(args, model: str, data: Path, optimizer_cpu: bool) -> list[str]:
+# per variant: the draft method's settings and where AdamW lives. dflash scores tokens over the
+# target's vocabulary: co-located, its rank holds a slice of the lm_head (train/vocab_parallel.py)
+VARIANTS = {"gpu": ("eagle3", False), "cpu": ("eagle3", True), "dflash": ("dflash", False)}
+DRAFTS = {"eagle3": ["draft.vocab_size=256", "draft.ttt_length=3"],
+          "dflash": ["draft=dflash", "draft.block_size=4", "draft.num_layers=1", "draft.num_anchors=16"]}
+
+
+def overrides(args, model: str, data: Path, variant: str) -> list[str]:
     steps = 4 if args.small else 20
     batch = 2
+    method, optimizer_cpu = VARIANTS[variant]
     out = [f"target.path={model}", "target.builtin=none", f"target.end_of_turn_token={END}", "target.aux_layers=null",
            "data.source=jsonl", f"data.path={data}", f"data.num_samples={steps * batch}", "data.heldout_samples=2",
-           "data.max_length=64" if args.small else "data.max_length=256", "draft.vocab_size=256",
-           "draft.ttt_length=3", f"train.batch_size={batch}", "train.grad_accum=1", "train.epochs=1",
+           "data.max_length=64" if args.small else "data.max_length=256", *DRAFTS[method],
+           f"train.batch_size={batch}", "train.grad_accum=1", "train.epochs=1",
            f"train.checkpoint_every={steps // 2}", "train.keep_checkpoints=10", "train.log_every=1",
            "train.progress=false", "train.logger=none", "hw.trainer_layout=colocated"]
-    if args.device == "cuda":
-        out += ["hw.device=cuda", "hw.num_gpus=1", "hw.target_dtype=bfloat16", "hw.autocast=bf16"]
+    if args.device == "cuda":  # the plan needs the GPU's memory to count what SGLang should find free
+        import torch
+
+        mib = torch.cuda.get_device_properties(0).total_memory >> 20
+        out += ["hw.device=cuda", "hw.num_gpus=1", f"hw.gpu_memory_mib={mib}", "hw.target_dtype=bfloat16",
+                "hw.autocast=bf16"]
     if optimizer_cpu:
         out.append("train.optimizer_device=cpu")
     return out
 
 
 # SGLang's memory lines are logged at info; the project's engines run at warning (target_engine/sglang_engine.py).
-# Every process of the run imports this first (PYTHONPATH): those loggers print, nothing else changes.
+# Every process of the run imports this first (PYTHONPATH): those loggers print, then the sitecustomize
+# it shadows runs as it would have.
 LOG_HOOK = """import logging, sys
 for _name in ("sglang.srt.model_executor.model_runner", "sglang.srt.mem_cache.memory_pool",
               "sglang.srt.model_executor.model_runner_components.kv_pool_runtime"):
@@ -104,6 +123,15 @@ for _name in ("sglang.srt.model_executor.model_runner", "sglang.srt.mem_cache.me
     _log.setLevel(logging.INFO)
     _log.addHandler(_handler)
     _log.propagate = False
+# then the sitecustomize this one shadows, if any (an image's own, the test suite's image-only one)
+import importlib.util, os
+_here = os.path.dirname(os.path.abspath(__file__))
+for _p in sys.path[1:]:
+    _f = os.path.join(os.path.abspath(_p or "."), "sitecustomize.py")
+    if os.path.dirname(_f) != _here and os.path.isfile(_f):
+        _spec = importlib.util.spec_from_file_location("_sitecustomize_shadowed", _f)
+        _spec.loader.exec_module(importlib.util.module_from_spec(_spec))
+        break
 """
 
 
@@ -139,9 +167,9 @@ def run_cli(run_dir: Path, ovr: list[str], timeout_s: float, env: dict) -> tuple
 
 
 def missing_kernel(log: str) -> str | None:
-    """The line naming what the image lacks, or None."""
+    """The last line naming a kernel the image lacks, or None."""
     for line in reversed(log.splitlines()):
-        if any(k in line for k in MISSING_KERNEL):
+        if MISSING_KERNEL.search(line):
             return line.strip()[:300]
     return None
 
@@ -166,6 +194,7 @@ def memory_row(run_dir: Path, log: str, args) -> dict:
         problems.append("the draft was not sharded (FSDP2): not the node's code path")
     if args.device == "cuda":
         problems += [f"SGLang's {k} is not in the log" for k, v in engine.items() if v is None]
+        problems += [f"the plan has no {k}" for k in ("free_before_load", "kv_pool_tokens") if report["plan"][k] is None]
         problems += [f"the trainer's {k} was not measured" for k in ("allocated", "reserved")
                      if report["trainer"][k] is None]
     report.update(problems=problems, ok=not problems)
@@ -177,8 +206,9 @@ def main(argv=None) -> dict:
     p.add_argument("--device", choices=["cuda", "cpu"], default="cuda")
     p.add_argument("--small", action="store_true", help="tiny target and 4 steps (the CPU mode)")
     p.add_argument("--target", choices=["llama", "deepseek"], default="llama")
-    p.add_argument("--variants", default="gpu,cpu", help="train.optimizer_device per run: gpu (the trainer's "
-                                                         "device), cpu; the first is also resumed")
+    p.add_argument("--variants", default="gpu,cpu,dflash", help="runs: gpu (EAGLE-3, AdamW on the trainer's device), "
+                                                                "cpu (train.optimizer_device=cpu), dflash (DFlash: the "
+                                                                "vocab-split head); the first is also resumed")
     p.add_argument("--no-resume", action="store_true", help="no resumed run")
     p.add_argument("--timeout-s", type=float, default=240.0, help="seconds per CLI run")
     p.add_argument("--max-cached-gib", type=float, default=1.0, help="bound on memory_reserved - memory_allocated")
@@ -207,13 +237,13 @@ def main(argv=None) -> dict:
         data = write_data(work / "data.jsonl", 64 if args.small else 200, vocab)
         first = None
         for variant in args.variants.split(","):
-            name = f"{args.target} optimizer={variant}"
-            ovr = overrides(args, model, data, variant == "cpu")
+            name = f"{args.target} {variant}"
+            ovr = overrides(args, model, data, variant)
             run_dir = work / f"run_{variant}"
             rc, log, wall = run_cli(run_dir, ovr, args.timeout_s, env)
             row = {"name": name, "wall_s": round(wall, 1), "exit": rc, "log_tail": log[-3000:]}
             if rc != 0:
-                kernel = missing_kernel(log) if rc is not None else None
+                kernel = missing_kernel(log) if rc is not None and args.device == "cuda" else None
                 row.update(status="skipped" if kernel else ("timeout" if rc is None else "fail"),
                            reason=f"a kernel the image lacks: {kernel}" if kernel else f"exit {rc}")
                 record(row)
@@ -235,7 +265,7 @@ def main(argv=None) -> dict:
             (resumed / "checkpoints").mkdir(parents=True)
             shutil.copytree(run_dir / "checkpoints" / half, resumed / "checkpoints" / half)
             rc, log, wall = run_cli(resumed, ovr + ["train.resume=auto"], args.timeout_s, env)
-            row = {"name": f"{args.target} optimizer={variant} resumed from {half}", "wall_s": round(wall, 1),
+            row = {"name": f"{args.target} {variant} resumed from {half}", "wall_s": round(wall, 1),
                    "exit": rc, "log_tail": log[-3000:], "problems": []}
             if rc == 0:
                 summary = json.loads((resumed / "summary.json").read_text())
