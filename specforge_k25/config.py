@@ -56,9 +56,9 @@ class HwConfig:
     internode_gbps: float = doc(0.0, "throughput plan: bandwidth between nodes per GPU in GB/s (its NIC share; e.g. 50 for 400 Gb/s InfiniBand): multi-node data parallel (HSDP) all-reduces its gradients across nodes over it; 0 = not planned", at_least=0)
     trainer_efficiency: float = doc(0.433, "throughput plan: share of peak_tflops the trainer's step reaches (teacher + TTT fwd/bwd; measured on an H200, docs/PERFORMANCE.md §3)", above=0)
     target_efficiency: float = doc(0.35, "throughput plan: share of peak_tflops SGLang's prefill matmuls and attention reach, all-reduce apart (assumed; docs/PERFORMANCE.md §5)", above=0)
-
     allreduce_latency_us: float = doc(0.0, "serving prediction (python -m specforge_k25.serving): fixed time of one TP all-reduce at decode sizes in microseconds, besides its bytes / link_gbps (docs/PERFORMANCE.md §9)", at_least=0)
     decode_memory_efficiency: float = doc(0.75, "serving prediction: share of memory_gbps a decode or verify step's weight and KV reads reach (assumed; docs/PERFORMANCE.md §9)", above=0)
+
     def trainer_gpu_ids(self) -> list[int]:
         """The GPU of each trainer rank on a node (rank r reads the replica starting there)."""
         return list(self.trainer_gpus) if self.trainer_gpus else [self.trainer_gpu]
