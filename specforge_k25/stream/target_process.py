@@ -145,9 +145,10 @@ def run_producer(spec: TargetSpec, tokens: torch.Tensor, offsets: torch.Tensor, 
         if route is not None:
             stage = "receiving the last stage's states"
             sent = route.finish()
+        streamed_bytes = io().write_bytes - ready_bytes  # up to the last batch: close() writes the routing counts
         target.close()
         if ring is not None:
-            ring.ready.put(EndOfStream(sent, ready_bytes, io().write_bytes - ready_bytes))
+            ring.ready.put(EndOfStream(sent, ready_bytes, streamed_bytes))
     except BaseException as err:  # report, never hang the trainer
         (ring.ready if ring is not None else report).put(
             ProducerFailed(stage, f"{type(err).__name__}: {err}\n{traceback.format_exc()}", rank=rank))
@@ -314,9 +315,10 @@ def run_tp_rank(spec: TargetSpec, tp_rank: int, report, parent_pid: int, ring: S
             if progress is not None:
                 progress.finished(tp_rank, item)
             item += 1
+        streamed_bytes = io().write_bytes - ready_bytes  # up to the last batch: close() writes the routing counts
         target.close()
         if ring is not None:
-            ring.ready.put(EndOfStream(sent, ready_bytes, io().write_bytes - ready_bytes))
+            ring.ready.put(EndOfStream(sent, ready_bytes, streamed_bytes))
     except BaseException as err:
         if report is not None:
             report.put(ProducerFailed(stage, f"{type(err).__name__}: {err}\n{traceback.format_exc()}", rank=tp_rank))
