@@ -171,7 +171,7 @@ COMMANDS: dict[str, Case] = {
     "hw.target_dist_init_addr=10.0.0.1:29600":
         Case(OUTPUT, after=DRY_RUN_TP16),
     # MPS on a co-located node: NVIDIA's daemon, on GPUs only
-    "export CUDA_MPS_PIPE_DIRECTORY=/tmp/nvidia-mps CUDA_MPS_LOG_DIRECTORY=/tmp/nvidia-mps-log":
+    "export CUDA_MPS_PIPE_DIRECTORY=$PWD/.mps/pipe CUDA_MPS_LOG_DIRECTORY=$PWD/.mps/log":
         Case(SKIP, why="MPS: a GPU node's daemon"),
     "nvidia-cuda-mps-control -d": Case(SKIP, why="MPS: a GPU node's daemon"),
     "torchrun ... -m specforge_k25.train ...": Case(SKIP, why="the launch between MPS on and off (elided)"),
