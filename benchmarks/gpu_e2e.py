@@ -56,12 +56,13 @@ from specforge_k25.data.dataset import TokenizedData
 from specforge_k25.data.tokenize import Sample
 from specforge_k25.draft.registry import method_of_spec
 from specforge_k25.plan import facts_from_folder, plan_memory, resolve_draft
-from specforge_k25.setup.run import RunSetup, make_target_stream
+from specforge_k25.setup.run import RunSetup
+from specforge_k25.setup.target import make_target_stream
 from specforge_k25.stream.ring import slot_checksum
 from specforge_k25.target_engine.hf_config import read_target_info
 from specforge_k25.target_engine.hf_reference import HFTarget
 from specforge_k25.target_engine.layers import layer_id_rule, resolve_capture_points, sglang_layer_ids
-from specforge_k25.train.trainer import build_learner
+from specforge_k25.train.learner import build_learner
 
 ROOT = Path(__file__).resolve().parents[1]
 GPU_OUT = ROOT / "docs" / "gpu_h200" / "gpu_e2e.json"

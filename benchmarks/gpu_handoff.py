@@ -23,10 +23,10 @@ import time
 
 import torch
 
-from specforge_k25.setup.run import make_target_stream
+from specforge_k25.setup.target import make_target_stream
 from specforge_k25.stream.ring import slot_checksum
 from specforge_k25.train.schedule import build_schedule
-from specforge_k25.train.trainer import build_learner
+from specforge_k25.train.learner import build_learner
 
 CLOCK_HZ = 2.0e9  # torch.cuda._sleep counts cycles; the H200's SM clock is ~1.98 GHz under load
 MIN_PLANT_MISMATCHES = 2  # the plant must lose at least this many batches for the check to have power

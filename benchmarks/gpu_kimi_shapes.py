@@ -3,7 +3,7 @@ default; `--methods dflash,eagle3` adds one DFlash layer (conf/draft/kimi_dflash
 its six capture points, block 8, 512 anchors; the plan counts a DFlash "step" as one layer) against the
 plan of draft/dflash/plan.py, each method's rows written as soon as they exist.
 
-The step is the trainer's own (train/step.py `DraftLearner`): make_batch (pad + chunked teacher
+The step is the trainer's own (train/learner.py `DraftLearner`): make_batch (pad + chunked teacher
 over the full 163840-token vocab) -> train_micro (TTT forward + backward, bf16 autocast) ->
 optimizer_step (grad clip + AdamW + LR schedule). Random tensors stand in for the target's hidden
 states (aux [N, 3*7168], final [N, 7168], bf16 as the stream carries them on GPU). The frozen
@@ -228,7 +228,7 @@ def optimizer_device(args, device: torch.device) -> str | None:
 def build_learner(cfg, device: torch.device, args):
     from specforge_k25.train.optim import build_optimizer, build_scheduler
     from specforge_k25.draft.registry import method_of_config
-    from specforge_k25.train.step import DraftLearner
+    from specforge_k25.train.learner import DraftLearner
 
     frozen = frozen_dtype(not args.no_bf16)
     method = method_of_config(cfg)

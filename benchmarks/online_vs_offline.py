@@ -43,9 +43,11 @@ from safetensors.torch import load_file, save_file
 
 from _common import RESULTS, replot, fmt_bytes, machine_info, new_figure, print_table, save_figure, set_threads, write_json
 from specforge_k25.data.tokenize import Sample
-from specforge_k25.setup.run import make_target_stream, prepare
+from specforge_k25.setup.run import prepare
+from specforge_k25.setup.target import make_target_stream
 from specforge_k25.train.schedule import build_schedule
-from specforge_k25.train.trainer import build_learner
+from specforge_k25.train.disk import allocated_bytes
+from specforge_k25.train.learner import build_learner
 from stream import build_job, cpu_pair_speed
 
 DEFAULT_OUT = RESULTS / "online_vs_offline.json"
@@ -104,11 +106,6 @@ def load_batch(path: Path) -> tuple[list[Sample], list[int], torch.Tensor, torch
     lengths = t["lengths"].tolist()
     ids, mask = t["input_ids"].split(lengths), t["loss_mask"].split(lengths)
     return [Sample(i, m) for i, m in zip(ids, mask)], lengths, t["aux"], t["final"]
-
-
-def allocated_bytes(path: Path) -> int:
-    """Bytes a folder occupies on disk (allocated blocks), what write_bytes charges for writing it."""
-    return sum(p.stat().st_blocks * 512 for p in [path, *path.rglob("*")]) if path.exists() else 0
 
 
 def filesystem_of(path: Path) -> str:

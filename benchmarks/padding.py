@@ -1,6 +1,6 @@
 """Padding share of the trainer's micro-batches, with and without `train.group_by_length`.
 
-The trainer pads each rank's micro-batch to its longest sequence (train/step.py); the target
+The trainer pads each rank's micro-batch to its longest sequence (train/learner.py); the target
 prefills packed tokens, so padding costs the trainer only (plan/throughput.py `predict`'s
 `padding_share`). This script tokenizes the run's data exactly as `python -m specforge_k25.train`
 does (the same Hydra overrides) and builds the run's schedule at several batch sizes, once in

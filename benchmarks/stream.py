@@ -41,10 +41,10 @@ import torch
 from _common import replot
 from specforge_k25.config import JobConfig
 from specforge_k25.stream.target_stream import TargetStream
-from specforge_k25.setup.run import RunSetup, make_target_stream, prepare
+from specforge_k25.setup.run import RunSetup, prepare
+from specforge_k25.setup.target import make_target_stream
 from specforge_k25.train.schedule import build_schedule
-from specforge_k25.train.trainer import build_learner
-from specforge_k25.train.step import DraftLearner
+from specforge_k25.train.learner import DraftLearner, build_learner
 
 GOAL = 0.95
 DEFAULT_OUT = Path(__file__).resolve().parent / "results" / "stream.json"

@@ -83,7 +83,7 @@ def make_trainer(*, hidden, heads, kv_heads, head_dim, intermediate, vocab, draf
     from specforge_k25.draft.eagle3.model import DraftConfig, Eagle3Draft
     from specforge_k25.train.optim import build_optimizer, build_scheduler
     from specforge_k25.draft.registry import method_of
-    from specforge_k25.train.step import DraftLearner
+    from specforge_k25.train.learner import DraftLearner
 
     torch.manual_seed(0)
     cfg = DraftConfig(hidden_size=hidden, intermediate_size=intermediate, num_attention_heads=heads,

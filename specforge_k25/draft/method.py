@@ -33,7 +33,7 @@ from .spec import DraftSpec
 
 @dataclass
 class DraftBatch:
-    """One micro-batch as a method's loss reads it (train/step.py builds it from the stream)."""
+    """One micro-batch as a method's loss reads it (train/learner.py builds it from the stream)."""
 
     input_ids: torch.Tensor  # [B, T] int64, right-padded
     loss_mask: torch.Tensor  # [B, T] bool
@@ -46,7 +46,7 @@ class DraftBatch:
     # for a method that reads it (`DraftMethod.needs_final_hidden`); None otherwise
     seq: Any = None  # train/context_parallel.py SeqShard: this rank holds positions [start, start+L) of the
     # sequences (aux_hidden [B, L, K*Ht], teacher from `start` on); input_ids / loss_mask stay whole. None: all of them
-    seeds: list | None = None  # one seed per sequence for `prepare_batch`'s draws (train/step.py batch_seed of
+    seeds: list | None = None  # one seed per sequence for `prepare_batch`'s draws (train/learner.py batch_seed of
     # the schedule item and the sample): a sequence draws the same whatever batch or rank it lands in
 
     @property
@@ -302,7 +302,7 @@ class DraftMethod:
         return None
 
 
-# What shared code reads of every model config (plan/memory.py, train/step.py, setup/run.py) and of
+# What shared code reads of every model config (plan/memory.py, train/learner.py, setup/run.py) and of
 # every model (train/, setup/run.py fresh_draft, export/serving.py): draft/contract.py
 # `method_problems` checks the config class's fields and the model class's methods, `build` a model's attributes
 CONFIG_FIELDS = ("hidden_size", "target_hidden_size", "vocab_size", "draft_vocab_size")

@@ -13,7 +13,7 @@ and our own replay of each head on the same outputs.
 Heads: the trained one (`export_dir`, of whichever method wrote it), any further exports
 (`eval.heads`), and an untrained head of the run's own method (the `draft` group), built as a
 training run starts it. The engines run with the training stream's target settings
-(setup/run.py `target_spec`: the same KV pool, memory fraction, threads, attention backend).
+(setup/target.py `target_spec`: the same KV pool, memory fraction, threads, attention backend).
 """
 from __future__ import annotations
 
@@ -30,7 +30,8 @@ from ..config import EvalJobConfig
 from ..draft.method import DraftMethod
 from ..draft.registry import method_of_export
 from ..export.serving import export_draft, load_exported_draft
-from ..setup.run import RunSetup, fresh_draft, make_target_stream, prepare, prompt_renderer, target_spec
+from ..setup.run import RunSetup, fresh_draft, prepare, prompt_renderer
+from ..setup.target import make_target_stream, target_spec
 from ..target_engine.hf_config import load_embedding_and_head
 from ..target_engine.sglang_spec import engine_kwargs, generate
 from .acceptance import draft_proposer, prompt_lookup_proposer, replay, step_counts, tau_sim
@@ -118,7 +119,7 @@ def run_eval(job: EvalJobConfig, out_dir: str | Path) -> dict:
     job = dataclasses.replace(job, data=dataclasses.replace(job.data, regenerate=False, regen_source=None))
     setup = prepare(job)
     heads = _heads(job, setup, out_dir)
-    render_prompt = prompt_renderer(job, setup.tokenizer)
+    render_prompt = prompt_renderer(job.target, setup.tokenizer)
     sets = {name: load_prompt_set(name, ev.num_prompts, render_prompt, setup.data.heldout) for name in ev.prompt_sets}
     prompts = [p for name in sets for p in sets[name]]
     owner = [name for name in sets for _ in sets[name]]

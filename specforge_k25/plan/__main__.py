@@ -218,7 +218,7 @@ def render_throughput(job, facts) -> None:
     fast, slow = sorted(names, key=lambda n: -layouts[n].tokens_per_s)
     console.print(f"{fast} is faster: {layouts[fast].tokens_per_s / layouts[slow].tokens_per_s:.2f}x the {slow} "
                   f"layout's tokens/s (this run: hw.trainer_layout={job.hw.trainer_layout})")
-    console.print(escape(_fastest_line(job, layouts, pipe)))
+    console.print(escape(_fastest_line(layouts, pipe)))
 
 
 def _pipeline_line(job, facts, pipe) -> str:
@@ -250,7 +250,7 @@ def _pipeline_line(job, facts, pipe) -> str:
     return line
 
 
-def _fastest_line(job, layouts: dict, pipe) -> str:
+def _fastest_line(layouts: dict, pipe) -> str:
     """Which layout the plan predicts fastest and why (the part that binds the others)."""
     rates = {n: t.tokens_per_s for n, t in layouts.items()}
     if pipe is not None:
@@ -354,7 +354,7 @@ def main(argv: list[str]) -> int:
         print(f"\nrefused: {err}", file=sys.stderr)
         return 2
     try:
-        facts = with_hw_overrides(job, target_facts_for(job))
+        facts = with_hw_overrides(job.hw, target_facts_for(job.target))
         if job.hw.target_pp > 1:
             from .pipeline import check_pipeline_fits
 

@@ -173,9 +173,9 @@ def facts_from_folder(path: str | Path, name: str | None = None) -> TargetFacts:
     )
 
 
-def target_facts_for(job) -> TargetFacts:
-    """target.path (a real folder) > a known target by name when there is no builtin > the builtin's folder."""
-    t = job.target
+def target_facts_for(t) -> TargetFacts:
+    """Of the `target` group: target.path (a real folder) > a known target by name when there is no
+    builtin > the builtin's folder."""
     if t.path:
         return facts_from_folder(t.path, t.name)
     if t.builtin in (None, "", "none"):
@@ -187,10 +187,10 @@ def target_facts_for(job) -> TargetFacts:
     return facts_from_folder(resolve_target_path(t), t.name)
 
 
-def with_hw_overrides(job, facts: TargetFacts) -> TargetFacts:
+def with_hw_overrides(hw, facts: TargetFacts) -> TargetFacts:
     """`hw.target_weight_gb` (when set) replaces the facts' weight size."""
-    if job.hw.target_weight_gb is not None:
-        facts = replace(facts, weight_bytes=int(job.hw.target_weight_gb * 1e9))
+    if hw.target_weight_gb is not None:
+        facts = replace(facts, weight_bytes=int(hw.target_weight_gb * 1e9))
     return facts
 
 

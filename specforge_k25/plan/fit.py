@@ -91,7 +91,7 @@ def suggest_override(job, facts: TargetFacts) -> Optional[str]:
 
 def check_fits(job, target_facts: TargetFacts | None = None) -> MemoryPlan:
     """The plan of `job`, or PlanError (a ValueError) naming an override that fits."""
-    facts = with_hw_overrides(job, target_facts or target_facts_for(job))
+    facts = with_hw_overrides(job.hw, target_facts or target_facts_for(job.target))
     plan = plan_memory(job, facts)
     plan.problems += kernel_problems(job.hw, facts)  # not a size: no override search (plan_memory leaves them out)
     if plan.fits:

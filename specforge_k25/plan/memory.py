@@ -1,7 +1,7 @@
 """The memory items of one trainer rank: what the draft, its optimizer and the TTT objective
 hold on a GPU, phase by phase, for a batch of B sequences of T tokens.
 
-Sources: the trainer as it stands (train/step.py, train/optim.py, the draft method's model,
+Sources: the trainer as it stands (train/learner.py, train/optim.py, the draft method's model,
 draft/eagle3/loss.py):
 the draft lives in fp32 with fp32 grads (`hw.autocast=bf16` computes in bf16 and caches bf16
 weight copies until backward); AdamW's m/v sit next to it (the fp32 weights are the master copy)
@@ -118,7 +118,7 @@ def trainer_items(cfg, *, batch: int, seq_len: int, ttt_length: int, teacher_chu
     items += _frozen_items(cfg, frozen_bytes)
     if data_parallel:
         items.append(Item("DP gradient buckets fp32 (DDP, assumed)", 4 * P,
-                          note="upper bound: train/step.py all-reduces each grad in place"))
+                          note="upper bound: train/learner.py all-reduces each grad in place"))
     items += _teacher_items(cfg, K, batch * seq_len, teacher_chunk, frozen_bytes) if method.needs_teacher else []
     items += [_batch_item(cfg, method, batch * seq_len, PHASE_DRAFT),
               Item("bf16 autocast weight copies", 2 * P if bf16 else 0, PHASE_DRAFT)]

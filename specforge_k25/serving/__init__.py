@@ -36,8 +36,8 @@ def predict_job(job, acceptance_rates: list[float] | None = None, run: str | Non
     if acc is None:
         raise ServingError("no acceptance: give serving.run=<run, eval or export folder> or serving.acceptance=[a_1,...]")
     node = Node.of(job.hw)
-    facts = with_hw_overrides(job, target_facts_for(job))
-    method = served_method(sv.method, acc, job)
+    facts = with_hw_overrides(job.hw, target_facts_for(job.target))
+    method = served_method(sv.method, acc, job.draft)
     settings = settings_for(method, list(sv.depths))
     routing, routing_note = routing_for(sv.routing, facts, acc, job.target.name)
     preds = predict_all(facts, node, routing, settings, draft_shape(job, facts, method), acc.rates,

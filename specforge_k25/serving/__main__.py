@@ -3,7 +3,7 @@
 Will this head pay on my node? From the head's per-position acceptance (a train run folder, an
 eval folder or an export folder: serving.run; or serving.acceptance=[a_1,...]) and the hw and
 target profiles, prints the predicted decode speedup over no speculation for each setting the
-method is served with (serving.method=eagle3 | dflash | ngram) at each concurrency and context,
+method is served with (serving.method=<a draft method> | ngram) at each concurrency and context,
 the best setting per concurrency ("off" where none pays), and the serving commands (SGLang flags,
 vLLM speculative_config and its per-batch-size schedule); writes a plot and, with serving.out=FILE,
 the JSON. The model and its assumptions: docs/PERFORMANCE.md §9. Starts nothing. Exit status 2
@@ -27,7 +27,7 @@ def main(argv: list[str]) -> int:
         print("The hw profile's serving constants (hw.*) and the rest of the training config tree:")
         print("\n".join(line for line in describe() if line.lstrip().startswith(("hw.", "target."))))
         return 0
-    from . import ServingError, predict_job
+    from . import predict_job
     from .config import compose_serving
     from .report import commands_text, plot, table, write_json
 

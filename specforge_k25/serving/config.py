@@ -13,7 +13,7 @@ from ..fields import doc
 class ServingConfig:
     run: Optional[str] = doc(None, "a train run folder (summary.json: the held-out per-position acceptance acc_0..), an eval folder (eval.json: the replayed acceptance of the trained head) or an export folder (its run's summary.json); null = serving.acceptance")
     acceptance: Optional[list] = doc(None, "per-position acceptance [a_1, ..., a_k] (a_i = P(drafted token i accepted | 1..i-1 were); AL = 1 + a_1 + a_1 a_2 + ...); replaces the run's")
-    method: Optional[str] = doc(None, "a draft method (the `draft` group's: eagle3 | eagle3_mla | dflash) or ngram (prompt lookup, the reference); null = the run's head's method, else the draft profile's (conf/serving.yaml: draft=kimi)")
+    method: Optional[str] = doc(None, "a registered draft method that SGLang or vLLM serves (`draft=<method>`, listed by `python -m specforge_k25.train --help`) or ngram (prompt lookup, the reference); null = the run's head's method, else the draft profile's (conf/serving.yaml: draft=kimi)")
     depths: list = doc([1, 2, 3, 4, 5, 6, 7], "drafted tokens per step to consider: a chain drafter (EAGLE-3) chains of d steps (topk 1, d+1 draft tokens), a block drafter (DFlash) blocks of d+1, ngram d")
     concurrency: list = doc([1, 2, 4, 8, 16, 32, 64, 128, 256], "concurrent requests (batch size of a decode step)")
     context: list = doc([4096], "context lengths (tokens of KV per request); the first is the one the best-setting table and the plot show, the others are in the JSON")

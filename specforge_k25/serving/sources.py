@@ -8,7 +8,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from ..draft.registry import get_method, method_of_export, method_of_spec
-from ..plan.facts import TargetFacts, draft_param_counts, resolve_draft
+from ..plan.facts import TargetFacts, draft_param_counts, num_capture_points, resolve_draft
 from ..target_engine.routing import RoutingCounts, load_counts
 from .cost import DraftShape, ServingError, uniform_distinct
 from .predict import NGRAM
@@ -69,13 +69,13 @@ def acceptance_of_folder(folder: str | Path) -> Acceptance:
                        f"nor an export folder")
 
 
-def served_method(requested: str | None, acceptance: Acceptance | None, job) -> str:
-    """serving.method, else the head's own method, else the method of the job's draft profile."""
+def served_method(requested: str | None, acceptance: Acceptance | None, draft) -> str:
+    """serving.method, else the head's own method, else the method of the `draft` profile."""
     if requested:
         return requested
     if acceptance is not None and acceptance.method:
         return acceptance.method
-    return method_of_spec(job.draft).name
+    return method_of_spec(draft).name
 
 
 def draft_shape(job, facts: TargetFacts, method: str) -> DraftShape | None:
@@ -83,10 +83,12 @@ def draft_shape(job, facts: TargetFacts, method: str) -> DraftShape | None:
     that method (e.g. draft=kimi, draft=kimi_dflash), else the method's defaults sized for the target."""
     if method == NGRAM:
         return None
-    spec = job.draft
-    if method_of_spec(spec).name != method:
+    spec, points = job.draft, None  # None: the method's default capture points (plan/facts.py)
+    if method_of_spec(spec).name == method:
+        points = num_capture_points(job, facts)  # the run's: target.aux_layers, else the method's default
+    else:
         spec = get_method(method).spec_class()
-    cfg = resolve_draft(spec, facts, 3)
+    cfg = resolve_draft(spec, facts, points)
     counts = draft_param_counts(cfg)
     params = sum(n for name, n in counts.items() if name != "embed_tokens (frozen)")  # the embedding is a lookup
     layers = int(getattr(cfg, "num_hidden_layers", 1) or 1)

@@ -7,7 +7,7 @@ Our one convention: a **capture point** p is an index into HF transformers'
 K = 0 (`target.aux_layers=[]`, as an MTP-style head that reads only the final state asks; null is
 the default three) captures nothing: the batches carry aux [N, 0] beside the final state [N, Ht],
 and the SGLang engine then starts without EAGLE-3 capture (sglang_engine.py). Whether the draft
-takes K states is the draft's business, checked in setup/run.py.
+takes K states is the draft's business, checked in setup/target.py (capture_points).
 
 SGLang 0.5.23 takes EAGLE-3 "layer ids" whose meaning depends on the model class
 (`set_eagle3_layers_to_capture`): Llama captures the input of layer id+1; DeepseekV2/V3 (hence

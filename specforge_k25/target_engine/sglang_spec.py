@@ -55,7 +55,7 @@ class Generation:
 
 def engine_kwargs(spec) -> dict:
     """`generate`'s engine keywords from a target_engine/factory.py TargetSpec: the engine settings
-    the training stream's target runs with (setup/run.py target_spec builds both)."""
+    the training stream's target runs with (setup/target.py target_spec builds both)."""
     if spec.nnodes > 1:
         raise ValueError(f"an sglang.Engine here runs on one node (the target spans {spec.nnodes})")
     return dict(device=spec.device, dtype=spec.dtype, tp_size=spec.tp_size, gpu_id=spec.gpu_id,

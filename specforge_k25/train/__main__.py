@@ -69,21 +69,21 @@ def print_summary(summary: dict, target=None) -> None:
         print(f"note: {note}", flush=True)
 
 
-def relaunch_under_torchrun(job: JobConfig, argv: list[str]) -> None:
-    """Plain `python -m specforge_k25.train` on a profile with several trainer ranks per node:
+def relaunch_under_torchrun(hw, argv: list[str]) -> None:
+    """Plain `python -m specforge_k25.train` on an `hw` profile with several trainer ranks per node:
     replace this process by torch's own launcher starting them (one node; never returns)."""
     from ..plan.budget import node_layout
 
-    layout = node_layout(job.hw)
+    layout = node_layout(hw)
     ranks = layout.ranks_per_node
-    if ranks == 1 or "LOCAL_RANK" in os.environ or job.hw.target_nnodes > 1:
+    if ranks == 1 or "LOCAL_RANK" in os.environ or hw.target_nnodes > 1:
         return
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={ranks}",
            "-m", "specforge_k25.train", *argv]
     stages = f" x {layout.pp} pipeline stages" if layout.pp > 1 else ""
     how = (f"one beside each of the {layout.tp} TP ranks{stages} of {layout.replicas} replica(s)"
            if layout.colocated else "one per target replica")
-    print(f"hw={job.hw.name}: {ranks} trainer ranks ({how}); starting them with torchrun:\n  "
+    print(f"hw={hw.name}: {ranks} trainer ranks ({how}); starting them with torchrun:\n  "
           f"{' '.join(['python', *cmd[1:]])}", flush=True)
     os.execv(sys.executable, cmd)
 
@@ -105,7 +105,7 @@ def main(cfg) -> None:
     try:
         check_composed(cfg)  # a +draft.KEY of another method
         job: JobConfig = OmegaConf.to_object(cfg)  # a size out of range is refused here, by name
-        relaunch_under_torchrun(job, sys.argv[1:])
+        relaunch_under_torchrun(job.hw, sys.argv[1:])
     except ValueError as err:  # a field out of range; hw.trainer_layout not dedicated | colocated
         print(f"\nerror: {err}", file=sys.stderr)
         sys.exit(2)

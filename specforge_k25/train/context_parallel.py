@@ -14,7 +14,7 @@ An MLA head caches one latent per position shared by all heads: `gather_position
 along the sequence (backward: each rank gets the gradient of its own positions, summed).
 
 The draft models take a `SeqShard` as their `seq` argument and call its methods (draft/ stays free
-of torch.distributed); the trainer builds it per batch (train/step.py).
+of torch.distributed); the trainer builds it per batch (train/learner.py).
 
 An exchange that fails (gloo and NCCL raise plain RuntimeErrors when a rank of the group died or
 hung) raises RankFailed naming it and the group, in forward and in backward alike: the run then

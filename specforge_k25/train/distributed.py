@@ -281,7 +281,7 @@ def start_ranks(job, world: World | None = None):
             group = dist.new_group(list(range(first, first + cp)), timeout=timeout)
             if first <= dist.get_rank() < first + cp:
                 cp_group = group
-    heartbeat = start_heartbeat(job, dist.get_rank(), dist.get_world_size(), nccl=job.hw.device == "cuda")
+    heartbeat = start_heartbeat(job.train, dist.get_rank(), dist.get_world_size(), nccl=job.hw.device == "cuda")
     return job, Ranks(rank=dist.get_rank(), world=dist.get_world_size(), local_rank=world.local_rank,
                       per_replica=layout.per_replica, colocated=layout.colocated, cp=cp, cp_group=cp_group,
                       heartbeat=heartbeat, grouped=world.size == 1)

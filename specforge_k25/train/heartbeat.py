@@ -262,10 +262,10 @@ def kill_tree() -> None:
     psutil.wait_procs(children, timeout=10)
 
 
-def start_heartbeat(job, rank: int, world: int, nccl: bool) -> Optional[Heartbeat]:
+def start_heartbeat(tr, rank: int, world: int, nccl: bool) -> Optional[Heartbeat]:
     """The heartbeat of this rank when train.heartbeat_timeout_s asks for one (null: on NCCL only),
-    over a client of the store at MASTER_ADDR:MASTER_PORT (torchrun's, or rank 0's without it)."""
-    tr = job.train
+    over a client of the store at MASTER_ADDR:MASTER_PORT (torchrun's, or rank 0's without it);
+    `tr`: the `train` group."""
     beat_s = tr.heartbeat_timeout_s if tr.heartbeat_timeout_s is not None else (60.0 if nccl else 0.0)
     if not beat_s or world == 1:
         return None

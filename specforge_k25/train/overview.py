@@ -64,7 +64,7 @@ def print_overview(job: JobConfig, setup: RunSetup, schedule: list[BatchItem], s
     H = setup.info.hidden_size
     padding = padding_share(schedule, [len(s.input_ids) for s in setup.data.train], job.train.batch_size)
     depth = setup.method.depth(job.draft, setup.draft_cfg)
-    chunk = prefill_chunk(job.hw)  # what the engine runs (setup/run.py): SGLang's own on cuda when null
+    chunk = prefill_chunk(job.hw)  # what the engine runs (setup/target.py): SGLang's own on cuda when null
     lines = [
         "== specforge_k25 run plan ==",
         f"target      {job.target.name}: {setup.info.architecture}, {setup.info.num_layers} layers, hidden {H}, "
@@ -89,7 +89,7 @@ def print_overview(job: JobConfig, setup: RunSetup, schedule: list[BatchItem], s
     note = random_target_note(job.target)
     if note:
         lines.insert(2, f"note        {note}")
-    planned = throughput_line(job, with_hw_overrides(job, facts_from_folder(setup.model_path, job.target.name)), padding)
+    planned = throughput_line(job, with_hw_overrides(job.hw, facts_from_folder(setup.model_path, job.target.name)), padding)
     if planned:
         lines.insert(-2, planned)
     layout = node_layout(job.hw)

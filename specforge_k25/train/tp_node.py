@@ -4,7 +4,7 @@ hw.target_dist_init_addr=HOST:PORT [...]`
 A node of a target whose TP group spans nodes, other than node 0: it runs only this node's TP
 ranks (hw.target_tp / hw.target_nnodes of them, on GPUs hw.target_gpu..), no trainer. It takes the
 same overrides as `python -m specforge_k25.train` on node 0 (it builds the same engine from them,
-setup/run.py `target_spec`), joins SGLang's rendezvous at hw.target_dist_init_addr, runs every
+setup/target.py `target_spec`), joins SGLang's rendezvous at hw.target_dist_init_addr, runs every
 batch TP rank 0 broadcasts and exits 0 when rank 0 ends. A rank that fails stops the others and
 exits 1 naming it. `launch/multinode.py` prints these commands.
 """
@@ -18,7 +18,7 @@ def main(argv: list[str]) -> int:
         print(__doc__)
         return 0
     from ..config import compose_job
-    from ..setup.run import target_spec
+    from ..setup.target import target_spec
     from ..stream.target_stream import run_tp_node
 
     try:

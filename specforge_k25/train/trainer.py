@@ -1,8 +1,11 @@
 """One training run as a small `Trainer` with named steps (resume, train a micro-batch, optimizer
 step, evaluate, save, summarize) over the batch schedule (train/schedule.py):
 
-    setup (setup/run.py) -> target process -> stream -> draft + TTT loss -> AdamW
+    setup (setup/run.py) -> target process -> stream -> draft + its loss -> AdamW
     -> checkpoints -> serving export -> summary
+
+What each rank reads of the stream is train/stream_routing.py's; a regenerating run's answers are
+train/regenerated.py's; what the run wrote to disk is train/disk.py's.
 """
 from __future__ import annotations
 
@@ -14,14 +17,15 @@ from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
 
-import psutil
 import torch
 from tqdm import tqdm
 
 from ..config import JobConfig
 from ..data.regenerate import regeneration_prompt
 from ..export.serving import export_draft
-from ..setup.run import RunSetup, make_target_stream, prepare, regeneration_note
+from ..setup.data_checks import regeneration_note
+from ..setup.run import RunSetup, prepare
+from ..setup.target import make_target_stream
 from . import memory_report
 from ..stream.target_stream import StreamError, StreamInterrupted, TargetStream
 from ..target_engine.routing import load_counts
@@ -30,17 +34,18 @@ from .checkpoint import (WriteFailed, check_draft_keys, last_good_checkpoint, li
 from .finite import NonFiniteError, diverged, diverged_message, nonfinite_weights
 from .run_lock import RunFolderLocked, RunLock
 from .distributed import RankFailed, Ranks, launcher_env_hidden, start_ranks, stop_ranks
+from .disk import allocated_bytes, disk_summary, written_bytes
 from .fingerprint import (RESHARDABLE, check_fingerprint, fingerprint_defaults, run_fingerprint, unrecorded,
                           with_recorded_optimizer)
 from .feed import rebuild_regenerated, take_batches
 from .metrics import MetricsLogger, NullLogger, LossStats
-from .regenerated import COLUMNS, RegenerationLog
-from .answer_store import AnswerStore, answer_provenance, known_conversations, read_store, store_path
+from .regenerated import COLUMNS, RegenerationBook
+from .answer_store import answer_provenance
 from .overview import eval_line, print_overview
 from .schedule import BatchItem, build_schedule
-from .learner import build_learner, release_cached_memory
+from .learner import batch_seed, build_learner, release_cached_memory
 from .optim import rank_threads
-from .step import batch_seed
+from .stream_routing import batches_run_before, open_stream, route
 from .stop import StopOnSignal, TrainingInterrupted
 
 
@@ -53,14 +58,6 @@ class Progress:
     schedule_item: int = 0  # the data cursor: the next item of the schedule to run
     tokens_trained: int = 0
     samples_trained: int = 0
-
-
-# ------------------------------------------------------------------------------- builders
-def allocated_bytes(path: Path) -> int:
-    """Bytes a folder occupies on disk (allocated blocks of its files and directories): what a
-    process's write_bytes counter charges for writing it, page rounding included."""
-    path = Path(path)
-    return sum(p.stat().st_blocks * 512 for p in [path, *path.rglob("*")]) if path.exists() else 0
 
 
 # -------------------------------------------------------------------------------- trainer
@@ -102,10 +99,10 @@ class Trainer:
         self._wait_at_train_start = 0.0
         self._session_tokens = self._tokens_streamed = 0
         self._positions = [0, 0]  # this session's real and padded positions of this rank's training batches
-        self.regenerated = RegenerationLog(self.run_dir / "regenerated.jsonl", setup.tokenizer,
-                                           write=setup.regeneration is not None and ranks.main)
-        self.answers = (AnswerStore(self.run_dir, answer_provenance(job, setup.regeneration, self.fingerprint["target_digest"]),
-                                    write=ranks.main) if setup.regeneration is not None else None)
+        self.regeneration = (RegenerationBook(
+            self.run_dir, setup.tokenizer, self.samples, setup.regeneration.budget,
+            answer_provenance(job, setup.regeneration, self.fingerprint["target_digest"]), ranks, job.data.regen_source)
+            if setup.regeneration is not None else None)
 
     # ------------------------------------------------------------------------------ steps
     def resume(self) -> None:
@@ -287,25 +284,14 @@ class Trainer:
                                         run_dir=str(self.run_dir), config={"job": dataclasses.asdict(self.job),
                                                                            "capture_points": self.setup.capture_points})
         sizes = [self._floor_tokens(i) for i in range(len(self.samples))]
-        batches = [self.ranks.replica_batch(p.sample_ids, tr.batch_size) for p in self.schedule[start:]]
-        keep = [self.ranks.share_positions(b, sizes) for b in batches]  # this rank's share of its replica's batch
-        shares = [[b[p] for p in k] for b, k in zip(batches, keep)]
+        routes = route(self.schedule[start:], self.ranks, tr.batch_size, sizes)
         stream_args = {}
-        if self.setup.regeneration is not None:  # answers saved already: never decoded again
-            stream_args["known"] = self._saved_answers({i for b in batches for i in b})
-        if self.setup.regeneration is not None and start:  # the batches that place the rest in their decode groups
-            done = [self.ranks.replica_batch(p.sample_ids, tr.batch_size) for p in self.schedule[:start]]
-            if self.ranks.per_replica == 1:
-                done = [[b[p] for p in self.ranks.share_positions(b, sizes)] for b in done]
-            stream_args["before"] = [b for b in done if b]
-        if self.ranks.per_replica == 1:  # dedicated: the stream runs this rank's shares only
-            self.stream = self.stream_factory(self.job, self.setup, self.samples, [ids for ids in shares if ids],
-                                              **stream_args)
-        else:  # colocated: this rank's TP rank runs the replica's batches, its ring carries the share
-            if self.job.hw.target_pp > 1:  # beside pipeline stages: the last stage hands every rank its share
-                stream_args["routes"] = [self.ranks.replica_shares(b, sizes) for b in batches if b]
-            self.stream = self.stream_factory(self.job, self.setup, self.samples, [b for b in batches if b],
-                                              keep=[k for b, k in zip(batches, keep) if b], ranks=self.ranks, **stream_args)
+        if self.regeneration is not None:  # answers saved already: never decoded again
+            stream_args["known"] = self.regeneration.saved_answers({i for b in routes.batches for i in b})
+            if start:  # the batches that place the rest in their decode groups
+                stream_args["before"] = batches_run_before(self.schedule[:start], self.ranks, tr.batch_size, sizes)
+        self.stream = open_stream(self.stream_factory, self.job, self.setup, self.samples, self.ranks, routes, sizes,
+                                  **stream_args)
         if self.ranks.main and tr.routing_capture and getattr(self.stream, "spec", None) is not None:
             self.stream.spec.routing_dir = str(self.run_dir)  # MoE routing counts for serving/ (target_engine/routing.py)
         # Sharded ranks keep waiting for their batch after a stop signal (once there is progress to
@@ -313,13 +299,12 @@ class Trainer:
         self.stream.should_stop = lambda: self.stop.requested() and not (self.learner.sharded and self.saved.step)
         self.bar = tqdm(total=self.steps, initial=self.saved.step, desc="train", unit="step",
                         disable=not (tr.progress and self.ranks.main), dynamic_ncols=True)
-        io = psutil.Process().io_counters
         release_cached_memory(self.device)  # before the target measures the GPU's free memory (train/learner.py)
         try:
             with self.stop, launcher_env_hidden(), self.stream:  # the target must not inherit torchrun's variables
-                written_before = io().write_bytes
-                self._walk(start, shares)
-                trainer_written = io().write_bytes - written_before
+                written_before = written_bytes()
+                self._walk(start, routes.shares)
+                trainer_written = written_bytes() - written_before
             self.bar.close()
             self._check_weights("the trained weights")
             self.save(done=True)
@@ -425,38 +410,11 @@ class Trainer:
         return type(err)(f"{err}\n{saved} (resume with train.resume=auto train.out_dir={self.run_dir})")
 
     def _item_tokens(self, item: BatchItem, batch, share: list[int], regenerated) -> int:
-        """Tokens of a whole schedule item (every rank's share). Regenerating, only the target knew
-        them: this rank's batch, gathered with every rank's answers (a collective every rank makes
-        per item), which are counted and written to the JSONL."""
-        if self.setup.regeneration is None:
+        """Tokens of a whole schedule item (every rank's share; regenerating, only the target knew
+        them: RegenerationBook.item_tokens, a collective)."""
+        if self.regeneration is None:
             return sum(len(self.samples[i].input_ids) for i in item.sample_ids)
-        local = (batch.num_tokens if batch is not None else 0,
-                 self.regenerated.rows_of(item.kind, share, regenerated or []),
-                 [(i, sample.input_ids) for i, (sample, _) in zip(share, regenerated or [])])
-        gathered = self.ranks.gather(local)
-        self.regenerated.add([row for _, rows, _ in gathered for row in rows])
-        prompts = [(regeneration_prompt(self.samples[i]), ids) for _, _, pairs in gathered for i, ids in pairs]
-        self.answers.append([(prompt, ids[len(prompt):]) for prompt, ids in prompts])
-        return sum(tokens for tokens, _, _ in gathered)
-
-    def _saved_answers(self, used: set[int]) -> dict[int, torch.Tensor]:
-        """{sample: prompt + answer} of the samples in `used` (this rank's replica's) with an answer
-        saved by this run (before a resume) or in data.regen_source; rank 0 reads the files, before
-        any target starts (a file of other settings is refused here)."""
-        answers = {}
-        if self.ranks.main:
-            source = self.job.data.regen_source
-            if source:
-                answers.update(read_store(store_path(source), self.answers.provenance)[0])
-            answers.update(self.answers.load())
-        answers = self.ranks.from_main(answers)
-        prompts = {i: regeneration_prompt(self.samples[i]) for i in used}
-        known = known_conversations(answers, prompts, self.setup.regeneration.budget,
-                                    store_path(self.job.data.regen_source or self.run_dir))
-        if self.ranks.main and known:
-            print(f"regeneration: {len(known)} of {len(used)} samples to run have a saved answer (not decoded again)"
-                  + (f", {len(used) - len(known)} to decode" if len(used) > len(known) else ""), flush=True)
-        return known
+        return self.regeneration.item_tokens(item.kind, batch, share, regenerated)
 
     def _floor_tokens(self, sample_id: int) -> int:
         """Tokens sample `sample_id` streams at least (regenerating: its prompt)."""
@@ -469,7 +427,7 @@ class Trainer:
         elem_bytes = torch.finfo(getattr(torch, job.hw.target_dtype)).bits // 8
         token_bytes = setup.method.streamed_bytes(setup.draft_cfg, elem_bytes)  # its K capture points + the final state
         smallest_batch = min(sum(self._floor_tokens(i) for i in item.sample_ids) for item in self.schedule)
-        # summed over the data-parallel ranks: every target process and every trainer
+        # summed over the data-parallel ranks: every target process and every trainer (train/disk.py)
         hidden_disk, startup_disk, trainer_written, real, padded = self.ranks.sum_ints(
             [stream.target_io.streaming_write_bytes, stream.target_io.startup_write_bytes, trainer_written,
              *self._positions], self.device)
@@ -483,24 +441,16 @@ class Trainer:
             "padding_share": round(1 - real / padded, 4) if padded else 0.0,
             "total_wall_s": round(time.perf_counter() - self.t_start, 1),
             "eval": self.evals, "data": setup.data.summary(),
-            # Measured from the processes' I/O counters (/proc/<pid>/io write_bytes) over the streaming
-            # phase (first to last batch); shared memory is tmpfs and does not count. The target
-            # process produces every hidden state, so its count is the hidden-state bytes on disk.
-            # The trainer's writes other than checkpoint files (filesystem metadata, temp probes) are
-            # shown beside the smallest batch of hidden states: a spilled batch could not hide below it.
-            "disk": {"hidden_state_bytes_on_disk": hidden_disk,
-                     "target_startup_write_bytes": startup_disk,
-                     "trainer_checkpoint_bytes": self.artifact_bytes,
-                     "trainer_answer_ids_bytes": self.answers.written_bytes if self.answers else 0,
-                     "trainer_other_write_bytes": max(0, trainer_written - self.artifact_bytes
-                                                      - (self.answers.written_bytes if self.answers else 0)),
-                     "smallest_batch_hidden_state_bytes": smallest_batch * token_bytes,
-                     "hidden_state_bytes_streamed_in_memory": self._tokens_streamed * token_bytes},
+            "disk": disk_summary(target_streaming=hidden_disk, target_startup=startup_disk,
+                                 trainer_written=trainer_written, checkpoint_bytes=self.artifact_bytes,
+                                 answer_bytes=self.regeneration.written_bytes if self.regeneration else 0,
+                                 smallest_batch_tokens=smallest_batch, streamed_tokens=self._tokens_streamed,
+                                 token_bytes=token_bytes),
             "checkpoint": str(self.checkpoint), "export": str(export),
         }
-        if self.setup.regeneration is not None:  # every rank's samples, counted on every rank
-            summary["regeneration"] = self.regenerated.summary()
-            self.logger.table("regenerated", COLUMNS, self.regenerated.rows)
+        if self.regeneration is not None:  # every rank's samples, counted on every rank
+            summary["regeneration"] = self.regeneration.log.summary()
+            self.logger.table("regenerated", COLUMNS, self.regeneration.log.rows)
         routing = load_counts(self.run_dir) if self.ranks.main else None  # written by the target process at its end
         if routing is not None:
             summary["routing"] = routing.summary()
@@ -535,7 +485,7 @@ def run_training(job: JobConfig, run_dir: str | Path, engine: str = "sglang", lo
         setup = prepare(job)
         job, ranks = start_ranks(job)  # torchrun: this rank's trainer GPU and target replica, the process group
         ranks.check_same_data(setup.data.sha1())
-        note = regeneration_note(job, setup) if ranks.main else None
+        note = regeneration_note(setup.method, job.data.regenerate) if ranks.main else None
         if note:
             print(note, flush=True)
         run_dir = Path(ranks.from_main(str(run_dir)))  # Hydra's default folder is a timestamp: take rank 0's

@@ -249,7 +249,7 @@ def test_gpu_e2e_slot_check_catches_a_copy_tied_to_the_slot(tmp_path, one_torch_
     """c) can fail: a trainer whose DraftBatch still reads the slot after release (what an unfinished
     CUDA copy does) is caught, because the producer refills the slot while the consumer sleeps."""
     g = bench("gpu_e2e")
-    from specforge_k25.train.step import DraftLearner
+    from specforge_k25.train.learner import DraftLearner
 
     args = g.parse_args(["--device", "cpu", "--small"])
     size = dict(g.SIZES["small"], samples=8)

@@ -937,7 +937,7 @@ def test_target_config_kimi_options_reach_the_renderer(tok, E):
                              tool_arguments="verbatim", keep_reasoning="final", supervise_history=False,
                              missing_reasoning="empty", declare_tools=False, add_bos=True)
     msgs = [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Yo"}]
-    assert _renderer(job, tok)(msgs, 64).input_ids.tolist() == render_kimi(tok, msgs, 64, mode="instant", fmt=fmt).input_ids.tolist()
-    assert prompt_renderer(job, tok)(msgs[:1])[:2] == [BOS, IM_SYSTEM]
+    assert _renderer(job.target, tok)(msgs, 64).input_ids.tolist() == render_kimi(tok, msgs, 64, mode="instant", fmt=fmt).input_ids.tolist()
+    assert prompt_renderer(job.target, tok)(msgs[:1])[:2] == [BOS, IM_SYSTEM]
     with pytest.raises(ValueError, match="tool_call_ids"):
         kimi_format_of(compose_job(["target=kimi_k25", "target.kimi.tool_call_ids=openai"]).target)

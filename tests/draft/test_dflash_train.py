@@ -13,8 +13,8 @@ from specforge_k25.data.tokenize import Sample
 from specforge_k25.draft.dflash.config import DFlashSpec
 from specforge_k25.draft.dflash.model import DFlashConfig, DFlashDraft
 from specforge_k25.draft.registry import get_method, method_of
-from specforge_k25.setup.run import check_reserved_tokens
-from specforge_k25.train.step import DraftLearner, batch_seed
+from specforge_k25.setup.data_checks import check_reserved_tokens
+from specforge_k25.train.learner import DraftLearner, batch_seed
 
 CFG = DFlashConfig(hidden_size=16, intermediate_size=24, num_hidden_layers=1, num_attention_heads=2,
                    num_key_value_heads=1, head_dim=8, vocab_size=40, target_hidden_size=16, num_aux_hidden_states=2,
@@ -68,7 +68,7 @@ def test_setup_refuses_data_holding_the_mask_token():
 
 def test_an_unset_mask_token_is_the_highest_special_token_the_data_never_holds():
     from specforge_k25.draft.eagle3.config import Eagle3Spec
-    from specforge_k25.setup.run import unused_special_ids
+    from specforge_k25.setup.data_checks import unused_special_ids
     data = TokenizedData([Sample(torch.tensor([1, 5, 9, 6]), torch.ones(4, dtype=torch.bool))], [])
     special = SimpleNamespace(special=True)
     tokenizer = SimpleNamespace(added_tokens_decoder={0: special, 2: special, 3: special, 4: special, 6: special,

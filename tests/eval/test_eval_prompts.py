@@ -15,7 +15,7 @@ def test_kimi_eval_prompts_follow_the_kimi_renderer_and_chat_mode():
     tok = build_kimi_local_tokenizer()
     for mode in ("thinking", "instant"):
         job = compose_job(["target=tiny_kimi", "target.chat_format=kimi", f"target.chat_mode={mode}"])
-        prompts = load_prompt_set("mtbench", 3, prompt_renderer(job, tok))
+        prompts = load_prompt_set("mtbench", 3, prompt_renderer(job.target, tok))
         want = [kimi_prompt_renderer(tok, mode=mode)([{"role": "user", "content": q}]) for q in mtbench_questions()[:3]]
         assert prompts == want
         # the served generation prompt: the user turn, then the assistant header and <think> (+ </think>)
@@ -30,7 +30,7 @@ def test_template_eval_prompts_are_the_chat_templates_generation_prompt():
 
     tok = AutoTokenizer.from_pretrained(smollm2_path())
     job = compose_job([])
-    prompts = load_prompt_set("humaneval", 2, prompt_renderer(job, tok))
+    prompts = load_prompt_set("humaneval", 2, prompt_renderer(job.target, tok))
     q = "Complete the following Python function.\n\n```python\n"
     for p in prompts:
         text = tok.decode(p)

@@ -119,7 +119,7 @@ def test_a_pipeline_run_is_checked_against_the_per_stage_plan():
 
     base = ["+hw=rtxpro6000x8", "target=kimi_k25", "draft=kimi", "hw.target_pp=8", "hw.target_tp=1"]
     job = compose_job(base + ["hw.mem_fraction_static=0.9"])
-    facts = with_hw_overrides(job, KIMI_K25)
+    facts = with_hw_overrides(job.hw, KIMI_K25)
     check_pipeline_fits(job, facts)  # 2048 fits (stage 7: 94.74 of 95.59 GiB)
     frac = pipeline_memory(job, facts, 8, 1)[2]
     low = compose_job(base + ["hw.mem_fraction_static=0.8"])

@@ -1,10 +1,10 @@
-"""The run's setup (setup/run.py): what the trainer's node and the TP-only nodes build the target from."""
+"""The run's setup (setup/run.py, setup/target.py): what the trainer's node and the TP-only nodes build the target from."""
 from __future__ import annotations
 
 import pytest
 
 from specforge_k25.config import compose_job
-from specforge_k25.setup.run import target_spec
+from specforge_k25.setup.target import target_spec
 from specforge_k25.target_engine import factory
 
 
@@ -32,7 +32,7 @@ def test_attention_backend_reaches_the_engine(backend, monkeypatch, smollm2_path
 
 
 def test_eval_engines_get_the_same_attention_backend():
-    """Eval's engines are built from the training run's TargetSpec (setup/run.py target_spec)."""
+    """Eval's engines are built from the training run's TargetSpec (setup/target.py target_spec)."""
     from specforge_k25.config import EvalJobConfig
     from specforge_k25.target_engine.sglang_spec import engine_kwargs
 
@@ -53,11 +53,9 @@ def test_the_tp_node_cli_builds_the_trainers_spec(monkeypatch, smollm2_path):
 
 
 def test_regeneration_note_only_for_a_method_without_a_teacher_on_the_datasets_answers():
-    from types import SimpleNamespace as NS
-
     from specforge_k25.draft.registry import get_method
-    from specforge_k25.setup.run import regeneration_note
-    said = {(m, r): regeneration_note(NS(data=NS(regenerate=r)), NS(method=get_method(m))) is not None
+    from specforge_k25.setup.data_checks import regeneration_note
+    said = {(m, r): regeneration_note(get_method(m), r) is not None
             for m in ("eagle3", "dflash") for r in (False, True)}
     assert said == {("eagle3", False): False, ("eagle3", True): False, ("dflash", False): True, ("dflash", True): False}
 
@@ -67,7 +65,7 @@ def test_regeneration_budget_null_reaches_max_length():
     a number caps it; below 1 is refused."""
     from types import SimpleNamespace
 
-    from specforge_k25.setup.run import regeneration
+    from specforge_k25.setup.target import regeneration
 
     tokenizer = SimpleNamespace(eos_token_id=2, convert_tokens_to_ids=lambda t: 7, unk_token_id=0)
     job = compose_job(["data.regenerate=true", "data.max_length=4096", "data.regen_max_new_tokens=null"])
@@ -86,7 +84,7 @@ def test_empty_aux_layers_reach_the_run_as_zero_capture_points(monkeypatch, smol
     """target.aux_layers=[] is K = 0 everywhere a run reads it (the plan's K, the run's capture points,
     the target spec, hence the engine and the ring), not the default that null means: the EAGLE-3 head
     refuses zero points by name, and a method that takes them gets K = 0."""
-    import specforge_k25.setup.run as run
+    import specforge_k25.setup.target as run
     from specforge_k25.plan.facts import facts_from_folder, num_capture_points
     from specforge_k25.target_engine.hf_config import read_target_info
 

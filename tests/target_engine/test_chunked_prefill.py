@@ -41,7 +41,7 @@ def test_prefill_chunk_reaches_the_engine_from_the_config(smollm2_path):
     """hw.target_prefill_chunk -> the run's TargetSpec (every TP rank builds its engine from it); on cpu off by
     default, on cuda SGLang's chunked_prefill_size for the GPU (plan/engine.py)."""
     from specforge_k25.config import compose_job
-    from specforge_k25.setup.run import target_spec
+    from specforge_k25.setup.target import target_spec
 
     assert target_spec(compose_job([])).prefill_chunk is None
     assert target_spec(compose_job(["hw.target_prefill_chunk=8192"])).prefill_chunk == 8192

@@ -296,7 +296,7 @@ def test_engine_gets_dist_timeout_and_the_multithreaded_loader(smollm2_path, mon
     train.dist_timeout_s) and the multithreaded safetensors loader with hw.target_load_threads, through
     target_spec -> build_target -> SGLangTarget -> engine_server_args (no engine started)."""
     from specforge_k25.config import compose_job
-    from specforge_k25.setup.run import target_spec
+    from specforge_k25.setup.target import target_spec
     from specforge_k25.target_engine import sglang_cpu_compat, sglang_engine
     from specforge_k25.target_engine.factory import build_target
 

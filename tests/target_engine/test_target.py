@@ -273,7 +273,7 @@ def test_setup_refuses_a_capture_count_the_draft_cannot_take(smollm2_path):
     (prepare and the target spec of every node), naming the head and both counts; the default and
     any 3 points pass; the MLA head takes 5."""
     from specforge_k25.config import compose_job
-    from specforge_k25.setup.run import capture_points, target_spec
+    from specforge_k25.setup.target import capture_points, target_spec
 
     info = read_target_info(smollm2_path)
     assert capture_points(compose_job([]), info) == [2, 15, 27]

@@ -78,7 +78,7 @@ def _sharded_rank(rank: int, port: int, results) -> None:
 
     from specforge_k25.draft.registry import method_of
     from specforge_k25.train.sharding import shard_draft
-    from specforge_k25.train.step import DraftLearner
+    from specforge_k25.train.learner import DraftLearner
     from ttt_reference import _tiny_setup  # tests/fixtures, on the path the test process hands over
 
     dist.init_process_group("gloo", rank=rank, world_size=2, timeout=datetime.timedelta(seconds=10))

@@ -17,7 +17,7 @@ from specforge_k25.train.context_parallel import SeqShard, shard_of
 from specforge_k25.plan.budget import node_layout
 from specforge_k25.setup.layout import World, check_layout
 from specforge_k25.train.distributed import Ranks
-from specforge_k25.train.step import pad_packed
+from specforge_k25.train.learner import pad_packed
 
 ROOT = Path(__file__).resolve().parents[2]
 WORKER = ROOT / "tests" / "fixtures" / "context_parallel_worker.py"

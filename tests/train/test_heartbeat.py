@@ -256,8 +256,8 @@ def test_the_heartbeat_is_nccls_by_default_and_off_on_gloo():
 
     job = JobConfig()
     assert job.train.heartbeat_timeout_s is None
-    assert start_heartbeat(job, 0, 2, nccl=False) is None  # gloo: its collectives raise by themselves
+    assert start_heartbeat(job.train, 0, 2, nccl=False) is None  # gloo: its collectives raise by themselves
     job.train.heartbeat_timeout_s = 0.0
-    assert start_heartbeat(job, 0, 2, nccl=True) is None  # 0: off
+    assert start_heartbeat(job.train, 0, 2, nccl=True) is None  # 0: off
     job.train.heartbeat_timeout_s = None
-    assert start_heartbeat(job, 0, 1, nccl=True) is None  # one rank: nobody to watch
+    assert start_heartbeat(job.train, 0, 1, nccl=True) is None  # one rank: nobody to watch

@@ -36,7 +36,7 @@ def test_pipeline_layout_rules():
 
 def test_pipeline_refuses_regeneration():
     from specforge_k25.config import compose_job
-    from specforge_k25.setup.run import target_spec
+    from specforge_k25.setup.target import target_spec
 
     job = compose_job(["target=tiny_deepseek", "hw.target_pp=2", "data.regenerate=true"])
     with pytest.raises(ValueError, match="pipeline-parallel target does not decode yet"):

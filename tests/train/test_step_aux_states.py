@@ -9,7 +9,7 @@ from specforge_k25.data.tokenize import Sample
 from specforge_k25.draft.eagle3_mla.model import Eagle3MLADraft, MLADraftConfig
 from specforge_k25.draft.eagle3.model import DraftConfig, Eagle3Draft
 from specforge_k25.draft.registry import method_of
-from specforge_k25.train.step import DraftLearner
+from specforge_k25.train.learner import DraftLearner
 
 V, VD, HT = 40, 16, 8
 

@@ -1,4 +1,4 @@
-"""Fast tests of the training loop (train/trainer.py, train/step.py) without a target engine: a
+"""Fast tests of the training loop (train/trainer.py, train/learner.py) without a target engine: a
 stand-in stream whose hidden states are a fixed function of the token ids, and a stand-in for the
 all-reduce. They pin three regressions the multi-process end-to-end tests also catch, in seconds:
 a slot handed back before its copy, the global loss-count normaliser, the data cursor on resume."""
@@ -26,7 +26,7 @@ from specforge_k25.draft.eagle3.config import Eagle3Spec
 from specforge_k25.draft.registry import get_method, method_of
 from specforge_k25.draft.spec import carried_over
 from specforge_k25.export.serving import load_exported_draft
-from specforge_k25.train.step import DraftLearner
+from specforge_k25.train.learner import DraftLearner
 from specforge_k25.train.feed import take_batches
 from specforge_k25.train.schedule import padding_share
 from specforge_k25.train.learner import build_learner
@@ -166,7 +166,7 @@ def _with_method(setup: RunSetup, method: str, **spec_fields) -> RunSetup:
 
 
 @pytest.mark.parametrize("method", ["eagle3", "dflash"])
-def test_two_ranks_through_step_py_make_the_single_rank_update(tiny_setup, tmp_path, method):
+def test_two_ranks_through_the_learner_make_the_single_rank_update(tiny_setup, tmp_path, method):
     """Rank r trains on sample r of a 2-sample micro-batch; the loss is normalised by the GLOBAL
     loss-position count and the gradients summed: the update equals one rank's on both samples.
     DFlash: every candidate anchor is drawn (num_anchors exceeds them), so both sides train on

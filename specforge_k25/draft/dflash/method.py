@@ -5,7 +5,7 @@ over the full target vocab with the target's lm_head: there is no draft vocabula
 
 Mask token rule: an id below the target vocab (SGLang refuses another) that real input never
 contains. The default V-1 is the last embedding row: for Kimi-K2.5 a reserved special token, for
-padded vocabularies a padding row. Setup (setup/run.py) refuses data containing it: it asks every
+padded vocabularies a padding row. Setup (setup/data_checks.py) refuses data containing it: it asks every
 method for its `reserved_token_ids`.
 
 What the trainer asks of it beyond the EAGLE-3 methods (draft/method.py):
