@@ -17,7 +17,7 @@ the README lost, fails `test_every_readme_command_has_a_case`. The kinds:
 - COVERED: a CPU example another test's end-to-end run already runs (the co-located TP2 and
   pipeline layouts, tests/train/test_colocated.py): that run's settings must hold the command's
   own (train.batch_size aside, which the comparison there sets), so the example keeps running;
-- SKIP: the install with the 11-minute default run, the test suite itself, other projects' servers.
+- SKIP: the install with the ~10-minute default run, the test suite itself, other projects' servers.
 
 Commands that are the same once shortened (the two eval lines; the data-parallel and by-hand
 torchrun lines of one GPU profile, as plans) run once and share the result.
@@ -87,7 +87,7 @@ TORCHRUN_DP = "torchrun --standalone --nproc-per-node 2 -m specforge_k25.train h
 COMMANDS: dict[str, Case] = {
     # Fresh machine
     "bash scripts/install.sh && .venv/bin/python -m specforge_k25.train":
-        Case(SKIP, why="the install this suite runs in, then the 11-minute default run, whose code path every "
+        Case(SKIP, why="the install this suite runs in, then the ~10-minute default run, whose code path every "
                        "`python -m specforge_k25.train` case below runs with short settings"),
     "bash scripts/install.sh && .venv/bin/python -m pytest -q": Case(SKIP, why="the test suite itself"),
     # Using it
