@@ -99,7 +99,7 @@ def main(cfg) -> None:
     from .distributed import RankFailed
     from .finite import NonFiniteError
     from .stop import TrainingInterrupted
-    from .trainer import run_training
+    from .run import run_training
 
     bars_with_a_thread_lock()
     try:

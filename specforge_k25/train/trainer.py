@@ -14,7 +14,6 @@ import json
 import signal
 import time
 from dataclasses import dataclass
-from functools import partial
 from pathlib import Path
 
 import torch
@@ -23,8 +22,7 @@ from tqdm import tqdm
 from ..config import JobConfig
 from ..data.regenerate import regeneration_prompt
 from ..export.serving import export_draft
-from ..setup.data_checks import regeneration_note
-from ..setup.run import RunSetup, prepare
+from ..setup.run import RunSetup
 from ..setup.target import make_target_stream
 from . import memory_report
 from ..stream.target_stream import StreamError, StreamInterrupted, TargetStream
@@ -33,7 +31,7 @@ from .checkpoint import (WriteFailed, check_draft_keys, last_good_checkpoint, li
                          pick_checkpoint, read_checkpoint, read_state, save_checkpoint)
 from .finite import NonFiniteError, diverged, diverged_message, nonfinite_weights
 from .run_lock import RunFolderLocked, RunLock
-from .distributed import RankFailed, Ranks, launcher_env_hidden, start_ranks, stop_ranks
+from .distributed import RankFailed, Ranks, launcher_env_hidden
 from .disk import allocated_bytes, disk_summary, written_bytes
 from .fingerprint import (RESHARDABLE, check_fingerprint, fingerprint_defaults, run_fingerprint, unrecorded,
                           with_recorded_optimizer)
@@ -44,7 +42,6 @@ from .answer_store import answer_provenance
 from .overview import eval_line, print_overview
 from .schedule import BatchItem, build_schedule
 from .learner import batch_seed, build_learner, release_cached_memory
-from .optim import rank_threads
 from .stream_routing import batches_run_before, open_stream, route
 from .stop import StopOnSignal, TrainingInterrupted
 
@@ -463,36 +460,3 @@ class Trainer:
                              **{f"final/{k}": v for k, v in self.evals.get("end", {}).items()}})
         self.logger.close()
         return summary
-
-
-def run_training(job: JobConfig, run_dir: str | Path, engine: str = "sglang", lock: RunLock | None = None) -> dict:
-    """Train a draft online and export it. Returns the summary (also written to summary.json).
-
-    Raises TrainingInterrupted (after saving) on SIGTERM/SIGINT, and StreamError (after saving)
-    when the target process fails, dies or stalls. Under torchrun every rank calls this
-    (train/distributed.py); only rank 0 prints, logs, checkpoints and exports, and a rank that
-    sees another one fail raises RankFailed (rank 0 after saving).
-    """
-    ranks = None
-    try:
-        Path(run_dir).mkdir(parents=True, exist_ok=True)
-        t_start = time.perf_counter()
-        torch.manual_seed(job.train.seed)
-        threads = rank_threads(job.hw.device, job.hw.trainer_threads, job.hw.host_threads_per_rank,
-                               job.train.optimizer_device)
-        if threads:  # torchrun leaves a rank OMP_NUM_THREADS=1
-            torch.set_num_threads(threads)
-        setup = prepare(job)
-        job, ranks = start_ranks(job)  # torchrun: this rank's trainer GPU and target replica, the process group
-        ranks.check_same_data(setup.data.sha1())
-        note = regeneration_note(setup.method, job.data.regenerate) if ranks.main else None
-        if note:
-            print(note, flush=True)
-        run_dir = Path(ranks.from_main(str(run_dir)))  # Hydra's default folder is a timestamp: take rank 0's
-        trainer = Trainer(job, setup, run_dir, ranks, partial(make_target_stream, engine=engine), t_start)
-        trainer.held_lock = lock  # `lock`: rank 0's, on run_dir, taken by the caller
-        return trainer.run()
-    finally:
-        stop_ranks(ranks)  # with the heartbeat: "done", or the error the other ranks then end with
-        if lock is not None:  # released cleanly also when the run failed before training
-            lock.release()

@@ -163,7 +163,7 @@ def test_run_training_compares_the_prepared_data_before_training(monkeypatch, tm
     """run_training hands the ranks' check the hash of what `prepare` built, before any Trainer."""
     from types import SimpleNamespace
 
-    import specforge_k25.train.trainer as trainer_mod
+    import specforge_k25.train.run as trainer_mod
     from specforge_k25.config import JobConfig
 
     @dataclasses.dataclass(frozen=True)
