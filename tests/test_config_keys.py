@@ -56,3 +56,11 @@ def test_the_train_entry_reduces_hydras_own_error_to_one_line_and_exit_code_2(mo
     assert code.value.code == 2
     assert capsys.readouterr().err.strip() == ("error: Error merging override train.lr=fast (Value 'fast' of type "
                                                "'str' could not be converted to Float)")
+
+
+def test_the_eval_cli_refuses_a_bad_value_in_one_line_with_exit_code_2(tmp_path):
+    out = subprocess.run([sys.executable, "-m", "specforge_k25.eval", "eval.num_prompts=many",
+                          f"hydra.run.dir={tmp_path / 'hydra'}"], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 2, out.stderr[-2000:]
+    assert out.stderr.strip() == ("error: Error merging override eval.num_prompts=many (Value 'many' of type 'str' "
+                                  "could not be converted to Integer)")

@@ -12,7 +12,7 @@ from pathlib import Path
 import hydra
 from omegaconf import OmegaConf
 
-from ..config import CONF_DIR, EvalJobConfig, check_moved_keys, describe, register_schemas
+from ..config import CONF_DIR, EvalJobConfig, check_moved_keys, describe, register_schemas, run_hydra_main
 from .report import markdown_table, plot, print_table
 
 register_schemas()
@@ -51,6 +51,6 @@ if __name__ == "__main__":
     try:
         check_moved_keys(sys.argv[1:])
     except ValueError as err:
-        print(f"specforge_k25.eval: {err}", file=sys.stderr)
+        print(f"\nerror: {err}", file=sys.stderr)
         sys.exit(2)
-    main()
+    run_hydra_main(main)
