@@ -23,7 +23,7 @@ class RandomDraws(Protocol):
 
 
 class ReservedTokens(Protocol):
-    def reserved_token_ids(self, cfg) -> list[int]: ...
+    def reserved_tokens(self, cfg) -> dict[str, int]: ...
 
 
 class SplitTargetHead(Protocol):
@@ -86,7 +86,7 @@ def _defines(method: DraftMethod, name: str) -> bool:
 
 CAPABILITIES = (
     Capability("random draws", RandomDraws, lambda m: _defines(m, "prepare_batch")),
-    Capability("reserved tokens", ReservedTokens, lambda m: _defines(m, "reserved_token_ids")),
+    Capability("reserved tokens", ReservedTokens, lambda m: _defines(m, "reserved_tokens")),
     Capability("vocabulary-split head", SplitTargetHead, lambda m: m.shards_target_head, SplitHeadPlan),
     Capability("context parallelism", ContextParallel, lambda m: m.context_parallel, ContextParallelPlan,
                ("num_attention_heads",)),

@@ -186,9 +186,10 @@ class DraftMethod:
         """Start trainable weights of a fresh `model` (its vocab maps set) from the target's frozen
         lm_head [V, Ht] where `spec` asks; a resume loads its checkpoint over them. Default: nothing."""
 
-    def reserved_token_ids(self, cfg) -> list[int]:
-        """Token ids real input must never contain (DFlash: its mask token); setup refuses data with them."""
-        return []
+    def reserved_tokens(self, cfg) -> dict[str, int]:
+        """Token ids real input must never contain (DFlash: its mask token), each under the override
+        that sets it (`{"draft.<field>": id}`); setup refuses data with them, naming the override."""
+        return {}
 
     def with_unused_special_tokens(self, spec, unused: list[int]):
         """The draft spec with its reserved tokens, where left unset, chosen among `unused`: the

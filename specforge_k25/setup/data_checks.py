@@ -35,9 +35,11 @@ def check_reserved_tokens(method: DraftMethod, draft_cfg, data: TokenizedData, t
     """Refuse data that holds a token id the draft method reserves (DFlash: its mask token, which
     real input must never contain); note an id the tokenizer writes as ordinary text (a target's
     answer, data.regenerate, could still produce it)."""
-    reserved = sorted(set(method.reserved_token_ids(draft_cfg)))
+    fields = method.reserved_tokens(draft_cfg)  # {"draft.<field>": id}
+    reserved = sorted(set(fields.values()))
     if not reserved:
         return
+    field_of = {tok: field for field, tok in fields.items()}
     held = torch.tensor(reserved)
     found = {}
     for split, samples in (("train", data.train), ("held-out", data.heldout)):
@@ -48,9 +50,10 @@ def check_reserved_tokens(method: DraftMethod, draft_cfg, data: TokenizedData, t
     specials = _special_ids(tokenizer)
     if found:
         free = unused_special_ids(tokenizer, data)[-3:]
-        hint = (f"choose an id the data does not hold, e.g. a special token it never uses: draft.mask_token_id="
+        field = field_of[min(found)]
+        hint = (f"choose an id the data does not hold, e.g. a special token it never uses: {field}="
                 f"{free[-1]} ({', '.join(repr(tokenizer.convert_ids_to_tokens(t)) for t in free)})" if free else
-                "choose an id the data does not hold (draft.mask_token_id)")
+                f"choose an id the data does not hold ({field})")
         raise ValueError(f"draft={method.name} reserves token id(s) {reserved} (never in real input), but the "
                          f"data holds " + ", ".join(f"{t} ({tokenizer.convert_ids_to_tokens(t)!r}, first in the {where})"
                                                       for t, where in sorted(found.items())) + f": {hint}")
@@ -58,5 +61,5 @@ def check_reserved_tokens(method: DraftMethod, draft_cfg, data: TokenizedData, t
     if ordinary and specials and regenerate:
         print(f"note: draft={method.name} reserves token id(s) {ordinary} "
               f"({', '.join(repr(tokenizer.convert_ids_to_tokens(t)) for t in ordinary)}), ordinary text to this "
-              f"tokenizer: none is in the dataset, but a regenerated answer could hold one (draft.mask_token_id "
-              f"picks another)", flush=True)
+              f"tokenizer: none is in the dataset, but a regenerated answer could hold one "
+              f"({', '.join(field_of[t] for t in ordinary)} picks another)", flush=True)

@@ -6,7 +6,7 @@ over the full target vocab with the target's lm_head: there is no draft vocabula
 Mask token rule: an id below the target vocab (SGLang refuses another) that real input never
 contains. The default V-1 is the last embedding row: for Kimi-K2.5 a reserved special token, for
 padded vocabularies a padding row. Setup (setup/data_checks.py) refuses data containing it: it asks every
-method for its `reserved_token_ids`.
+method for its `reserved_tokens`.
 
 What the trainer asks of it beyond the EAGLE-3 methods (draft/method.py):
   needs_teacher = False  the loss is CE against the sequence's own tokens: no teacher logits
@@ -85,8 +85,8 @@ class DFlashMethod(DraftMethod):
     def attach_target(self, model: DFlashDraft, lm_head: torch.Tensor) -> None:
         model.attach_lm_head(lm_head)
 
-    def reserved_token_ids(self, cfg: DFlashConfig) -> list[int]:
-        return [cfg.mask_token_id]
+    def reserved_tokens(self, cfg: DFlashConfig) -> dict[str, int]:
+        return {"draft.mask_token_id": cfg.mask_token_id}
 
     def with_unused_special_tokens(self, spec, unused: list[int]):
         # a special token the data never holds cannot come from rendered text (rows with special-token
