@@ -61,7 +61,7 @@ def prepare(job: JobConfig) -> RunSetup:
         config = AutoConfig.from_pretrained(model_path, trust_remote_code=job.target.trust_remote_code)
         check_deepseek_config(getattr(config, "text_config", None) or config)
     method = method_of_spec(job.draft)
-    points = capture_points(job, info)
+    points = capture_points(job, info, facts)
     eagle_ids = sglang_layer_ids(points, layer_id_rule(info.architecture))
     # Kimi-K2.5's remote-code tokenizer can fail on the pinned transformers; load_tokenizer then
     # builds the same tokenizer from the folder's files (data/kimi_tiktoken.py)

@@ -20,12 +20,14 @@ from ..target_engine.models import resolve_target_path
 from ..target_engine.sampling import Regeneration
 
 
-def capture_points(job: JobConfig, info: TargetInfo) -> list[int]:
+def capture_points(job: JobConfig, info: TargetInfo, facts=None) -> list[int]:
     """The run's capture points (target.aux_layers, else the draft method's default, checked against
     the target), refused unless the draft method reads one aux state per point: K = len(points)
-    sizes the engine's capture, the ring's slots and the trainer's batches."""
+    sizes the engine's capture, the ring's slots and the trainer's batches. `facts`: the target's
+    (plan/facts.py), read from its folder when not given."""
     points = run_capture_points(job, info.num_layers)  # target.aux_layers, else the method's default
-    facts = facts_from_folder(resolve_target_path(job.target), job.target.name)
+    if facts is None:
+        facts = facts_from_folder(resolve_target_path(job.target), job.target.name)
     resolve_draft(job.draft, facts, len(points))  # the method refuses a K it cannot read
     return points
 
